@@ -1,0 +1,11 @@
+"""tilefuse: IO-aware fused GPU kernels for transformers, written in Triton.
+
+CUDA tensors run the Triton kernels; CPU tensors run the PyTorch reference path, or the Triton
+kernels through the interpreter when ``TRITON_INTERPRET=1`` is set (see ``tilefuse._dispatch``).
+"""
+
+from .ops.softmax import log_softmax, softmax
+
+__version__ = "0.1.0"
+
+__all__ = ["softmax", "log_softmax"]

@@ -1,0 +1,60 @@
+"""Which path runs an op.
+
+* CUDA tensors run the Triton kernels.
+* CPU tensors run the PyTorch reference path (computed in fp32, cast back to the input dtype),
+  so tilefuse functions work anywhere torch does.
+* With ``TRITON_INTERPRET=1`` in the environment, CPU tensors run the Triton kernels through
+  Triton's interpreter instead: that is how CI, which has no GPU, tests the real kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """True when ``t``'s op should launch the Triton kernel rather than the reference."""
+    if t.device.type == "cuda":
+        return True
+    return t.device.type == "cpu" and interpreting()
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(t: torch.Tensor) -> int:
+    """Multiprocessors of t's device; a small stand-in under the interpreter (grid sizes only)."""
+    if t.device.type == "cuda":
+        return _sm_count(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    return 4
+
+
+def rows_view(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as a 2-D ``[rows, last_dim]`` tensor with unit column stride (a view when possible)."""
+    n = x.shape[-1] if x.dim() else 1
+    x2 = x.reshape(-1, n)
+    if x2.stride(-1) != 1 and n > 1:
+        x2 = x2.contiguous()
+    return x2
+
+
+# Tests set this (tilefuse.testing.poison_outputs) so every output buffer starts as NaN: an
+# element a kernel forgets to write then fails the comparison instead of passing by luck.
+POISON_OUTPUTS = False
+
+
+def empty(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """``torch.empty`` for kernel outputs; NaN-filled while POISON_OUTPUTS is on (tests)."""
+    t = torch.empty(shape, dtype=dtype, device=device)
+    if POISON_OUTPUTS and t.is_floating_point():
+        t.fill_(float("nan"))
+    return t

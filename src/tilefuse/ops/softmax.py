@@ -1,0 +1,398 @@
+"""softmax and log_softmax over the last dimension, forward and backward.
+
+    softmax(x)_i     = exp(x_i - m) / s,          m = max_j x_j,  s = sum_j exp(x_j - m)
+    log_softmax(x)_i = x_i - m - log(s)
+    backward (softmax):     dx = y * (dy - sum_j y_j dy_j)
+    backward (log_softmax): dx = dy - exp(y) * sum_j dy_j
+
+Bytes counted (ideal, per pass): forward reads x and writes y (2·M·N elements); backward reads
+y and dy and writes dx (3·M·N elements). Only y is saved for backward, never x.
+
+Two tiers of the row reduction:
+
+* fused: the whole row (or several short rows) sits in registers; one read, one write, one
+  exp per element. Used while the padded row fits (``MAX_FUSED_N`` fp32 values per program).
+* looped: rows longer than that are walked in tiles twice, with an online max/sum in the first
+  walk (a running max ``m`` and sum ``s`` rescaled by ``exp(m_old - m_new)`` per tile), so the
+  forward costs two reads and a write. The second read hits L2 only while the rows in flight fit.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .._checks import check_dim, check_tensor
+from .._dispatch import empty, rows_view, use_triton
+from ..registry import Inputs, OpSpec, register, tensor_bytes
+from ._common import LN2, LOG2E, row_tile_mask_offsets
+
+MAX_FUSED_N = 32768   # fp32 values of one row a program keeps in registers (32 warps x 32 per thread)
+
+
+# ----------------------------------------------------------------------------------------------
+# kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def softmax_fwd_fused_kernel(
+    x_ptr,              # *input  [n_rows, n_cols], unit column stride
+    y_ptr,              # *output [n_rows, n_cols], contiguous, x's dtype
+    x_row_stride,       # elements between rows of x
+    y_row_stride,       # elements between rows of y
+    n_rows,             # rows (all leading dims flattened)
+    n_cols,             # row length
+    LOG: tl.constexpr,      # log_softmax instead of softmax
+    BLOCK_M: tl.constexpr,  # rows per program
+    BLOCK_N: tl.constexpr,  # power of two >= n_cols: the whole row is in registers
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    mask, x_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, x_row_stride)
+    x = tl.load(x_ptr + x_offs, mask=mask, other=-float("inf")).to(tl.float32)
+    m = tl.max(x, axis=1)
+    z = (x - m[:, None]) * LOG2E            # log2-domain shifted logits; exp2 is one MUFU op
+    e = tl.exp2(z)
+    s = tl.sum(e, axis=1)
+    if LOG:
+        y = (z - tl.log2(s)[:, None]) * LN2
+    else:
+        y = e * (1.0 / s)[:, None]
+    _, y_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, y_row_stride)
+    tl.store(y_ptr + y_offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def softmax_fwd_looped_kernel(
+    x_ptr,              # *input  [n_rows, n_cols], unit column stride
+    y_ptr,              # *output [n_rows, n_cols], contiguous
+    x_row_stride,       # elements between rows of x
+    y_row_stride,       # elements between rows of y
+    n_cols,             # row length (> MAX_FUSED_N)
+    LOG: tl.constexpr,      # log_softmax instead of softmax
+    BLOCK_N: tl.constexpr,  # tile walked per step
+):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * x_row_stride
+    y_row = y_ptr + row * y_row_stride
+    # walk 1: online max and sum, one exp per element (the running sum is rescaled per tile)
+    m = -float("inf")
+    s = 0.0
+    for start in range(0, n_cols, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        x = tl.load(x_row + cols, mask=cols < n_cols, other=-float("inf")).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(x, axis=0))
+        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)   # an all -inf prefix stays 0, not NaN
+        s = s * tl.exp2((m - m_safe) * LOG2E) + tl.sum(tl.exp2((x - m_safe) * LOG2E), axis=0)
+        m = m_new
+    log2_s = tl.log2(s)
+    inv_s = 1.0 / s
+    # walk 2: normalize and write
+    for start in range(0, n_cols, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        mask = cols < n_cols
+        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        z = (x - m) * LOG2E
+        if LOG:
+            y = (z - log2_s) * LN2
+        else:
+            y = tl.exp2(z) * inv_s
+        tl.store(y_row + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _softmax_bwd_terms(y, dy, LOG: tl.constexpr):
+    """Per-element term whose row sum the backward needs: y·dy (softmax) or dy (log_softmax)."""
+    if LOG:
+        return dy
+    else:
+        return y * dy
+
+
+@triton.jit
+def _softmax_bwd_dx(y, dy, row_sum, LOG: tl.constexpr):
+    if LOG:
+        return dy - tl.exp2(y * LOG2E) * row_sum
+    else:
+        return y * (dy - row_sum)
+
+
+@triton.jit
+def softmax_bwd_fused_kernel(
+    y_ptr,              # *forward output [n_rows, n_cols]
+    dy_ptr,             # *grad of output [n_rows, n_cols]
+    dx_ptr,             # *grad of input  [n_rows, n_cols], contiguous
+    y_row_stride,       # elements between rows of y
+    dy_row_stride,      # elements between rows of dy
+    dx_row_stride,      # elements between rows of dx
+    n_rows,             # rows
+    n_cols,             # row length
+    LOG: tl.constexpr,      # y is log_softmax output
+    BLOCK_M: tl.constexpr,  # rows per program
+    BLOCK_N: tl.constexpr,  # power of two >= n_cols
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    mask, y_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, y_row_stride)
+    _, dy_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, dy_row_stride)
+    _, dx_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, dx_row_stride)
+    y = tl.load(y_ptr + y_offs, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + dy_offs, mask=mask, other=0.0).to(tl.float32)
+    row_sum = tl.sum(_softmax_bwd_terms(y, dy, LOG), axis=1)
+    dx = _softmax_bwd_dx(y, dy, row_sum[:, None], LOG)
+    tl.store(dx_ptr + dx_offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def softmax_bwd_looped_kernel(
+    y_ptr,              # *forward output [n_rows, n_cols]
+    dy_ptr,             # *grad of output [n_rows, n_cols]
+    dx_ptr,             # *grad of input  [n_rows, n_cols], contiguous
+    y_row_stride,       # elements between rows of y
+    dy_row_stride,      # elements between rows of dy
+    dx_row_stride,      # elements between rows of dx
+    n_cols,             # row length (> MAX_FUSED_N)
+    LOG: tl.constexpr,      # y is log_softmax output
+    BLOCK_N: tl.constexpr,  # tile walked per step
+):
+    row = tl.program_id(0).to(tl.int64)
+    y_row = y_ptr + row * y_row_stride
+    dy_row = dy_ptr + row * dy_row_stride
+    dx_row = dx_ptr + row * dx_row_stride
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for start in range(0, n_cols, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        mask = cols < n_cols
+        dy = tl.load(dy_row + cols, mask=mask, other=0.0).to(tl.float32)
+        if LOG:
+            acc += dy
+        else:
+            y = tl.load(y_row + cols, mask=mask, other=0.0).to(tl.float32)
+            acc += y * dy
+    row_sum = tl.sum(acc, axis=0)
+    for start in range(0, n_cols, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        mask = cols < n_cols
+        y = tl.load(y_row + cols, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_row + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(dx_row + cols, _softmax_bwd_dx(y, dy, row_sum, LOG).to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# launch heuristics
+# ----------------------------------------------------------------------------------------------
+
+
+def _fused_block_n(n_cols: int) -> int:
+    """The padded row: a power of two so the whole row is one register tile."""
+    return triton.next_power_of_2(max(n_cols, 1))
+
+
+def _rows_per_program(block_n: int, n_rows: int) -> int:
+    """Short rows share a program so each moves >= ~16K elements: fewer, fuller programs keep
+    enough bytes in flight per SM (one 1024-wide row per program left half the bandwidth idle)."""
+    return max(1, min(16384 // block_n, triton.next_power_of_2(max(n_rows, 1))))
+
+
+def _num_warps(tile_elems: int) -> int:
+    """~16 fp32 values per thread for the tile (at most 32 warps): 16-byte loads, no spills."""
+    return max(4, min(32, tile_elems // (32 * 16)))
+
+
+LOOPED_BLOCK_N = 8192   # tile of the looped tier: 8K elements per step, 16 warps
+
+
+# ----------------------------------------------------------------------------------------------
+# launchers (inputs already validated by the public function)
+# ----------------------------------------------------------------------------------------------
+
+
+def _launch_fwd(x: torch.Tensor, log: bool) -> torch.Tensor:
+    x2 = rows_view(x)
+    n_rows, n_cols = x2.shape
+    y = empty((n_rows, n_cols), x.dtype, x.device)
+    if y.numel() == 0:
+        return y.view(x.shape)
+    if n_cols <= MAX_FUSED_N:
+        block_n = _fused_block_n(n_cols)
+        block_m = _rows_per_program(block_n, n_rows)
+        softmax_fwd_fused_kernel[(triton.cdiv(n_rows, block_m),)](
+            x2, y, x2.stride(0), y.stride(0), n_rows, n_cols,
+            LOG=log, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=_num_warps(block_m * block_n),
+        )
+    else:
+        softmax_fwd_looped_kernel[(n_rows,)](
+            x2, y, x2.stride(0), y.stride(0), n_cols,
+            LOG=log, BLOCK_N=LOOPED_BLOCK_N, num_warps=_num_warps(LOOPED_BLOCK_N),
+        )
+    return y.view(x.shape)
+
+
+def _launch_bwd(y: torch.Tensor, dy: torch.Tensor, log: bool) -> torch.Tensor:
+    y2, dy2 = rows_view(y), rows_view(dy)
+    n_rows, n_cols = y2.shape
+    dx = empty((n_rows, n_cols), y.dtype, y.device)
+    if dx.numel() == 0:
+        return dx.view(y.shape)
+    if n_cols <= MAX_FUSED_N:
+        block_n = _fused_block_n(n_cols)
+        block_m = _rows_per_program(block_n, n_rows)
+        softmax_bwd_fused_kernel[(triton.cdiv(n_rows, block_m),)](
+            y2, dy2, dx, y2.stride(0), dy2.stride(0), dx.stride(0), n_rows, n_cols,
+            LOG=log, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=_num_warps(block_m * block_n),
+        )
+    else:
+        softmax_bwd_looped_kernel[(n_rows,)](
+            y2, dy2, dx, y2.stride(0), dy2.stride(0), dx.stride(0), n_cols,
+            LOG=log, BLOCK_N=LOOPED_BLOCK_N, num_warps=_num_warps(LOOPED_BLOCK_N),
+        )
+    return dx.view(y.shape)
+
+
+# ----------------------------------------------------------------------------------------------
+# references (fp32 or wider; also the CPU path)
+# ----------------------------------------------------------------------------------------------
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.float64 else t.float()
+
+
+def softmax_reference(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    return torch.softmax(_wide(x), dim).to(x.dtype)
+
+
+def log_softmax_reference(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    return torch.log_softmax(_wide(x), dim).to(x.dtype)
+
+
+def _softmax_bwd_reference(y: torch.Tensor, dy: torch.Tensor, log: bool) -> torch.Tensor:
+    yw, dyw = _wide(y), _wide(dy)
+    if log:
+        dx = dyw - yw.exp() * dyw.sum(-1, keepdim=True)
+    else:
+        dx = yw * (dyw - (yw * dyw).sum(-1, keepdim=True))
+    return dx.to(y.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# custom ops + autograd
+# ----------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("tilefuse::softmax_fwd", mutates_args=())
+def _softmax_fwd_op(x: torch.Tensor, log: bool) -> torch.Tensor:
+    if use_triton(x):
+        return _launch_fwd(x, log)
+    return (log_softmax_reference if log else softmax_reference)(x).contiguous()
+
+
+@_softmax_fwd_op.register_fake
+def _(x, log):
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+@torch.library.custom_op("tilefuse::softmax_bwd", mutates_args=())
+def _softmax_bwd_op(y: torch.Tensor, dy: torch.Tensor, log: bool) -> torch.Tensor:
+    if use_triton(y):
+        return _launch_bwd(y, dy, log)
+    return _softmax_bwd_reference(y, dy, log).contiguous()
+
+
+@_softmax_bwd_op.register_fake
+def _(y, dy, log):
+    return torch.empty(y.shape, dtype=y.dtype, device=y.device)
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.log = inputs[1]
+    ctx.save_for_backward(output)
+
+
+def _backward(ctx, dy):
+    (y,) = ctx.saved_tensors
+    return _softmax_bwd_op(y, dy.to(y.dtype), ctx.log), None
+
+
+_softmax_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------
+# public API
+# ----------------------------------------------------------------------------------------------
+
+
+def _softmax_any_dim(x: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
+    check_tensor("x", x)
+    dim = check_dim("x", x, dim)
+    if x.dim() > 1 and dim != x.dim() - 1:
+        # the kernels reduce the last dim; other dims go through a transposed (copied) view
+        return _softmax_fwd_op(x.transpose(dim, -1), log).transpose(dim, -1)
+    return _softmax_fwd_op(x, log)
+
+
+def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """``torch.softmax(x, dim)`` with fp32 math for fp16/bf16 inputs; output in x's dtype."""
+    return _softmax_any_dim(x, dim, log=False)
+
+
+def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """``torch.log_softmax(x, dim)`` with fp32 math for fp16/bf16 inputs; output in x's dtype."""
+    return _softmax_any_dim(x, dim, log=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# registry
+# ----------------------------------------------------------------------------------------------
+
+
+def _make_inputs(shape, dtype, device):
+    # scale 4: rows with a real spread of probabilities, not a near-uniform softmax
+    x = (torch.randn(shape, device=device, dtype=torch.float32) * 4).to(dtype).requires_grad_(True)
+    return Inputs((x,), grad_args=(0,))
+
+
+def _bytes(shape, dtype, pass_):
+    # fwd: x read + y written; bwd: y, dy read + dx written
+    return tensor_bytes(shape, dtype) * (2 if pass_ == "fwd" else 3)
+
+
+def _liger_softmax():
+    try:
+        from liger_kernel.transformers.functional import liger_softmax  # type: ignore
+    except Exception:
+        return None
+    return liger_softmax
+
+
+_TEST_SHAPES = [(1, 1), (3, 781), (7, 4097), (2, 3, 1000), (1, 65537), (5, 1), (33, 64)]
+_GPU_TEST_SHAPES = [(8192, 1024), (64, 32768), (4, 262144), (4096, 4096 + 3)]
+_BENCH_SHAPES = [(8192, 1024), (8192, 4096), (4096, 32768), (1024, 262144)]
+
+register(OpSpec(
+    name="softmax",
+    fn=softmax,
+    reference=softmax_reference,
+    make_inputs=_make_inputs,
+    bytes_fn=_bytes,
+    test_shapes=_TEST_SHAPES,
+    gpu_test_shapes=_GPU_TEST_SHAPES,
+    bench_shapes=_BENCH_SHAPES,
+    peers={"torch": lambda: (lambda x: torch.softmax(x, -1)), "liger": _liger_softmax},
+    description="softmax over the last dim",
+))
+
+register(OpSpec(
+    name="log_softmax",
+    fn=log_softmax,
+    reference=log_softmax_reference,
+    make_inputs=_make_inputs,
+    bytes_fn=_bytes,
+    test_shapes=_TEST_SHAPES,
+    gpu_test_shapes=_GPU_TEST_SHAPES,
+    bench_shapes=_BENCH_SHAPES[:2],
+    peers={"torch": lambda: (lambda x: torch.log_softmax(x, -1))},
+    description="log_softmax over the last dim",
+))

@@ -1,0 +1,108 @@
+"""The op registry: every op is described once, as data; tests and `tilefuse bench` iterate it.
+
+An :class:`OpSpec` says how to build inputs for a shape, how to run the tilefuse kernel and the
+PyTorch reference on them, how many bytes and FLOPs the op must move per pass, which shapes the
+tests and the benchmark use, and which peers the benchmark puts beside it.
+
+Passes are named ``"fwd"`` and ``"bwd"``; ``bytes_fn(shape, dtype, pass_)`` counts the ideal
+traffic of that pass (each input read once, each output written once; small vectors such as a
+norm's weight or per-row statistics are counted too, they are exact, not rounded away).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import torch
+
+Shape = tuple[int, ...]
+
+
+@dataclasses.dataclass
+class Inputs:
+    """Arguments for one call: ``fn(*args, **kwargs)``.
+
+    ``grad_args`` are the positions in ``args`` whose tensors receive gradients in the backward
+    check; they are leaf tensors with ``requires_grad=True``.
+    """
+
+    args: tuple
+    kwargs: dict = dataclasses.field(default_factory=dict)
+    grad_args: tuple[int, ...] = ()
+
+    def detached(self, dtype: torch.dtype | None = None, device: Any = None) -> "Inputs":
+        """A copy whose tensors are fresh leaves (optionally cast/moved), same grad_args."""
+
+        def conv(i, a):
+            if not isinstance(a, torch.Tensor):
+                return a
+            b = a.detach()
+            if dtype is not None and b.is_floating_point():
+                b = b.to(dtype)
+            if device is not None:
+                b = b.to(device)
+            return b.requires_grad_(i in self.grad_args)
+
+        return Inputs(tuple(conv(i, a) for i, a in enumerate(self.args)), dict(self.kwargs), self.grad_args)
+
+
+@dataclasses.dataclass
+class OpSpec:
+    name: str
+    fn: Callable[..., Any]                       # the public tilefuse function
+    reference: Callable[..., Any]                # plain PyTorch, same signature; run on fp64 inputs
+    make_inputs: Callable[[Shape, torch.dtype, Any], Inputs]  # (shape, dtype, device) -> fresh random Inputs
+    bytes_fn: Callable[[Shape, torch.dtype, str], int]         # ideal bytes moved by one pass
+    flops_fn: Callable[[Shape, str], int] = lambda shape, pass_: 0   # 0 for memory-bound ops
+    test_shapes: Sequence[Shape] = ()            # small, odd, every code path; CI runs them interpreted
+    gpu_test_shapes: Sequence[Shape] = ()        # large shapes, run only on CUDA
+    bench_shapes: Sequence[Shape] = ()           # real LLM sizes, for the GPU
+    dtypes: Sequence[torch.dtype] = (torch.float32, torch.float16, torch.bfloat16)
+    # peers: name -> factory returning a callable with fn's signature, or None when unavailable
+    peers: dict[str, Callable[[], Callable[..., Any] | None]] = dataclasses.field(default_factory=dict)
+    # relative-error-norm bound per dtype (see tests/README of tolerances in tests/conftest.py)
+    tolerance: dict[torch.dtype, float] = dataclasses.field(
+        default_factory=lambda: {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+    )
+    has_backward: bool = True
+    description: str = ""
+
+
+_REGISTRY: dict[str, OpSpec] = {}
+
+
+def register(spec: OpSpec) -> OpSpec:
+    if spec.name in _REGISTRY:
+        raise ValueError(f"op {spec.name!r} is registered twice")
+    _REGISTRY[spec.name] = spec
+    return spec
+
+
+def get(name: str) -> OpSpec:
+    _load_ops()
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"unknown op {name!r}; registered: {', '.join(sorted(_REGISTRY))}") from None
+
+
+def all_ops() -> list[OpSpec]:
+    _load_ops()
+    return list(_REGISTRY.values())
+
+
+def _load_ops() -> None:
+    # importing the ops package registers every op (each op file calls register() at import)
+    import tilefuse.ops  # noqa: F401
+
+
+def as_tuple(out: Any) -> tuple:
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+def tensor_bytes(shape: Shape, dtype: torch.dtype) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n * torch.empty((), dtype=dtype).element_size()
