@@ -41,7 +41,10 @@ def num_sms(t: torch.Tensor) -> int:
 def rows_view(x: torch.Tensor) -> torch.Tensor:
     """``x`` as a 2-D ``[rows, last_dim]`` tensor with unit column stride (a view when possible)."""
     n = x.shape[-1] if x.dim() else 1
-    x2 = x.reshape(-1, n)
+    m = 1
+    for s in x.shape[:-1]:
+        m *= s
+    x2 = x.reshape(m, n)        # explicit row count: reshape(-1, 0) is ambiguous
     if x2.stride(-1) != 1 and n > 1:
         x2 = x2.contiguous()
     return x2

@@ -361,7 +361,7 @@ def _bytes(shape, dtype, pass_):
 
 def _liger_softmax():
     try:
-        from liger_kernel.transformers.functional import liger_softmax  # type: ignore
+        from liger_kernel.functional import softmax as liger_softmax  # type: ignore
     except Exception:
         return None
     return liger_softmax
