@@ -106,7 +106,7 @@ def test_bad_input():
         tilefuse.softmax(torch.randn(4, 4), dim=2)
 
 
-@pytest.mark.parametrize("n", [sm.MAX_FUSED_N, sm.MAX_FUSED_N + 1])
+@pytest.mark.parametrize("n", [sm.FWD_MAX_FUSED_N, sm.FWD_MAX_FUSED_N + 1, sm.BWD_MAX_FUSED_N, sm.BWD_MAX_FUSED_N + 1])
 def test_tier_boundary(n):
     """The last fused width and the first looped width agree with the reference (fwd + bwd)."""
     x = (torch.randn(2, n, device=DEVICE) * 3).requires_grad_(True)
@@ -132,6 +132,23 @@ def test_random_shapes(rows, cols, log, half, scale):
     x = (torch.randn(rows, cols, device=DEVICE) * scale).to(dtype)
     fn, ref = (tilefuse.log_softmax, torch.log_softmax) if log else (tilefuse.softmax, torch.softmax)
     assert rel_err(fn(x), ref(x.double(), -1)) <= (2e-3 if half else 1e-5)
+
+
+@pytest.mark.parametrize("config", [
+    {"programs_per_sm": 1, "num_stages": 2, "BLOCK_M": 2},  # persistent: each program walks tiles
+    {"BLOCK_M": 1, "num_warps": 4},
+    {"looped": True, "BLOCK_N": 64, "num_warps": 4},    # the looped tier on a short row, many tiles
+])
+def test_launch_configs_agree(config):
+    """Every launch configuration a sweep may pick computes the same function (fwd and bwd)."""
+    x = torch.randn(37, 300, device=DEVICE) * 3
+    for log in (False, True):
+        ref = (torch.log_softmax if log else torch.softmax)(x.double(), -1)
+        y = sm._launch_fwd(x, log, config)
+        assert rel_err(y, ref) <= 1e-5
+        dy = torch.randn_like(x)
+        dx_ref = sm._softmax_bwd_reference(ref, dy.double(), log)
+        assert rel_err(sm._launch_bwd(y, dy, log, config), dx_ref) <= 1e-5
 
 
 def test_nn_softmax_module():

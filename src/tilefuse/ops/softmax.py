@@ -24,11 +24,17 @@ import triton
 import triton.language as tl
 
 from .._checks import check_dim, check_tensor
-from .._dispatch import empty, rows_view, use_triton
+from .._dispatch import empty, num_sms, rows_view, use_triton
 from ..registry import Inputs, OpSpec, register, tensor_bytes
 from ._common import LN2, LOG2E, row_tile_mask_offsets
 
-MAX_FUSED_N = 32768   # fp32 values of one row a program keeps in registers (32 warps x 32 per thread)
+# Widest row kept whole in registers, per pass. Measured on an H200 (benchmarks/NOTES.md): at
+# N = 32768 the forward ran faster looped (3.45 vs 3.26 TB/s: the second read of a 64 KB row hits
+# L2, and the fused tile's 64 fp32 registers per thread cost occupancy); the backward, which
+# needs no second read to be cheap, ran best fused (4.12 TB/s).
+FWD_MAX_FUSED_N = 16384
+BWD_MAX_FUSED_N = 32768
+MAX_FUSED_N = BWD_MAX_FUSED_N   # widest row any pass keeps whole (tests cover both sides)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -45,23 +51,26 @@ def softmax_fwd_fused_kernel(
     n_rows,             # rows (all leading dims flattened)
     n_cols,             # row length
     LOG: tl.constexpr,      # log_softmax instead of softmax
-    BLOCK_M: tl.constexpr,  # rows per program
+    BLOCK_M: tl.constexpr,  # rows per tile
     BLOCK_N: tl.constexpr,  # power of two >= n_cols: the whole row is in registers
+    NUM_STAGES: tl.constexpr,  # >1: a persistent grid prefetches the next tile while this one computes
 ):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
-    mask, x_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, x_row_stride)
-    x = tl.load(x_ptr + x_offs, mask=mask, other=-float("inf")).to(tl.float32)
-    m = tl.max(x, axis=1)
-    z = (x - m[:, None]) * LOG2E            # log2-domain shifted logits; exp2 is one MUFU op
-    e = tl.exp2(z)
-    s = tl.sum(e, axis=1)
-    if LOG:
-        y = (z - tl.log2(s)[:, None]) * LN2
-    else:
-        y = e * (1.0 / s)[:, None]
-    _, y_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, y_row_stride)
-    tl.store(y_ptr + y_offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+    n_tiles = tl.cdiv(n_rows, BLOCK_M)
+    for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), num_stages=NUM_STAGES):
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask, x_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, x_row_stride)
+        x = tl.load(x_ptr + x_offs, mask=mask, other=-float("inf")).to(tl.float32)
+        m = tl.max(x, axis=1)
+        z = (x - m[:, None]) * LOG2E            # log2-domain shifted logits; exp2 is one MUFU op
+        e = tl.exp2(z)
+        s = tl.sum(e, axis=1)
+        if LOG:
+            y = (z - tl.log2(s)[:, None]) * LN2
+        else:
+            y = e * (1.0 / s)[:, None]
+        _, y_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, y_row_stride)
+        tl.store(y_ptr + y_offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -130,19 +139,22 @@ def softmax_bwd_fused_kernel(
     n_rows,             # rows
     n_cols,             # row length
     LOG: tl.constexpr,      # y is log_softmax output
-    BLOCK_M: tl.constexpr,  # rows per program
+    BLOCK_M: tl.constexpr,  # rows per tile
     BLOCK_N: tl.constexpr,  # power of two >= n_cols
+    NUM_STAGES: tl.constexpr,  # >1: a persistent grid prefetches the next tile while this one computes
 ):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
-    mask, y_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, y_row_stride)
-    _, dy_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, dy_row_stride)
-    _, dx_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, dx_row_stride)
-    y = tl.load(y_ptr + y_offs, mask=mask, other=0.0).to(tl.float32)
-    dy = tl.load(dy_ptr + dy_offs, mask=mask, other=0.0).to(tl.float32)
-    row_sum = tl.sum(_softmax_bwd_terms(y, dy, LOG), axis=1)
-    dx = _softmax_bwd_dx(y, dy, row_sum[:, None], LOG)
-    tl.store(dx_ptr + dx_offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+    n_tiles = tl.cdiv(n_rows, BLOCK_M)
+    for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), num_stages=NUM_STAGES):
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask, y_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, y_row_stride)
+        _, dy_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, dy_row_stride)
+        _, dx_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, dx_row_stride)
+        y = tl.load(y_ptr + y_offs, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + dy_offs, mask=mask, other=0.0).to(tl.float32)
+        row_sum = tl.sum(_softmax_bwd_terms(y, dy, LOG), axis=1)
+        dx = _softmax_bwd_dx(y, dy, row_sum[:, None], LOG)
+        tl.store(dx_ptr + dx_offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -191,17 +203,17 @@ def _fused_block_n(n_cols: int) -> int:
 
 
 def _rows_per_program(block_n: int, n_rows: int) -> int:
-    """Short rows share a program so each moves >= ~16K elements: fewer, fuller programs keep
-    enough bytes in flight per SM (one 1024-wide row per program left half the bandwidth idle)."""
-    return max(1, min(16384 // block_n, triton.next_power_of_2(max(n_rows, 1))))
+    """Short rows share a program so each tile holds ~8K elements (H200 sweep: 4K-8K-element
+    tiles were best at N = 1024 and 4096; 16K-32K tiles lost 10-20 %)."""
+    return max(1, min(8192 // block_n, triton.next_power_of_2(max(n_rows, 1))))
 
 
 def _num_warps(tile_elems: int) -> int:
-    """~16 fp32 values per thread for the tile (at most 32 warps): 16-byte loads, no spills."""
-    return max(4, min(32, tile_elems // (32 * 16)))
+    """~16 fp32 values per thread, 4 to 16 warps (32 warps lost 3-10 % in the H200 sweep)."""
+    return max(4, min(16, tile_elems // (32 * 16)))
 
 
-LOOPED_BLOCK_N = 8192   # tile of the looped tier: 8K elements per step, 16 warps
+LOOPED_BLOCK_N = 16384   # tile of the looped tier (best or tied-best at N = 32K and 256K)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -209,44 +221,64 @@ LOOPED_BLOCK_N = 8192   # tile of the looped tier: 8K elements per step, 16 warp
 # ----------------------------------------------------------------------------------------------
 
 
-def _launch_fwd(x: torch.Tensor, log: bool) -> torch.Tensor:
+def _launch_config(n_rows: int, n_cols: int, max_fused_n: int, config: dict | None) -> dict:
+    """Tier and tile for a [n_rows, n_cols] problem; ``config`` overrides keys (GPU sweeps)."""
+    if n_cols <= max_fused_n:
+        block_n = _fused_block_n(n_cols)
+        block_m = _rows_per_program(block_n, n_rows)
+        cfg = {"looped": False, "BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": _num_warps(block_m * block_n)}
+    else:
+        cfg = {"looped": True, "BLOCK_M": 1, "BLOCK_N": LOOPED_BLOCK_N, "num_warps": _num_warps(LOOPED_BLOCK_N)}
+    cfg.update({"programs_per_sm": 0, "num_stages": 1})   # 0: one program per tile (not persistent)
+    cfg.update(config or {})
+    return cfg
+
+
+def _fused_grid(n_rows: int, cfg: dict, t: torch.Tensor) -> tuple[int]:
+    n_tiles = triton.cdiv(n_rows, cfg["BLOCK_M"])
+    if cfg["programs_per_sm"]:
+        return (min(n_tiles, cfg["programs_per_sm"] * num_sms(t)),)
+    return (n_tiles,)
+
+
+def _launch_fwd(x: torch.Tensor, log: bool, config: dict | None = None) -> torch.Tensor:
     x2 = rows_view(x)
     n_rows, n_cols = x2.shape
     y = empty((n_rows, n_cols), x.dtype, x.device)
     if y.numel() == 0:
         return y.view(x.shape)
-    if n_cols <= MAX_FUSED_N:
-        block_n = _fused_block_n(n_cols)
-        block_m = _rows_per_program(block_n, n_rows)
-        softmax_fwd_fused_kernel[(triton.cdiv(n_rows, block_m),)](
+    cfg = _launch_config(n_rows, n_cols, FWD_MAX_FUSED_N, config)
+    if not cfg["looped"]:
+        softmax_fwd_fused_kernel[_fused_grid(n_rows, cfg, x)](
             x2, y, x2.stride(0), y.stride(0), n_rows, n_cols,
-            LOG=log, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=_num_warps(block_m * block_n),
+            LOG=log, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], NUM_STAGES=cfg["num_stages"],
+            num_warps=cfg["num_warps"],
         )
     else:
         softmax_fwd_looped_kernel[(n_rows,)](
             x2, y, x2.stride(0), y.stride(0), n_cols,
-            LOG=log, BLOCK_N=LOOPED_BLOCK_N, num_warps=_num_warps(LOOPED_BLOCK_N),
+            LOG=log, BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
         )
     return y.view(x.shape)
 
 
-def _launch_bwd(y: torch.Tensor, dy: torch.Tensor, log: bool) -> torch.Tensor:
+def _launch_bwd(y: torch.Tensor, dy: torch.Tensor, log: bool, config: dict | None = None) -> torch.Tensor:
     y2, dy2 = rows_view(y), rows_view(dy)
     n_rows, n_cols = y2.shape
     dx = empty((n_rows, n_cols), y.dtype, y.device)
     if dx.numel() == 0:
         return dx.view(y.shape)
-    if n_cols <= MAX_FUSED_N:
-        block_n = _fused_block_n(n_cols)
-        block_m = _rows_per_program(block_n, n_rows)
-        softmax_bwd_fused_kernel[(triton.cdiv(n_rows, block_m),)](
+    cfg = _launch_config(n_rows, n_cols, BWD_MAX_FUSED_N, config)
+    if not cfg["looped"]:
+        softmax_bwd_fused_kernel[_fused_grid(n_rows, cfg, y)](
             y2, dy2, dx, y2.stride(0), dy2.stride(0), dx.stride(0), n_rows, n_cols,
-            LOG=log, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=_num_warps(block_m * block_n),
+            LOG=log, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], NUM_STAGES=cfg["num_stages"],
+            num_warps=cfg["num_warps"],
         )
     else:
         softmax_bwd_looped_kernel[(n_rows,)](
             y2, dy2, dx, y2.stride(0), dy2.stride(0), dx.stride(0), n_cols,
-            LOG=log, BLOCK_N=LOOPED_BLOCK_N, num_warps=_num_warps(LOOPED_BLOCK_N),
+            LOG=log, BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
         )
     return dx.view(y.shape)
 

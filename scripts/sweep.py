@@ -1,0 +1,138 @@
+"""Launch-config sweeps for the row kernels, on the GPU: which tile / warps / grid hit the most GB/s.
+
+    python scripts/sweep.py softmax [--dtype bf16]
+
+Per shape and pass: phase 1 tries tile shapes and warps, phase 2 tries persistent grids with
+software pipelining on the two best; prints the top configs in GB/s (ideal bytes from the op
+registry), the default's GB/s, a copy of the same byte count for scale, and a summary table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+
+import torch
+import triton
+import triton.testing
+
+from tilefuse import registry
+from tilefuse.testing import rel_err
+
+
+def copy_gbps(nbytes: int) -> float:
+    """Device-to-device copy moving ``nbytes`` in total (half read, half written)."""
+    src = torch.randn(nbytes // 4, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
+    return nbytes / ms / 1e6
+
+
+def time_gbps(fn, nbytes):
+    ms = triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+    return nbytes / ms / 1e6, ms
+
+
+def sweep(fn_for, check, base_cfgs, nbytes, default):
+    """Phase 1 over base_cfgs, phase 2: persistent variants of the best two."""
+    results = []
+
+    def try_cfg(cfg):
+        fn = fn_for(cfg)
+        err = check(fn())
+        if err > 1e-2:
+            print(f"  WRONG {cfg} err={err:.3g}", flush=True)
+            return
+        gbps, ms = time_gbps(fn, nbytes)
+        results.append((gbps, ms, cfg))
+
+    for cfg in base_cfgs:
+        try_cfg(cfg)
+    results.sort(key=lambda r: -r[0])
+    for _, _, cfg in results[:2]:
+        if cfg.get("looped"):
+            continue
+        for pps, stages in itertools.product((1, 2, 4), (1, 2)):
+            try_cfg({**cfg, "programs_per_sm": pps, "num_stages": stages})
+    if default not in [r[2] for r in results]:
+        try_cfg(default)
+    results.sort(key=lambda r: -r[0])
+    return results
+
+
+def softmax_base_configs(n_rows, n_cols):
+    from tilefuse.ops import softmax as sm
+    out = []
+    if n_cols <= sm.BWD_MAX_FUSED_N:
+        bn = triton.next_power_of_2(n_cols)
+        for bm, w in itertools.product((1, 2, 4, 8, 16), (4, 8, 16)):
+            elems = bm * bn
+            if 2048 <= elems <= 32768 and 4 <= elems // (32 * w) <= 64:
+                out.append({"looped": False, "BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w,
+                            "programs_per_sm": 0, "num_stages": 1})
+    if n_cols >= 16384:
+        for bn, w in itertools.product((8192, 16384, 32768), (8, 16, 32)):
+            if 4 <= bn // (32 * w) <= 64:
+                out.append({"looped": True, "BLOCK_M": 1, "BLOCK_N": bn, "num_warps": w,
+                            "programs_per_sm": 0, "num_stages": 1})
+    return out
+
+
+def sweep_softmax(dtype):
+    from tilefuse.ops import softmax as sm
+    spec = registry.get("softmax")
+    rows = []
+    for shape in spec.bench_shapes:
+        x = (torch.randn(shape, device="cuda") * 4).to(dtype)
+        y_ref = torch.softmax(x.float(), -1)
+        y = y_ref.to(dtype)
+        dy = torch.randn_like(x)
+        dx_ref = sm._softmax_bwd_reference(y.float(), dy.float(), False)
+        for pass_, max_fused in (("fwd", sm.FWD_MAX_FUSED_N), ("bwd", sm.BWD_MAX_FUSED_N)):
+            nbytes = spec.bytes_fn(shape, dtype, pass_)
+            default = sm._launch_config(shape[0], shape[1], max_fused, None)
+            if pass_ == "fwd":
+                fn_for = lambda cfg: (lambda: sm._launch_fwd(x, False, cfg))
+                check = lambda out: rel_err(out, y_ref)
+                torch_fn = lambda: torch.softmax(x, -1)
+            else:
+                fn_for = lambda cfg: (lambda: sm._launch_bwd(y, dy, False, cfg))
+                check = lambda out: rel_err(out, dx_ref)
+                torch_fn = lambda: torch._softmax_backward_data(dy, y, -1, dtype)
+            results = sweep(fn_for, check, softmax_base_configs(*shape), nbytes, default)
+            copy = copy_gbps(nbytes)
+            eager, _ = time_gbps(torch_fn, nbytes)
+            best_fn = fn_for(results[0][2])
+            graph_ms = triton.testing.do_bench_cudagraph(best_fn, rep=40)
+            print(f"{shape} {pass_}: same-size copy {copy:.0f} GB/s, torch eager {eager:.0f} GB/s, "
+                  f"best in a CUDA graph {nbytes / graph_ms / 1e6:.0f} GB/s", flush=True)
+            for gbps, ms, cfg in results[:6]:
+                tag = " (default)" if cfg == default else ""
+                print(f"{shape} {pass_}: {gbps:7.0f} GB/s {ms*1e3:8.1f} us {cfg}{tag}", flush=True)
+            dflt = [r for r in results if r[2] == default]
+            rows.append((shape, pass_, results[0][0], results[0][2], dflt[0][0] if dflt else float("nan"), copy, eager))
+    return rows
+
+
+SWEEPS = {"softmax": sweep_softmax}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("ops", nargs="+", choices=sorted(SWEEPS))
+    ap.add_argument("--dtype", default="bf16")
+    a = ap.parse_args(argv)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[a.dtype]
+    ceiling = copy_gbps(2 * 2**30)
+    print(f"device {torch.cuda.get_device_name()} copy {ceiling:.0f} GB/s (2 GiB moved)", flush=True)
+    table = []
+    for op in a.ops:
+        table += [(op, *r) for r in SWEEPS[op](dtype)]
+    print("\nop | shape | pass | best GB/s | % copy | default GB/s | same-size copy | eager | best config")
+    for op, shape, pass_, best, cfg, dflt, copy, eager in table:
+        print(f"{op} | {shape} | {pass_} | {best:.0f} | {100*best/ceiling:.0f}% | {dflt:.0f} | {copy:.0f} | {eager:.0f} | {cfg}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
