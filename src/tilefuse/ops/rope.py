@@ -1,0 +1,560 @@
+"""Rotary position embedding (RoPE) of queries and keys, forward and backward, in one launch.
+
+For each token (b, s) with table row p (p = s, or p = position_ids[b, s]) and each head, the
+first ``r = rotary_dim`` features are rotated in pairs (x1_j, x2_j), j < r/2:
+
+    out1_j = x1_j·cos_j − x2_j·sin_j,      out2_j = x2_j·cos_j + x1_j·sin_j
+
+* GPT-NeoX / Llama (``interleaved=False``): x1 = x[..., :r/2], x2 = x[..., r/2:r].
+* GPT-J (``interleaved=True``): the pairs are (x[2j], x[2j+1]).
+* features r..D−1 pass through unchanged (partial rotary, e.g. GPT-J, Phi, NeoX).
+* backward is the inverse rotation (sin → −sin) of dq_out, dk_out; cos and sin get no gradient.
+
+cos/sin convention: last dim = rotary_dim, as HuggingFace builds them. NeoX style: halves
+duplicated (cos = cat(cos_θ, cos_θ)), the kernel reads the first half; GPT-J style:
+repeat_interleaved (cos = cos_θ.repeat_interleave(2)), the kernel reads the even entries.
+``rope_cos_sin_table`` builds such tables. Shapes: ``[S, r]``, ``[1, S, r]`` or ``[B, S, r]``;
+with ``position_ids`` (``[S]``, ``[1, S]`` or ``[B, S]``, int32/int64) a ``[max_pos, r]`` table.
+
+Layouts: q ``[B, S, H_q, D]`` and k ``[B, S, H_k, D]`` (``layout="bshd"``, flash-attn / the
+projection output) or ``[B, H, S, D]`` (``layout="bhsd"``, HF after ``transpose(1, 2)``); a
+3-D ``[S, H, D]`` / ``[H, S, D]`` input is one batch. Any strides with a unit stride along D
+are read in place (q and k may be views into one packed qkv tensor); outputs keep the input's
+memory order. GQA: H_q and H_k may differ.
+
+Bytes counted (ideal, per pass): q and k read once and written once, plus r/2 cos and r/2 sin
+values per table row the kernel reads (once per position when the table is shared by the
+batch). Backward moves the same: dq_out, dk_out read, dq, dk written, cos/sin read.
+
+Kernel: one program per token (several for short tokens) rotates every q head and then every k
+head of that token, so cos/sin are loaded once and reused across heads; each head block is a
+[heads, r/2] tile walked with unit stride along D (16-byte vectors), fp32 math.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .._checks import check_same_device, check_same_dtype, check_tensor
+from .._dispatch import empty, num_sms, use_triton
+from ..registry import Inputs, OpSpec, register, tensor_bytes
+
+MAX_TILE = 4096          # elements of one head-block tile: ~16 fp32 values per thread at 8 warps
+MIN_TOKEN_ELEMS = 2048   # q+k elements a program moves at least, by packing several short tokens
+LAYOUTS = ("bshd", "bhsd")
+POSITION_DTYPES = (torch.int32, torch.int64)
+
+
+# ----------------------------------------------------------------------------------------------
+# kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rotate_pair(x1, x2, c, s):
+    """The 2-D rotation RoPE applies to each feature pair (s is −sin for the inverse)."""
+    return x1 * c - x2 * s, x2 * c + x1 * s
+
+
+@triton.jit
+def _rope_token_heads(
+    x_ptr,              # *input at (b, s, head 0, feature 0) of this token
+    o_ptr,              # *output at the same place (== x_ptr in place)
+    x_head_stride,      # elements between heads of x
+    o_head_stride,      # elements between heads of the output
+    n_heads,            # heads of this tensor (H_q or H_k)
+    c,                  # [BLOCK_R2] fp32 cos of this token's angles
+    s,                  # [BLOCK_R2] fp32 sin (negated for the inverse rotation)
+    token_ok,           # the token exists (a program's spare token slots past the end do not)
+    HEAD_DIM: tl.constexpr,     # D (constexpr: known offsets let D/2-aligned halves vectorize)
+    HALF_ROT: tl.constexpr,     # r / 2: feature pairs rotated
+    INTERLEAVED: tl.constexpr,  # GPT-J pairs (2j, 2j+1) instead of NeoX halves (j, j + r/2)
+    COPY_TAIL: tl.constexpr,    # copy features r..D-1 (out of place with r < D)
+    BLOCK_H: tl.constexpr,      # heads per step
+    BLOCK_R2: tl.constexpr,     # power of two >= r/2
+    BLOCK_TAIL: tl.constexpr,   # power of two >= D - r
+):
+    for h0 in range(0, n_heads, BLOCK_H):
+        heads = h0 + tl.arange(0, BLOCK_H)
+        head_ok = ((heads < n_heads) & token_ok)[:, None]
+        x_rows = x_ptr + heads.to(tl.int64)[:, None] * x_head_stride
+        o_rows = o_ptr + heads.to(tl.int64)[:, None] * o_head_stride
+        if INTERLEAVED:
+            # one contiguous [heads, r] tile, split into even/odd features in registers
+            cols = tl.arange(0, 2 * BLOCK_R2)[None, :]
+            mask = head_ok & (cols < 2 * HALF_ROT)
+            x = tl.load(x_rows + cols, mask=mask, other=0.0).to(tl.float32)
+            x1, x2 = tl.split(tl.reshape(x, [BLOCK_H, BLOCK_R2, 2]))
+            o1, o2 = _rotate_pair(x1, x2, c[None, :], s[None, :])
+            o = tl.reshape(tl.join(o1, o2), [BLOCK_H, 2 * BLOCK_R2])
+            tl.store(o_rows + cols, o.to(o_ptr.dtype.element_ty), mask=mask)
+        else:
+            cols = tl.arange(0, BLOCK_R2)[None, :]
+            mask = head_ok & (cols < HALF_ROT)
+            x1 = tl.load(x_rows + cols, mask=mask, other=0.0).to(tl.float32)
+            x2 = tl.load(x_rows + HALF_ROT + cols, mask=mask, other=0.0).to(tl.float32)
+            o1, o2 = _rotate_pair(x1, x2, c[None, :], s[None, :])
+            tl.store(o_rows + cols, o1.to(o_ptr.dtype.element_ty), mask=mask)
+            tl.store(o_rows + HALF_ROT + cols, o2.to(o_ptr.dtype.element_ty), mask=mask)
+        if COPY_TAIL:
+            cols = 2 * HALF_ROT + tl.arange(0, BLOCK_TAIL)[None, :]
+            mask = head_ok & (cols < HEAD_DIM)
+            tl.store(o_rows + cols, tl.load(x_rows + cols, mask=mask), mask=mask)
+
+
+@triton.jit
+def rope_kernel(
+    q_ptr,              # *q      [B, S, H_q, D] via strides, unit stride along D
+    k_ptr,              # *k      [B, S, H_k, D]
+    q_out_ptr,          # *q_out  like q (== q_ptr in place)
+    k_out_ptr,          # *k_out  like k (== k_ptr in place)
+    cos_ptr,            # *cos    [B or 1, rows, r] via strides, unit stride along r
+    sin_ptr,            # *sin    like cos
+    pos_ptr,            # *int position ids [B, S] via strides (unused without HAS_POS)
+    n_tokens,           # B * S
+    seq_len,            # S
+    n_q_heads,          # H_q
+    n_k_heads,          # H_k
+    n_table_rows,       # rows of cos/sin; ids outside [0, rows) read cos = sin = 0, never out of bounds
+    q_sb, q_ss, q_sh,           # q strides (batch, sequence, head)
+    k_sb, k_ss, k_sh,           # k strides
+    qo_sb, qo_ss, qo_sh,        # q_out strides
+    ko_sb, ko_ss, ko_sh,        # k_out strides
+    cos_sb, cos_ss,             # cos strides (batch: 0 when the table is shared, row)
+    sin_sb, sin_ss,             # sin strides
+    pos_sb, pos_ss,             # position id strides (batch: 0 for [S] ids, sequence)
+    HEAD_DIM: tl.constexpr,     # D
+    HALF_ROT: tl.constexpr,     # r / 2
+    HAS_POS: tl.constexpr,      # rows come from position_ids, else row = s
+    INTERLEAVED: tl.constexpr,  # GPT-J pairs; cos/sin repeat_interleaved (read even entries)
+    INVERSE: tl.constexpr,      # rotate by −θ (the backward)
+    COPY_TAIL: tl.constexpr,    # copy features r..D-1
+    TOKENS: tl.constexpr,       # tokens per program
+    BLOCK_HQ: tl.constexpr,     # q heads per step
+    BLOCK_HK: tl.constexpr,     # k heads per step
+    BLOCK_R2: tl.constexpr,     # power of two >= r/2
+    BLOCK_TAIL: tl.constexpr,   # power of two >= D - r
+):
+    j = tl.arange(0, BLOCK_R2)
+    if INTERLEAVED:
+        cs_cols = 2 * j
+    else:
+        cs_cols = j
+    for i in tl.static_range(TOKENS):
+        tok = tl.program_id(0).to(tl.int64) * TOKENS + i
+        token_ok = tok < n_tokens
+        b = tok // seq_len
+        s = tok % seq_len
+        if HAS_POS:
+            row = tl.load(pos_ptr + b * pos_sb + s * pos_ss, mask=token_ok, other=0).to(tl.int64)
+        else:
+            row = s
+        cs_mask = token_ok & (row >= 0) & (row < n_table_rows) & (j < HALF_ROT)
+        c = tl.load(cos_ptr + b * cos_sb + row * cos_ss + cs_cols, mask=cs_mask, other=0.0).to(tl.float32)
+        sn = tl.load(sin_ptr + b * sin_sb + row * sin_ss + cs_cols, mask=cs_mask, other=0.0).to(tl.float32)
+        if INVERSE:
+            sn = -sn
+        # the same cos/sin registers serve every q head, then every k head of this token
+        _rope_token_heads(q_ptr + b * q_sb + s * q_ss, q_out_ptr + b * qo_sb + s * qo_ss, q_sh, qo_sh,
+                          n_q_heads, c, sn, token_ok, HEAD_DIM, HALF_ROT, INTERLEAVED, COPY_TAIL,
+                          BLOCK_HQ, BLOCK_R2, BLOCK_TAIL)
+        _rope_token_heads(k_ptr + b * k_sb + s * k_ss, k_out_ptr + b * ko_sb + s * ko_ss, k_sh, ko_sh,
+                          n_k_heads, c, sn, token_ok, HEAD_DIM, HALF_ROT, INTERLEAVED, COPY_TAIL,
+                          BLOCK_HK, BLOCK_R2, BLOCK_TAIL)
+
+
+# ----------------------------------------------------------------------------------------------
+# launch heuristics
+# ----------------------------------------------------------------------------------------------
+
+
+def _block_heads(n_heads: int, block_r2: int) -> int:
+    """All heads of a token in one tile while it stays <= MAX_TILE elements; more heads loop."""
+    return max(1, min(triton.next_power_of_2(max(n_heads, 1)), MAX_TILE // (2 * block_r2)))
+
+
+def _tokens_per_program(token_elems: int, n_tokens: int, sms: int) -> int:
+    """Short tokens (few heads, small D) share a program so it moves >= MIN_TOKEN_ELEMS, while
+    the grid keeps >= 8 programs per SM to spread the bytes over every SM."""
+    tokens = min(16, triton.next_power_of_2(triton.cdiv(MIN_TOKEN_ELEMS, max(token_elems, 1))))
+    while tokens > 1 and triton.cdiv(n_tokens, tokens) < 8 * sms:
+        tokens //= 2
+    return tokens
+
+
+def _num_warps(tile_elems: int) -> int:
+    """~16 fp32 values per thread for the largest tile (1 to 8 warps): 16-byte accesses, no spills."""
+    return max(1, min(8, tile_elems // (32 * 16)))
+
+
+# ----------------------------------------------------------------------------------------------
+# launcher (inputs already validated by the public function)
+# ----------------------------------------------------------------------------------------------
+
+
+def _bshd(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """q or k as a [B, S, H, D] view (no copy): a 3-D tensor is one batch, bhsd is transposed."""
+    t = t.unsqueeze(0) if t.dim() == 3 else t
+    return t.transpose(1, 2) if layout == "bhsd" else t
+
+
+def _unit_last(t: torch.Tensor) -> torch.Tensor:
+    """t with unit stride along its last dim (the kernel's vector axis): a copy only when not."""
+    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
+
+
+def _table_view(cs: torch.Tensor, batch: int) -> torch.Tensor:
+    """cos or sin as [B, rows, r] with a zero batch stride when shared, unit stride along r."""
+    cs = _unit_last(cs)
+    cs = cs.unsqueeze(0) if cs.dim() == 2 else cs
+    return cs.expand(batch, cs.shape[1], cs.shape[2])
+
+
+def _launch_config(n_tokens: int, n_q_heads: int, n_k_heads: int, head_dim: int, rotary_dim: int,
+                   t: torch.Tensor, config: dict | None = None) -> dict:
+    """Tiles and warps for one call; ``config`` overrides keys (GPU sweeps)."""
+    block_r2 = triton.next_power_of_2(max(rotary_dim // 2, 1))
+    block_hq, block_hk = _block_heads(n_q_heads, block_r2), _block_heads(n_k_heads, block_r2)
+    cfg = {
+        "TOKENS": _tokens_per_program((n_q_heads + n_k_heads) * head_dim, n_tokens, num_sms(t)),
+        "BLOCK_HQ": block_hq,
+        "BLOCK_HK": block_hk,
+        "num_warps": _num_warps(max(block_hq, block_hk) * 2 * block_r2),
+    }
+    cfg.update(config or {})
+    return cfg
+
+
+def _launch(q4, k4, q_out4, k_out4, cos, sin, position_ids, interleaved, rotary_dim, inverse, inplace,
+            config=None):
+    """q4/k4/q_out4/k_out4: [B, S, H, D] views with unit stride along D (the outputs view the
+    inputs' memory when ``inplace``, and the pass-through features are then left untouched)."""
+    batch, seq_len, n_q_heads, head_dim = q4.shape
+    n_k_heads = k4.shape[2]
+    n_tokens = batch * seq_len
+    if n_tokens == 0 or (n_q_heads + n_k_heads) * head_dim == 0:
+        return
+    cfg = _launch_config(n_tokens, n_q_heads, n_k_heads, head_dim, rotary_dim, q4, config)
+    cos3, sin3 = _table_view(cos, batch), _table_view(sin, batch)
+    if position_ids is not None:
+        pos = position_ids.unsqueeze(0) if position_ids.dim() == 1 else position_ids
+        pos = pos.expand(batch, seq_len)
+        pos_strides = (pos.stride(0), pos.stride(1))
+    else:
+        pos, pos_strides = cos3, (0, 0)   # any pointer; HAS_POS=False never reads it
+    rope_kernel[(triton.cdiv(n_tokens, cfg["TOKENS"]),)](
+        q4, k4, q_out4, k_out4, cos3, sin3, pos,
+        n_tokens, seq_len, n_q_heads, n_k_heads, cos3.shape[1],
+        q4.stride(0), q4.stride(1), q4.stride(2), k4.stride(0), k4.stride(1), k4.stride(2),
+        q_out4.stride(0), q_out4.stride(1), q_out4.stride(2),
+        k_out4.stride(0), k_out4.stride(1), k_out4.stride(2),
+        cos3.stride(0), cos3.stride(1), sin3.stride(0), sin3.stride(1), *pos_strides,
+        HEAD_DIM=head_dim, HALF_ROT=rotary_dim // 2,
+        HAS_POS=position_ids is not None, INTERLEAVED=interleaved, INVERSE=inverse,
+        COPY_TAIL=not inplace and rotary_dim < head_dim,
+        TOKENS=cfg["TOKENS"], BLOCK_HQ=cfg["BLOCK_HQ"], BLOCK_HK=cfg["BLOCK_HK"],
+        BLOCK_R2=triton.next_power_of_2(max(rotary_dim // 2, 1)),
+        BLOCK_TAIL=triton.next_power_of_2(max(head_dim - rotary_dim, 1)), num_warps=cfg["num_warps"],
+    )
+
+
+def _new_like(t: torch.Tensor, alloc) -> torch.Tensor:
+    """A fresh tensor of t's shape in t's memory order of the leading dims (sorted by stride) and
+    unit stride along D: a [B, H, S, D] transpose of bshd memory gets a bshd-ordered output, a
+    packed-qkv view a dense one."""
+    order = sorted(range(t.dim() - 1), key=lambda d: -t.stride(d)) + [t.dim() - 1]
+    buf = alloc([t.shape[d] for d in order], t.dtype, t.device)
+    return buf.permute([order.index(d) for d in range(t.dim())])
+
+
+def _rope_into(q, k, cos, sin, position_ids, interleaved, rotary_dim, layout, inverse, q_out, k_out):
+    """Writes rope(q), rope(k) into q_out, k_out (which may be q, k themselves)."""
+    if not use_triton(q):
+        q_ref, k_ref = _rope_reference(q, k, cos, sin, position_ids, interleaved, rotary_dim, layout, inverse)
+        q_out.copy_(q_ref)
+        k_out.copy_(k_ref)
+        return
+    q4, k4 = _bshd(q, layout), _bshd(k, layout)
+    q_out4, k_out4 = _bshd(q_out, layout), _bshd(k_out, layout)
+    inplace = q_out is q
+    if not inplace:   # a D-strided input is read through a unit-stride copy
+        q4, k4 = _unit_last(q4), _unit_last(k4)
+    _launch(q4, k4, q_out4, k_out4, cos, sin, position_ids, interleaved, rotary_dim, inverse, inplace)
+
+
+# ----------------------------------------------------------------------------------------------
+# references (fp32 or wider; also the CPU path)
+# ----------------------------------------------------------------------------------------------
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.float64 else t.float()
+
+
+def _rope_reference(q, k, cos, sin, position_ids, interleaved, rotary_dim, layout, inverse):
+    if position_ids is not None:
+        cos, sin = cos[position_ids], sin[position_ids]
+    half = slice(0, None, 2) if interleaved else slice(0, rotary_dim // 2)
+    c = _wide(cos)[..., half].unsqueeze(-2)          # [(B,) S, 1, r/2]: broadcast over heads
+    s = _wide(sin)[..., half].unsqueeze(-2) * (-1.0 if inverse else 1.0)
+
+    def rotate(x):
+        xw = _wide(_bshd(x, layout))
+        rot, tail = xw[..., :rotary_dim], xw[..., rotary_dim:]
+        if interleaved:
+            x1, x2 = rot[..., 0::2], rot[..., 1::2]
+        else:
+            x1, x2 = rot[..., : rotary_dim // 2], rot[..., rotary_dim // 2:]
+        o1, o2 = x1 * c - x2 * s, x2 * c + x1 * s
+        out = torch.stack((o1, o2), -1).flatten(-2) if interleaved else torch.cat((o1, o2), -1)
+        out = torch.cat((out, tail), -1).to(x.dtype)
+        out = out.transpose(1, 2) if layout == "bhsd" else out
+        return out.squeeze(0) if x.dim() == 3 else out
+
+    return rotate(q), rotate(k)
+
+
+def rope_reference(q, k, cos, sin, position_ids=None, interleaved=False, rotary_dim=None,
+                   inplace=False, layout="bshd"):
+    """Plain PyTorch rope with the same conventions, in fp32 (fp64 for fp64 inputs)."""
+    rotary_dim = q.shape[-1] if rotary_dim is None else rotary_dim
+    q_out, k_out = _rope_reference(q, k, cos, sin, position_ids, interleaved, rotary_dim, layout, False)
+    if inplace:
+        return q.copy_(q_out), k.copy_(k_out)
+    return q_out, k_out
+
+
+# ----------------------------------------------------------------------------------------------
+# custom ops + autograd
+# ----------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("tilefuse::rope", mutates_args=())
+def _rope_op(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             position_ids: Optional[torch.Tensor], interleaved: bool, rotary_dim: int, layout: str,
+             inverse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    q_out, k_out = _new_like(q, empty), _new_like(k, empty)
+    _rope_into(q, k, cos, sin, position_ids, interleaved, rotary_dim, layout, inverse, q_out, k_out)
+    return q_out, k_out
+
+
+@_rope_op.register_fake
+def _(q, k, cos, sin, position_ids, interleaved, rotary_dim, layout, inverse):
+    def alloc(shape, dtype, device):
+        return torch.empty(shape, dtype=dtype, device=device)
+
+    return _new_like(q, alloc), _new_like(k, alloc)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, cos, sin, position_ids, interleaved, rotary_dim, layout, inverse = inputs
+    ctx.save_for_backward(cos, sin, position_ids)
+    ctx.flags = (interleaved, rotary_dim, layout, not inverse)
+    ctx.dtypes = (q.dtype, k.dtype)
+
+
+def _backward(ctx, dq_out, dk_out):
+    # the rotation is orthogonal: its gradient is the inverse rotation of the output gradients
+    cos, sin, position_ids = ctx.saved_tensors
+    dq, dk = _rope_op(dq_out.to(ctx.dtypes[0]), dk_out.to(ctx.dtypes[1]), cos, sin, position_ids, *ctx.flags)
+    return dq, dk, None, None, None, None, None, None, None
+
+
+_rope_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+@torch.library.custom_op("tilefuse::rope_", mutates_args=("q", "k"))
+def _rope_inplace_op(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     position_ids: Optional[torch.Tensor], interleaved: bool, rotary_dim: int,
+                     layout: str) -> None:
+    _rope_into(q, k, cos, sin, position_ids, interleaved, rotary_dim, layout, False, q, k)
+
+
+@_rope_inplace_op.register_fake
+def _(q, k, cos, sin, position_ids, interleaved, rotary_dim, layout):
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# public API
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_rope_inputs(q, k, cos, sin, position_ids, interleaved, rotary_dim, inplace, layout) -> int:
+    """Validates everything before any launch; returns the rotary dim."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    for name, flag in (("interleaved", interleaved), ("inplace", inplace)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
+        check_tensor(name, t)
+    check_same_dtype(q=q, k=k)
+    check_same_dtype(cos=cos, sin=sin)
+    check_same_device(q=q, k=k, cos=cos, sin=sin, position_ids=position_ids)
+    dims = "[S, H, D]" if layout == "bshd" else "[H, S, D]"
+    for name, t in (("q", q), ("k", k)):
+        if t.dim() not in (3, 4):
+            raise ValueError(f"{name} must be 4-D ({layout}) or 3-D {dims}, got shape {tuple(t.shape)}")
+    if q.dim() != k.dim():
+        raise ValueError(f"q and k must have the same number of dims, got {tuple(q.shape)} and {tuple(k.shape)}")
+    q4, k4 = _bshd(q, layout), _bshd(k, layout)
+    if q4.shape[:2] != k4.shape[:2] or q4.shape[3] != k4.shape[3]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in batch, sequence and "
+                         f"head_dim (layout {layout!r}); only the head counts may differ")
+    batch, seq_len, _, head_dim = q4.shape
+    if rotary_dim is None:
+        rotary_dim = head_dim
+    if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int):
+        raise TypeError(f"rotary_dim must be an int or None, got {type(rotary_dim).__name__}")
+    if rotary_dim % 2 or not 0 <= rotary_dim <= head_dim:
+        raise ValueError(f"rotary_dim must be even and in [0, head_dim={head_dim}], got {rotary_dim}")
+    if cos.shape != sin.shape:
+        raise ValueError(f"cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must have the same shape")
+    if position_ids is None:
+        ok = cos.dim() in (2, 3) and cos.shape[-2:] == (seq_len, rotary_dim)
+        ok = ok and (cos.dim() == 2 or cos.shape[0] in (1, batch))
+        if not ok:
+            raise ValueError(f"cos/sin have shape {tuple(cos.shape)}; expected [S, r], [1, S, r] or [B, S, r] "
+                             f"with S={seq_len}, r=rotary_dim={rotary_dim}, B={batch}")
+    else:
+        check_tensor("position_ids", position_ids, dtypes=POSITION_DTYPES)
+        if position_ids.dim() not in (1, 2) or position_ids.shape[-1] != seq_len or (
+                position_ids.dim() == 2 and position_ids.shape[0] not in (1, batch)):
+            raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}; expected [S], [1, S] "
+                             f"or [B, S] with S={seq_len}, B={batch}")
+        if cos.dim() != 2 or cos.shape[1] != rotary_dim:
+            raise ValueError(f"with position_ids, cos/sin must be a [max_pos, r] table with "
+                             f"r=rotary_dim={rotary_dim}, got shape {tuple(cos.shape)}")
+    if inplace:
+        for name, t in (("q", q), ("k", k)):
+            if t.numel() > 1 and t.stride(-1) != 1:
+                raise ValueError(f"inplace=True needs {name} contiguous in its last dimension (stride {t.stride()})")
+            if torch.is_grad_enabled() and t.requires_grad:
+                raise ValueError(f"inplace=True is for inference: {name} requires grad and grad mode is "
+                                 "enabled; use inplace=False (or torch.no_grad()) to differentiate")
+    return rotary_dim
+
+
+def rope(q, k, cos, sin, position_ids=None, interleaved=False, rotary_dim=None, inplace=False,
+         layout="bshd"):
+    """Rotary position embedding of q and k in one launch; returns ``(q_out, k_out)``.
+
+    q ``[B, S, H_q, D]``, k ``[B, S, H_k, D]`` (``layout="bhsd"``: ``[B, H, S, D]``; 3-D: one
+    batch), any strides with unit stride along D. cos/sin: last dim ``rotary_dim`` (default D),
+    shape ``[S, r]``, ``[1, S, r]`` or ``[B, S, r]``; or a ``[max_pos, r]`` table indexed by
+    ``position_ids`` (``[S]`` or ``[B, S]``; ids must lie in ``[0, max_pos)``, others read
+    cos = sin = 0). NeoX halves by default, GPT-J pairs with ``interleaved=True`` (cos/sin then
+    repeat_interleaved). Features past ``rotary_dim`` pass through. fp32 math; outputs in q/k's
+    dtype and memory order. Gradients flow to q and k only (cos/sin get none).
+    ``inplace=True`` rotates q and k in place and returns them; it is for inference: autograd
+    through it is not supported (error when q or k requires grad under grad mode).
+    """
+    rotary_dim = _check_rope_inputs(q, k, cos, sin, position_ids, interleaved, rotary_dim, inplace, layout)
+    if inplace:
+        _rope_inplace_op(q, k, cos, sin, position_ids, interleaved, rotary_dim, layout)
+        return q, k
+    return _rope_op(q, k, cos, sin, position_ids, interleaved, rotary_dim, layout, False)
+
+
+def rope_cos_sin_table(max_pos: int, rotary_dim: int, base: float = 10000.0, interleaved: bool = False,
+                       dtype: torch.dtype = torch.float32, device=None):
+    """(cos, sin) tables ``[max_pos, rotary_dim]`` in rope's convention, θ_j = base^(−2j/r):
+    NeoX halves duplicated (HF Llama), or repeat_interleaved for ``interleaved=True`` (HF GPT-J)."""
+    inv_freq = base ** (-torch.arange(0, rotary_dim, 2, dtype=torch.float64, device=device) / rotary_dim)
+    angles = torch.arange(max_pos, dtype=torch.float64, device=device)[:, None] * inv_freq[None, :]
+    full = angles.repeat_interleave(2, -1) if interleaved else torch.cat((angles, angles), -1)
+    return full.cos().to(dtype), full.sin().to(dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# peers + registry
+# ----------------------------------------------------------------------------------------------
+
+
+def _rotate_half(x):
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _rotate_every_two(x):
+    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+
+
+def rope_torch(q, k, cos, sin, position_ids=None, interleaved=False, rotary_dim=None, inplace=False,
+               layout="bshd"):
+    """Eager PyTorch as HF writes it (``q * cos + rotate_half(q) * sin`` in q's dtype)."""
+    r = q.shape[-1] if rotary_dim is None else rotary_dim
+    if position_ids is not None:
+        cos, sin = cos[position_ids], sin[position_ids]
+    head_dim_axis = -2 if layout == "bshd" else -3     # cos/sin broadcast over the head axis
+    cos, sin = cos.unsqueeze(head_dim_axis).to(q.dtype), sin.unsqueeze(head_dim_axis).to(q.dtype)
+    rotate = _rotate_every_two if interleaved else _rotate_half
+
+    def apply(x):
+        x_rot, x_pass = x[..., :r], x[..., r:]
+        out = x_rot * cos + rotate(x_rot) * sin
+        out = torch.cat((out, x_pass), dim=-1) if r < x.shape[-1] else out
+        return x.copy_(out) if inplace else out
+
+    return apply(q), apply(k)
+
+
+def _liger_rope():
+    try:
+        from liger_kernel.transformers.rope import liger_rotary_pos_emb  # type: ignore
+    except Exception:
+        return None
+
+    def liger(q, k, cos, sin, position_ids=None, interleaved=False, rotary_dim=None, inplace=False,
+              layout="bshd"):
+        # Liger: NeoX halves, q/k [B, H, S, D] (heads of a token dense), cos/sin [1 or B, S, r].
+        # It rotates in place whenever q.transpose(1, 2) is contiguous (our bshd inputs), as in
+        # HF models; it has no position_ids gather (done here, eagerly) and no GPT-J variant.
+        if interleaved:
+            raise NotImplementedError("Liger's rope has no GPT-J (interleaved) variant")
+        if position_ids is not None:
+            cos, sin = cos[position_ids], sin[position_ids]
+        cos, sin = (cos.unsqueeze(0), sin.unsqueeze(0)) if cos.dim() == 2 else (cos, sin)
+        partial = {} if rotary_dim in (None, q.shape[-1]) else {"rotary_dim": rotary_dim}
+        qh, kh = (q, k) if layout == "bhsd" else (q.transpose(1, 2), k.transpose(1, 2))
+        out = liger_rotary_pos_emb(qh, kh, cos, sin, **partial)
+        q_out, k_out = out[0], out[1]
+        return (q_out, k_out) if layout == "bhsd" else (q_out.transpose(1, 2), k_out.transpose(1, 2))
+
+    return liger
+
+
+def _make_inputs(shape, dtype, device):
+    # shape = (B, S, H_q, H_k, D); cos/sin: a real base-10000 table for positions 0..S-1, [S, D]
+    batch, seq_len, n_q_heads, n_k_heads, head_dim = shape
+    q = torch.randn(batch, seq_len, n_q_heads, head_dim, device=device).to(dtype).requires_grad_(True)
+    k = torch.randn(batch, seq_len, n_k_heads, head_dim, device=device).to(dtype).requires_grad_(True)
+    cos, sin = rope_cos_sin_table(seq_len, head_dim, dtype=dtype, device=device)
+    return Inputs((q, k, cos, sin), grad_args=(0, 1))
+
+
+def _bytes(shape, dtype, pass_):
+    # q, k (fwd) or dq_out, dk_out (bwd) read once and written once; cos and sin: D/2 values
+    # each per position, the [S, D] table being shared by the batch
+    batch, seq_len, n_q_heads, n_k_heads, head_dim = shape
+    return 2 * tensor_bytes((batch, seq_len, n_q_heads + n_k_heads, head_dim), dtype) \
+        + tensor_bytes((seq_len, head_dim), dtype)
+
+
+register(OpSpec(
+    name="rope",
+    fn=rope,
+    reference=rope_reference,
+    make_inputs=_make_inputs,
+    bytes_fn=_bytes,
+    test_shapes=[(1, 1, 1, 1, 8), (2, 5, 4, 2, 16), (1, 7, 3, 1, 64), (2, 3, 2, 2, 24)],
+    gpu_test_shapes=[(2, 1024, 32, 8, 128), (3, 333, 12, 12, 64), (1, 777, 28, 4, 80), (4, 257, 40, 40, 96)],
+    bench_shapes=[(1, 8192, 32, 8, 128), (4, 4096, 32, 8, 128), (4, 4096, 32, 32, 128), (1, 32768, 64, 8, 128)],
+    peers={"torch": lambda: rope_torch, "liger": _liger_rope},
+    description="RoPE of q [B,S,Hq,D] and k [B,S,Hk,D] (NeoX halves), cos/sin [S,D]; shape = (B, S, Hq, Hk, D)",
+))
