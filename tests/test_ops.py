@@ -15,7 +15,7 @@ from conftest import DEVICE
 
 from tilefuse import registry
 from tilefuse.registry import as_tuple
-from tilefuse.testing import rel_err
+from tilefuse.testing import check_impl
 
 
 def _dtype_name(dt):
@@ -32,41 +32,27 @@ def _cases():
                     yield pytest.param(spec.name, tuple(shape), dtype, marks=marks, id=ident)
 
 
-def _grad_outputs(outs):
-    return [torch.randn_like(o) if o.requires_grad else None for o in outs]
-
-
 def check_against_reference(spec, shape, dtype, device, fn=None):
-    """Forward and backward of ``fn`` (default: the tilefuse op) vs the fp64 reference."""
+    """Forward and backward of ``fn`` (default: the tilefuse op) vs the fp64 reference.
+
+    Bound: the spec's per-dtype tolerance, or -- below fp32 -- twice the error of PyTorch's own
+    implementation on the same inputs, whichever is larger (flash-attn's rule; see
+    ``tilefuse.testing.check_impl``)."""
     fn = fn or spec.fn
-    tol = spec.tolerance[dtype]
     inp = spec.make_inputs(shape, dtype, device)
-    ref_inp = inp.detached(dtype=torch.float64)
-    outs = as_tuple(fn(*inp.args, **inp.kwargs))
-    refs = as_tuple(spec.reference(*ref_inp.args, **ref_inp.kwargs))
-    assert len(outs) == len(refs)
-    for i, (o, r) in enumerate(zip(outs, refs)):
-        assert o.shape == r.shape, f"output {i}: shape {tuple(o.shape)} vs reference {tuple(r.shape)}"
-        assert o.dtype == dtype or not o.is_floating_point(), f"output {i} has dtype {o.dtype}"
-        err = rel_err(o, r)
-        assert err <= tol, f"{spec.name} {shape} {dtype}: output {i} rel err {err:.3g} > {tol:g}"
-    if not (spec.has_backward and inp.grad_args):
-        return
-    gouts = _grad_outputs(outs)
-    pairs = [(o, g) for o, g in zip(outs, gouts) if g is not None]
-    leaves = [inp.args[i] for i in inp.grad_args]
-    grads = torch.autograd.grad([o for o, _ in pairs], leaves, [g for _, g in pairs], allow_unused=True)
-    ref_pairs = [(r, g.double()) for r, g in zip(refs, gouts) if g is not None]
-    ref_leaves = [ref_inp.args[i] for i in inp.grad_args]
-    ref_grads = torch.autograd.grad([r for r, _ in ref_pairs], ref_leaves, [g for _, g in ref_pairs], allow_unused=True)
-    for i, g, rg in zip(inp.grad_args, grads, ref_grads):
-        if rg is None:
-            assert g is None or g.abs().max() == 0, f"grad of arg {i} should be zero"
-            continue
-        assert g is not None, f"{spec.name}: no gradient for arg {i}"
-        assert g.shape == rg.shape
-        err = rel_err(g, rg)
-        assert err <= tol, f"{spec.name} {shape} {dtype}: grad of arg {i} rel err {err:.3g} > {tol:g}"
+    outs = as_tuple(fn(*inp.detached().args, **inp.kwargs))
+    for i, o in enumerate(outs):
+        assert not o.is_floating_point() or o.dtype == dtype or spec.name in _MIXED_OUTPUT_DTYPES, \
+            f"{spec.name}: output {i} has dtype {o.dtype}, inputs are {dtype}"
+    chk = check_impl(spec, fn, inp, dtype)
+    where = f"{spec.name} {shape} {_dtype_name(dtype)}"
+    assert chk.error is None, f"{where}: {chk.error}"
+    assert chk.fwd_ok, f"{where}: forward rel err {chk.fwd_err:.3g} > {chk.fwd_tol:.3g}"
+    assert chk.bwd_ok, f"{where}: backward rel err {chk.bwd_err:.3g} > {chk.bwd_tol:.3g}"
+
+
+# ops whose outputs are not all in the input dtype (e.g. a loss returned in fp32)
+_MIXED_OUTPUT_DTYPES = {"cross_entropy", "linear_cross_entropy"}
 
 
 @pytest.mark.parametrize("name,shape,dtype", list(_cases()))

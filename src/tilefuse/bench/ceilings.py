@@ -56,7 +56,7 @@ def gpu_info(index: int | None = None) -> dict[str, Any]:
     if index is None:
         index = torch.cuda.current_device()
     p = torch.cuda.get_device_properties(index)
-    free, total = torch.cuda.mem_get_info(index)
+    free, _ = torch.cuda.mem_get_info(index)
     return {
         "name": p.name,
         "index": index,
@@ -65,7 +65,6 @@ def gpu_info(index: int | None = None) -> dict[str, Any]:
         "free_memory_bytes": int(free),
         "capability": f"{p.major}.{p.minor}",
         "cuda": torch.version.cuda,
-        "driver_total_memory_bytes": int(total),
     }
 
 
@@ -149,23 +148,27 @@ def measure_copy_gbps(nbytes: int = COPY_BYTES_PER_TENSOR, rep: int = 300) -> di
     free, _ = torch.cuda.mem_get_info()
     while nbytes > (64 << 20) and 2 * nbytes > 0.8 * free:   # a busy GPU: fall back to smaller
         nbytes //= 2
-    n = nbytes // 2
-    src = torch.randn(n, device="cuda", dtype=torch.float32).to(torch.bfloat16)
-    dst = torch.empty_like(src)
-    ms = time_ms(lambda: dst.copy_(src), warmup=50, rep=rep)
-    moved = 2 * src.numel() * src.element_size()
-    del src, dst
+
+    def run() -> tuple[float, int]:
+        src = torch.randn(nbytes // 2, device="cuda", dtype=torch.float32).to(torch.bfloat16)
+        dst = torch.empty_like(src)
+        return time_ms(lambda: dst.copy_(src), warmup=50, rep=rep), 2 * src.numel() * src.element_size()
+
+    ms, moved = run()
     torch.cuda.empty_cache()
     return {"copy_gbps": moved / (ms * 1e-3) / 1e9, "copy_ms": ms, "copy_bytes": moved}
 
 
 def measure_matmul_tflops(n: int = MATMUL_N, rep: int = 300) -> dict[str, Any]:
     """bf16 ``torch.matmul`` of random n x n matrices; FLOPs = 2·n³."""
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    ms = time_ms(lambda: torch.matmul(a, b), warmup=100, rep=rep)
+
+    def run() -> float:
+        a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)   # random, never zeros
+        b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+        return time_ms(lambda: torch.matmul(a, b), warmup=100, rep=rep)
+
+    ms = run()
     flops = 2 * n * n * n
-    del a, b
     torch.cuda.empty_cache()
     return {"matmul_tflops": flops / (ms * 1e-3) / 1e12, "matmul_ms": ms, "matmul_shape": [n, n, n]}
 
