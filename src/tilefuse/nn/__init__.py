@@ -1,5 +1,6 @@
 """nn.Module drop-ins with torch's constructor arguments and state_dict keys."""
 
+from .norms import LayerNorm, RMSNorm
 from .softmax import LogSoftmax, Softmax
 
-__all__ = ["Softmax", "LogSoftmax"]
+__all__ = ["Softmax", "LogSoftmax", "LayerNorm", "RMSNorm"]

@@ -1,0 +1,527 @@
+"""layer_norm and rms_norm over the last dimension(s), optionally fused with a residual add.
+
+    h      = x + residual                    (fused add; otherwise h = x)
+    μ      = mean_j h_j                      (0 for RMSNorm)
+    rstd   = 1 / sqrt(mean_j (h_j - μ)² + eps)
+    x̂      = (h - μ) · rstd
+    y      = x̂ · (offset + w) + b            (offset = 1 gives Gemma's RMSNorm)
+    backward, wdy = dy · (offset + w):
+        dh  = rstd · (wdy - mean(wdy) - x̂ · mean(wdy · x̂))   (no mean(wdy) term for RMSNorm)
+              + the gradient flowing into h itself;  dx = dresidual = dh
+        dw  = Σ_rows dy · x̂,   db = Σ_rows dy
+
+Bytes counted (ideal, per pass; M rows of N): forward reads x (and residual) and writes y (and h),
+reads w/b, writes rstd (and μ) as fp32 [M]; backward reads x (h when fused), dy (and dh) and
+writes dx, reads w and rstd/μ, writes dw/db. x is read once per pass in the fused tier.
+
+Tiers (kernels in ``_norm_kernels``, one set for both norms and both residual variants):
+
+* fused: the padded row fits one register tile (``MAX_FUSED_N_FWD`` / ``_BWD``); short rows share
+  a program. Forward: one read, one write. Backward: a persistent grid, each program walks a
+  slice of the rows and keeps dw/db partials in fp32 registers, written once to a
+  ``[programs, N]`` buffer that one ``.sum(0)`` reduces (no atomics).
+* looped (long rows): a stats kernel walks each row in tiles first (mean/rstd forward, the two
+  row dot products backward), then the same normalize / backward kernels run on column tiles.
+  Two walks over the row per pass.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import triton
+
+from .._checks import check_same_device, check_same_dtype, check_shape, check_tensor
+from .._dispatch import empty, num_sms, rows_view, use_triton
+from ..registry import Inputs, OpSpec, register, tensor_bytes
+from ._norm_kernels import norm_bwd_kernel, norm_bwd_stats_kernel, norm_fwd_kernel, norm_fwd_stats_kernel
+
+MAX_FUSED_N_FWD = 16384   # padded row length kept in registers by the forward (x, w, b live)
+MAX_FUSED_N_BWD = 8192    # backward keeps x, dy, x̂, wdy and two accumulators live: a smaller tile
+LOOPED_BLOCK_N = 4096     # column tile of the looped tier
+
+
+# ----------------------------------------------------------------------------------------------
+# launch heuristics (every one can be overridden through the launchers' ``config`` dict)
+# ----------------------------------------------------------------------------------------------
+
+
+def _rows_per_program(block_n: int, n_rows: int, target: int) -> int:
+    """Short rows share a program so each moves ~``target`` elements per step."""
+    return max(1, min(target // block_n, triton.next_power_of_2(max(n_rows, 1))))
+
+
+def _fwd_rows_per_program(block_n: int, n_rows: int) -> int:
+    """~8K elements per forward program: enough bytes in flight without a 32-warp row reduction."""
+    return _rows_per_program(block_n, n_rows, 8192)
+
+
+def _bwd_rows_per_step(block_n: int, n_rows: int) -> int:
+    """~4K elements per backward step: x, dy, x̂, wdy and the dw/db accumulators stay in registers."""
+    return _rows_per_program(block_n, n_rows, 4096)
+
+
+def _num_warps(tile_elems: int, per_thread: int = 16, max_warps: int = 32) -> int:
+    """~``per_thread`` fp32 values of a tile per thread: wide loads, no spills."""
+    return max(4, min(max_warps, tile_elems // (32 * per_thread)))
+
+
+def _bwd_num_warps(tile_elems: int) -> int:
+    """Backward: 8 values per thread per tile. ptxas (sm_90a, bf16): 64-110 registers, no spills,
+    from 4096x16 warps to 8192x32; 16 per thread takes 160 registers (128 and spills at 512 threads)."""
+    return _num_warps(tile_elems, per_thread=8, max_warps=32)
+
+
+def _bwd_programs_per_sm(num_warps: int) -> int:
+    """Persistent grid: every program must be resident at once (a second wave would idle most
+    SMs); at ~100 registers per thread an SM holds ~16 warps of this kernel."""
+    return max(1, 16 // num_warps)
+
+
+def _bwd_prefetch(num_warps: int) -> bool:
+    """Prefetch the next row block in registers while reducing this one: the row loop is not
+    software-pipelined by Triton. Costs ~30 registers (ptxas: 128 at 4096x16 warps, no spills);
+    at 32 warps (64 registers per thread) it spills, so only up to 16 warps."""
+    return num_warps <= 16
+
+
+def _bwd_row_programs(n_row_blocks: int, n_col_tiles: int, sms: int, programs_per_sm: int) -> int:
+    """Row programs of the persistent grid: fill the SMs, never more than there are row blocks."""
+    return max(1, min(n_row_blocks, (sms * programs_per_sm) // n_col_tiles))
+
+
+# ----------------------------------------------------------------------------------------------
+# launchers (inputs already validated by the public functions; x's last dim is the normalized one)
+# ----------------------------------------------------------------------------------------------
+
+
+def _launch_fwd(x, weight, bias, residual, eps: float, offset: float, is_rms: bool, config=None):
+    """Returns (y, h, mean, rstd): h is empty without residual, mean is empty for RMSNorm.
+
+    ``config`` (tuning sweeps) overrides: ``max_fused_n`` (longest padded row of the fused tier),
+    ``BLOCK_M`` (rows per program, fused tier), ``BLOCK_N`` (column tile, looped tier), ``num_warps``.
+    """
+    cfg = config or {}
+    x2 = rows_view(x)
+    n_rows, n_cols = x2.shape
+    has_res = residual is not None
+    y = empty((n_rows, n_cols), x.dtype, x.device)
+    h = empty((n_rows, n_cols) if has_res else (0,), x.dtype, x.device)
+    mean = empty((0,) if is_rms else (n_rows,), torch.float32, x.device)
+    rstd = empty((n_rows,), torch.float32, x.device)
+    lead = x.shape[:-1]
+    out = (y.view(x.shape), h.view(x.shape) if has_res else h, mean if is_rms else mean.view(lead), rstd.view(lead))
+    if y.numel() == 0:
+        mean.zero_()
+        rstd.zero_()
+        return out
+    r2 = rows_view(residual) if has_res else y
+    w = weight.contiguous() if weight is not None else y
+    b = bias.contiguous() if bias is not None else y
+    src = x2
+    fused_n = triton.next_power_of_2(n_cols)
+    stats_in = fused_n > cfg.get("max_fused_n", MAX_FUSED_N_FWD)
+    if not stats_in:
+        block_n = fused_n
+        block_m = cfg.get("BLOCK_M", _fwd_rows_per_program(block_n, n_rows))
+    else:
+        block_n, block_m = cfg.get("BLOCK_N", LOOPED_BLOCK_N), 1
+        norm_fwd_stats_kernel[(n_rows,)](
+            x2, r2, h, mean if not is_rms else rstd, rstd,
+            x2.stride(0), r2.stride(0), h.stride(0), n_cols, eps,
+            IS_RMS=is_rms, HAS_RES=has_res, BLOCK_N=block_n, num_warps=_num_warps(block_n),
+        )
+        if has_res:
+            src = h                     # h is written; normalize it instead of re-adding
+    grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
+    norm_fwd_kernel[grid](
+        src, r2, w, b, y, h, mean if not is_rms else rstd, rstd,
+        src.stride(0), r2.stride(0), y.stride(0), h.stride(0), n_rows, n_cols, eps, offset,
+        IS_RMS=is_rms, HAS_RES=has_res and not stats_in, HAS_W=weight is not None, HAS_B=bias is not None,
+        STATS_IN=stats_in, BLOCK_M=block_m, BLOCK_N=block_n,
+        num_warps=cfg.get("num_warps", _num_warps(block_m * block_n)),
+    )
+    return out
+
+
+def _launch_bwd(dy, x, weight, mean, rstd, dres, offset: float, is_rms: bool, need_dw: bool, need_db: bool,
+                config=None):
+    """Returns (dx, dw, db): dw/db fp32 [N] (empty when not needed).
+
+    ``config`` overrides: ``max_fused_n``, ``BLOCK_M`` (rows per step, fused tier), ``BLOCK_N``
+    (column tile, looped tier), ``num_warps``, ``programs_per_sm`` (persistent grid size),
+    ``prefetch`` (next row block loaded during this one's math).
+    """
+    cfg = config or {}
+    x2, dy2 = rows_view(x), rows_view(dy)
+    n_rows, n_cols = x2.shape
+    dx = empty((n_rows, n_cols), x.dtype, x.device)
+    if dx.numel() == 0:
+        zeros = lambda need: torch.zeros((n_cols,) if need else (0,), dtype=torch.float32, device=x.device)  # noqa: E731
+        return dx.view(x.shape), zeros(need_dw), zeros(need_db)
+    dr2 = rows_view(dres) if dres is not None else dy2
+    w = weight.contiguous() if weight is not None else dx
+    rstd1 = rstd.reshape(-1)
+    mean1 = mean.reshape(-1) if mean is not None else rstd1
+    fused_n = triton.next_power_of_2(n_cols)
+    stats_in = fused_n > cfg.get("max_fused_n", MAX_FUSED_N_BWD)
+    dots = dx                           # dummy unless stats_in
+    if not stats_in:
+        block_n = fused_n
+        block_m = cfg.get("BLOCK_M", _bwd_rows_per_step(block_n, n_rows))
+    else:
+        block_n, block_m = cfg.get("BLOCK_N", LOOPED_BLOCK_N), 1
+        dots = empty((2, n_rows), torch.float32, x.device)
+        norm_bwd_stats_kernel[(n_rows,)](
+            x2, w, dy2, mean1, rstd1, dots, x2.stride(0), dy2.stride(0), n_rows, n_cols, offset,
+            IS_RMS=is_rms, HAS_W=weight is not None, BLOCK_N=block_n, num_warps=_bwd_num_warps(block_n),
+        )
+    num_warps = cfg.get("num_warps", _bwd_num_warps(block_m * block_n))
+    n_col_tiles = triton.cdiv(n_cols, block_n)
+    pps = cfg.get("programs_per_sm", _bwd_programs_per_sm(num_warps))
+    n_prog = _bwd_row_programs(triton.cdiv(n_rows, block_m), n_col_tiles, num_sms(x), pps)
+    dw_part = empty((n_prog, n_cols), torch.float32, x.device) if need_dw else dx
+    db_part = empty((n_prog, n_cols), torch.float32, x.device) if need_db else dx
+    norm_bwd_kernel[(n_prog, n_col_tiles)](
+        x2, w, dy2, dr2, mean1, rstd1, dots, dx, dw_part, db_part,
+        x2.stride(0), dy2.stride(0), dr2.stride(0), dx.stride(0), n_rows, n_cols, offset,
+        IS_RMS=is_rms, HAS_W=weight is not None, HAS_DRES=dres is not None, DW=need_dw, DB=need_db,
+        STATS_IN=stats_in, BLOCK_M=block_m, BLOCK_N=block_n, PREFETCH=cfg.get("prefetch", _bwd_prefetch(num_warps)),
+        num_warps=num_warps,
+    )
+    none = lambda: torch.empty((0,), dtype=torch.float32, device=x.device)  # noqa: E731 (no aliasing outputs)
+    return dx.view(x.shape), dw_part.sum(0) if need_dw else none(), db_part.sum(0) if need_db else none()
+
+
+# ----------------------------------------------------------------------------------------------
+# references (fp32 or wider; also the CPU path)
+# ----------------------------------------------------------------------------------------------
+
+
+def _wide(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return t if t is None or t.dtype == torch.float64 else t.float()
+
+
+def _norm_stats(h: torch.Tensor, eps: float, is_rms: bool, dims=(-1,)):
+    """(mean or None, rstd) of the wide tensor h over ``dims``, keepdim."""
+    mean = None if is_rms else h.mean(dims, keepdim=True)
+    hc = h if is_rms else h - mean
+    return mean, torch.rsqrt((hc * hc).mean(dims, keepdim=True) + eps)
+
+
+def _norm_reference(x, normalized_shape, weight, bias, eps, offset, residual, is_rms):
+    dims = tuple(range(-len(_shape_tuple(normalized_shape, x)), 0))
+    h = x if residual is None else x + residual          # rounded to x's dtype, as the kernel does
+    hw = _wide(h)
+    mean, rstd = _norm_stats(hw, eps, is_rms, dims)
+    y = (hw if is_rms else hw - mean) * rstd
+    if weight is not None:
+        y = y * (_wide(weight) + offset)
+    if bias is not None:
+        y = y + _wide(bias)
+    y = y.to(x.dtype)
+    return y if residual is None else (y, h)
+
+
+def layer_norm_reference(x, normalized_shape=None, weight=None, bias=None, eps=1e-5, residual=None):
+    return _norm_reference(x, normalized_shape, weight, bias, eps, 0.0, residual, is_rms=False)
+
+
+def rms_norm_reference(x, normalized_shape=None, weight=None, eps=1e-6, offset=0.0, residual=None):
+    eps = torch.finfo(x.dtype).eps if eps is None else eps
+    return _norm_reference(x, normalized_shape, weight, None, eps, offset, residual, is_rms=True)
+
+
+def _fwd_reference(x, weight, bias, residual, eps, offset, is_rms):
+    """The custom op's CPU path: (y, h, mean, rstd) like _launch_fwd."""
+    h = x if residual is None else x + residual
+    hw = _wide(h)
+    mean, rstd = _norm_stats(hw, eps, is_rms)
+    y = (hw if is_rms else hw - mean) * rstd
+    if weight is not None:
+        y = y * (weight.float() + offset)
+    if bias is not None:
+        y = y + bias.float()
+    mean = x.new_empty((0,), dtype=torch.float32) if is_rms else mean.squeeze(-1).float()
+    return (y.to(x.dtype).contiguous(), h.contiguous() if residual is not None else x.new_empty((0,)),
+            mean.contiguous(), rstd.squeeze(-1).float().contiguous())
+
+
+def _bwd_reference(dy, x, weight, mean, rstd, dres, offset, is_rms, need_dw, need_db):
+    n = x.shape[-1]
+    xw, dyw = x.float(), dy.float()
+    xhat = (xw if is_rms else xw - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)
+    wdy = dyw * (weight.float() + offset) if weight is not None else dyw
+    dx = wdy - xhat * (xhat * wdy).mean(-1, keepdim=True)
+    if not is_rms:
+        dx = dx - wdy.mean(-1, keepdim=True)
+    dx = dx * rstd.unsqueeze(-1)
+    if dres is not None:
+        dx = dx + dres.float()
+    lead = tuple(range(x.dim() - 1))
+    dw = (dyw * xhat).sum(lead).reshape(n) if need_dw else x.new_empty((0,), dtype=torch.float32)
+    db = dyw.sum(lead).reshape(n) if need_db else x.new_empty((0,), dtype=torch.float32)
+    return dx.to(x.dtype).contiguous(), dw, db
+
+
+# ----------------------------------------------------------------------------------------------
+# custom ops + autograd
+# ----------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("tilefuse::norm_fwd", mutates_args=())
+def _norm_fwd_op(
+    x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+    residual: Optional[torch.Tensor], eps: float, offset: float, is_rms: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    if use_triton(x):
+        return _launch_fwd(x, weight, bias, residual, eps, offset, is_rms)
+    return _fwd_reference(x, weight, bias, residual, eps, offset, is_rms)
+
+
+@_norm_fwd_op.register_fake
+def _(x, weight, bias, residual, eps, offset, is_rms):
+    f32 = dict(dtype=torch.float32, device=x.device)
+    return (
+        x.new_empty(x.shape),
+        x.new_empty(x.shape if residual is not None else (0,)),
+        torch.empty((0,) if is_rms else x.shape[:-1], **f32),
+        torch.empty(x.shape[:-1], **f32),
+    )
+
+
+@torch.library.custom_op("tilefuse::norm_bwd", mutates_args=())
+def _norm_bwd_op(
+    dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor], mean: Optional[torch.Tensor],
+    rstd: torch.Tensor, dres: Optional[torch.Tensor], offset: float, is_rms: bool, need_dw: bool, need_db: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if use_triton(x):
+        return _launch_bwd(dy, x, weight, mean, rstd, dres, offset, is_rms, need_dw, need_db)
+    return _bwd_reference(dy, x, weight, mean, rstd, dres, offset, is_rms, need_dw, need_db)
+
+
+@_norm_bwd_op.register_fake
+def _(dy, x, weight, mean, rstd, dres, offset, is_rms, need_dw, need_db):
+    n = x.shape[-1]
+    f32 = dict(dtype=torch.float32, device=x.device)
+    return x.new_empty(x.shape), torch.empty((n,) if need_dw else (0,), **f32), torch.empty((n,) if need_db else (0,), **f32)
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, residual, eps, offset, is_rms = inputs
+    _, h, mean, rstd = output
+    ctx.has_res, ctx.offset, ctx.is_rms = residual is not None, offset, is_rms
+    ctx.w_dtype = weight.dtype if weight is not None else None
+    ctx.b_dtype = bias.dtype if bias is not None else None
+    ctx.save_for_backward(h if residual is not None else x, weight, mean, rstd)
+
+
+def _backward(ctx, dy, dh, _dmean, _drstd):
+    x, weight, mean, rstd = ctx.saved_tensors
+    need_dw = ctx.w_dtype is not None and ctx.needs_input_grad[1]
+    need_db = ctx.b_dtype is not None and ctx.needs_input_grad[2]
+    dy = torch.zeros_like(x) if dy is None else dy.to(x.dtype)
+    dres = dh.to(x.dtype) if ctx.has_res and dh is not None else None
+    dx, dw, db = _norm_bwd_op(dy, x, weight, None if ctx.is_rms else mean, rstd, dres,
+                              ctx.offset, ctx.is_rms, need_dw, need_db)
+    return (dx, dw.to(ctx.w_dtype) if need_dw else None, db.to(ctx.b_dtype) if need_db else None,
+            dx if ctx.has_res else None, None, None, None)
+
+
+_norm_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------
+# public API
+# ----------------------------------------------------------------------------------------------
+
+
+def _shape_tuple(normalized_shape, x) -> tuple:
+    if normalized_shape is None:
+        return (x.shape[-1],)
+    if isinstance(normalized_shape, int):
+        return (normalized_shape,)
+    return tuple(normalized_shape)
+
+
+def _check_normalized_shape(normalized_shape, x: torch.Tensor) -> tuple:
+    ok_type = normalized_shape is None or isinstance(normalized_shape, (int, tuple, list, torch.Size))
+    if not ok_type or isinstance(normalized_shape, bool):
+        raise TypeError(f"normalized_shape must be an int or a sequence of ints, got "
+                        f"{type(normalized_shape).__name__} (pass weight/bias by keyword)")
+    shape = _shape_tuple(normalized_shape, x)
+    if not shape or not all(isinstance(s, int) and not isinstance(s, bool) for s in shape):
+        raise TypeError(f"normalized_shape must be a non-empty sequence of ints, got {normalized_shape!r}")
+    if len(shape) > x.dim() or tuple(x.shape[x.dim() - len(shape):]) != shape:
+        raise ValueError(f"normalized_shape {shape} does not match the trailing dims of x {tuple(x.shape)}")
+    return shape
+
+
+def _check_number(name: str, v) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise TypeError(f"{name} must be a float, got {type(v).__name__}")
+    if not -math.inf < v < math.inf:   # (not math.isfinite: dynamo traces floats symbolically)
+        raise ValueError(f"{name} must be finite, got {v}")
+    return float(v)
+
+
+def _norm(x, normalized_shape, weight, bias, eps, offset, residual, is_rms):
+    check_tensor("x", x, min_dim=1)
+    shape = _check_normalized_shape(normalized_shape, x)
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None:
+            check_tensor(name, t)
+            check_shape(name, t, shape, "normalized_shape")
+    if residual is not None:
+        check_tensor("residual", residual)
+        check_same_dtype(x=x, residual=residual)
+        check_shape("residual", residual, x.shape, "x's shape")
+    check_same_device(x=x, weight=weight, bias=bias, residual=residual)
+    eps = _check_number("eps", eps)
+    if eps < 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+    offset = _check_number("offset", offset)
+    if offset != 0.0 and weight is None:
+        raise ValueError("offset scales the weight (y = x̂·(offset + weight)): pass weight with offset")
+    if len(shape) > 1:  # normalize the trailing dims as one flattened row
+        x = x.flatten(x.dim() - len(shape))
+        weight = weight.flatten() if weight is not None else None
+        bias = bias.flatten() if bias is not None else None
+        residual = residual.flatten(residual.dim() - len(shape)) if residual is not None else None
+    y, h, _, _ = _norm_fwd_op(x, weight, bias, residual, eps, offset, is_rms)
+    if len(shape) > 1:
+        y = y.unflatten(-1, shape)
+        h = h.unflatten(-1, shape) if residual is not None else h
+    return y if residual is None else (y, h)
+
+
+def layer_norm(x, normalized_shape=None, weight=None, bias=None, eps=1e-5, residual=None):
+    """``F.layer_norm(x, normalized_shape, weight, bias, eps)``; normalized_shape defaults to
+    x's last dim. fp32 math; y in x's dtype; weight/bias may be another float dtype than x.
+
+    With ``residual`` (x's shape and dtype): ``h = x + residual``, returns ``(layer_norm(h), h)``.
+    """
+    return _norm(x, normalized_shape, weight, bias, eps, 0.0, residual, is_rms=False)
+
+
+def rms_norm(x, normalized_shape=None, weight=None, eps=1e-6, offset=0.0, residual=None):
+    """``F.rms_norm(x, normalized_shape, weight, eps)`` with ``y = x̂·(offset + weight)``
+    (offset=1.0: Gemma). ``eps=None`` means ``torch.finfo(x.dtype).eps``, as torch.
+
+    With ``residual``: ``h = x + residual``, returns ``(rms_norm(h), h)`` (Llama's pre-norm add).
+    """
+    if eps is None and isinstance(x, torch.Tensor) and x.is_floating_point():
+        eps = torch.finfo(x.dtype).eps
+    return _norm(x, normalized_shape, weight, None, eps, offset, residual, is_rms=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# registry
+# ----------------------------------------------------------------------------------------------
+
+
+def _randn(shape, dtype, device, scale=1.0, shift=0.0):
+    return (torch.randn(shape, device=device, dtype=torch.float32) * scale + shift).to(dtype).requires_grad_(True)
+
+
+def _make_inputs(is_rms: bool, fused_add: bool):
+    def make(shape, dtype, device):
+        n = shape[-1]
+        x = _randn(shape, dtype, device, scale=2.0, shift=0.5)   # a real mean to subtract
+        w = _randn((n,), dtype, device, scale=0.1, shift=1.0)    # near 1 but random, like a trained norm
+        res = _randn(shape, dtype, device) if fused_add else None
+        if is_rms:                      # rms_norm(x, normalized_shape, weight, eps, offset, residual)
+            args, grads = (x, (n,), w, 1e-6, 0.0) + ((res,) if fused_add else ()), (0, 2, 5)
+        else:                           # layer_norm(x, normalized_shape, weight, bias, eps, residual)
+            b = _randn((n,), dtype, device, scale=0.1)
+            args, grads = (x, (n,), w, b, 1e-5) + ((res,) if fused_add else ()), (0, 2, 3, 5)
+        return Inputs(args, grad_args=grads if fused_add else grads[:-1])
+    return make
+
+
+def _bytes(is_rms: bool, fused_add: bool):
+    def count(shape, dtype, pass_):
+        n = shape[-1]
+        m = math.prod(shape[:-1])
+        big = tensor_bytes(shape, dtype)            # one [M, N] tensor
+        vec = tensor_bytes((n,), dtype)             # one of w, b, dw, db
+        stats = (1 if is_rms else 2) * 4 * m        # rstd (and mean), fp32
+        params = 1 if is_rms else 2                 # w (and b)
+        if pass_ == "fwd":                          # x (+ residual) read, y (+ h) written
+            return big * (4 if fused_add else 2) + vec * params + stats
+        # bwd: x (h), dy (+ dh) read, dx written (also d residual: the same tensor); w read, dw/db written
+        return big * (4 if fused_add else 3) + vec * (1 + params) + stats
+    return count
+
+
+def _torch_peer(is_rms: bool, fused_add: bool):
+    def fn(x, normalized_shape, weight, *rest):
+        if is_rms:
+            eps, offset, residual = (list(rest) + [1e-6, 0.0, None][len(rest):])[:3]
+            h = x + residual if fused_add else x
+            y = torch.nn.functional.rms_norm(h, normalized_shape, weight + offset if offset else weight, eps)
+        else:
+            bias, eps, residual = (list(rest) + [None, 1e-5, None][len(rest):])[:3]
+            h = x + residual if fused_add else x
+            y = torch.nn.functional.layer_norm(h, normalized_shape, weight, bias, eps)
+        return (y, h) if fused_add else y
+    return lambda: fn
+
+
+def _liger_peer(is_rms: bool, fused_add: bool):
+    def factory():
+        try:
+            if is_rms:
+                from liger_kernel.ops.rms_norm import LigerRMSNormFunction as Norm  # type: ignore
+                if fused_add:
+                    from liger_kernel.ops.fused_add_rms_norm import LigerFusedAddRMSNormFunction as Add  # type: ignore
+            else:
+                from liger_kernel.ops.layer_norm import LigerLayerNormFunction as Norm  # type: ignore
+        except Exception:
+            return None
+        import inspect
+
+        def no_in_place(fn):            # liger may overwrite dy with dx unless told not to
+            return (False,) if "in_place" in inspect.signature(fn.forward).parameters else ()
+
+        def fn(x, normalized_shape, weight, *rest):
+            if is_rms:
+                eps, offset, residual = (list(rest) + [1e-6, 0.0, None][len(rest):])[:3]
+                if fused_add:
+                    return Add.apply(x, residual, weight, eps, offset, "llama", *no_in_place(Add))
+                return Norm.apply(x, weight, eps, offset, "llama", *no_in_place(Norm))
+            bias, eps, residual = (list(rest) + [None, 1e-5, None][len(rest):])[:3]
+            h = x + residual if fused_add else x
+            y = Norm.apply(h, weight, bias, eps)
+            return (y, h) if fused_add else y
+        return fn
+    return factory
+
+
+_TEST_SHAPES = [(1, 1), (3, 781), (7, 4097), (2, 3, 1000), (1, 65537), (5, 1)]
+# RMSNorm's dx at N = 1 is eps·rstd³·wdy: a difference of two O(1) terms, ill-conditioned in fp32
+# against an fp64 reference (LayerNorm's is exactly 0); tests/test_norms.py checks N = 1 separately.
+_RMS_TEST_SHAPES = [(1, 2), (3, 781), (7, 4097), (2, 3, 1000), (1, 65537), (5, 2)]
+_GPU_TEST_SHAPES = [(16384, 4096), (4096, 8192), (64, 65537), (1000, 12288)]
+_BENCH_SHAPES = [(16384, 4096), (16384, 8192)]
+
+for _name, _is_rms, _add, _desc in (
+    ("layer_norm", False, False, "LayerNorm over the last dim"),
+    ("rms_norm", True, False, "RMSNorm over the last dim"),
+    ("add_layer_norm", False, True, "residual add fused with LayerNorm: (norm(x + r), x + r)"),
+    ("add_rms_norm", True, True, "residual add fused with RMSNorm: (norm(x + r), x + r)"),
+):
+    register(OpSpec(
+        name=_name,
+        fn=rms_norm if _is_rms else layer_norm,
+        reference=rms_norm_reference if _is_rms else layer_norm_reference,
+        make_inputs=_make_inputs(_is_rms, _add),
+        bytes_fn=_bytes(_is_rms, _add),
+        test_shapes=_RMS_TEST_SHAPES if _is_rms else _TEST_SHAPES,
+        gpu_test_shapes=_GPU_TEST_SHAPES,
+        bench_shapes=_BENCH_SHAPES,
+        peers={"torch": _torch_peer(_is_rms, _add), "liger": _liger_peer(_is_rms, _add)},
+        description=_desc,
+    ))
