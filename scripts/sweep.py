@@ -115,7 +115,87 @@ def sweep_softmax(dtype):
     return rows
 
 
-SWEEPS = {"softmax": sweep_softmax}
+def norm_configs(n_cols, pass_):
+    out = []
+    bn = triton.next_power_of_2(n_cols)
+    for bm, w in itertools.product((1, 2, 4, 8), (4, 8, 16, 32)):
+        elems = bm * bn
+        per_thread = elems // (32 * w)
+        if not (2048 <= elems <= 32768 and 4 <= per_thread <= 32):
+            continue
+        if pass_ == "fwd":
+            out.append({"max_fused_n": 65536, "BLOCK_M": bm, "num_warps": w})
+        else:
+            for pps, pf in itertools.product((1, 2, 4), (False, True)):
+                if pf and per_thread > 16:
+                    continue
+                out.append({"max_fused_n": 65536, "BLOCK_M": bm, "num_warps": w,
+                            "programs_per_sm": pps, "prefetch": pf})
+    return out
+
+
+def sweep_norm(name, dtype):
+    from tilefuse.ops import norms as nm
+    spec = registry.get(name)
+    is_rms = name == "rms_norm"
+    rows = []
+    for shape in spec.bench_shapes:
+        n = shape[-1]
+        x = torch.randn(shape, device="cuda").to(dtype)
+        w = (1 + 0.1 * torch.randn(n, device="cuda")).to(dtype)
+        b = None if is_rms else (0.1 * torch.randn(n, device="cuda")).to(dtype)
+        eps = 1e-6 if is_rms else 1e-5
+        y_ref = nm._fwd_reference(x, w, b, None, eps, 0.0, is_rms)[0]
+        _, _, mean, rstd = nm._launch_fwd(x, w, b, None, eps, 0.0, is_rms)
+        dy = torch.randn_like(x)
+        dx_ref = nm._bwd_reference(dy, x, w, None if is_rms else mean, rstd, None, 0.0, is_rms, True, not is_rms)[0]
+        for pass_ in ("fwd", "bwd"):
+            nbytes = spec.bytes_fn(shape, dtype, pass_)
+            if pass_ == "fwd":
+                fn_for = lambda cfg: (lambda: nm._launch_fwd(x, w, b, None, eps, 0.0, is_rms, cfg)[0])
+                check = lambda out: rel_err(out, y_ref)
+                torch_fn = (lambda: torch.nn.functional.rms_norm(x, (n,), w, eps)) if is_rms else \
+                    (lambda: torch.nn.functional.layer_norm(x, (n,), w, b, eps))
+            else:
+                fn_for = lambda cfg: (lambda: nm._launch_bwd(dy, x, w, None if is_rms else mean, rstd, None, 0.0,
+                                                             is_rms, True, not is_rms, cfg)[0])
+                check = lambda out: rel_err(out, dx_ref)
+                torch_fn = None
+            default = {}
+            results = sweep_plain(fn_for, check, norm_configs(n, pass_), nbytes, default)
+            copy = copy_gbps(nbytes)
+            eager = time_gbps(torch_fn, nbytes)[0] if torch_fn else float("nan")
+            for gbps, ms, cfg in results[:6]:
+                tag = " (default)" if cfg == default else ""
+                print(f"{name} {shape} {pass_}: {gbps:7.0f} GB/s {ms*1e3:8.1f} us {cfg}{tag}", flush=True)
+            dflt = [r for r in results if r[2] == default]
+            rows.append((shape, pass_, results[0][0], results[0][2], dflt[0][0] if dflt else float("nan"), copy, eager))
+    return rows
+
+
+def sweep_plain(fn_for, check, cfgs, nbytes, default):
+    results = []
+    for cfg in [default] + cfgs:
+        fn = fn_for(cfg)
+        try:
+            err = check(fn())
+        except Exception as exc:  # noqa: BLE001 - a config that fails to compile is skipped
+            print(f"  FAILED {cfg}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+            continue
+        if err > 1e-2:
+            print(f"  WRONG {cfg} err={err:.3g}", flush=True)
+            continue
+        gbps, ms = time_gbps(fn, nbytes)
+        results.append((gbps, ms, cfg))
+    results.sort(key=lambda r: -r[0])
+    return results
+
+
+SWEEPS = {
+    "softmax": sweep_softmax,
+    "rms_norm": lambda dtype: sweep_norm("rms_norm", dtype),
+    "layer_norm": lambda dtype: sweep_norm("layer_norm", dtype),
+}
 
 
 def main(argv=None):
