@@ -135,7 +135,7 @@ def test_random_shapes(rows, cols, log, half, scale):
 
 
 @pytest.mark.parametrize("config", [
-    {"programs_per_sm": 1, "num_stages": 2, "BLOCK_M": 2},  # persistent: each program walks tiles
+    {"BLOCK_M": 8, "num_warps": 8},
     {"BLOCK_M": 1, "num_warps": 4},
     {"looped": True, "BLOCK_N": 64, "num_warps": 4},    # the looped tier on a short row, many tiles
 ])

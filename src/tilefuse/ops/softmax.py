@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from .._checks import check_dim, check_tensor
-from .._dispatch import empty, num_sms, rows_view, use_triton
+from .._dispatch import empty, rows_view, use_triton
 from ..registry import Inputs, OpSpec, register, tensor_bytes
 from ._common import LN2, LOG2E, row_tile_mask_offsets
 
@@ -51,26 +51,23 @@ def softmax_fwd_fused_kernel(
     n_rows,             # rows (all leading dims flattened)
     n_cols,             # row length
     LOG: tl.constexpr,      # log_softmax instead of softmax
-    BLOCK_M: tl.constexpr,  # rows per tile
+    BLOCK_M: tl.constexpr,  # rows per program
     BLOCK_N: tl.constexpr,  # power of two >= n_cols: the whole row is in registers
-    NUM_STAGES: tl.constexpr,  # >1: a persistent grid prefetches the next tile while this one computes
 ):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
-    n_tiles = tl.cdiv(n_rows, BLOCK_M)
-    for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), num_stages=NUM_STAGES):
-        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-        mask, x_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, x_row_stride)
-        x = tl.load(x_ptr + x_offs, mask=mask, other=-float("inf")).to(tl.float32)
-        m = tl.max(x, axis=1)
-        z = (x - m[:, None]) * LOG2E            # log2-domain shifted logits; exp2 is one MUFU op
-        e = tl.exp2(z)
-        s = tl.sum(e, axis=1)
-        if LOG:
-            y = (z - tl.log2(s)[:, None]) * LN2
-        else:
-            y = e * (1.0 / s)[:, None]
-        _, y_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, y_row_stride)
-        tl.store(y_ptr + y_offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+    mask, x_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, x_row_stride)
+    x = tl.load(x_ptr + x_offs, mask=mask, other=-float("inf")).to(tl.float32)
+    m = tl.max(x, axis=1)
+    z = (x - m[:, None]) * LOG2E            # log2-domain shifted logits; exp2 is one MUFU op
+    e = tl.exp2(z)
+    s = tl.sum(e, axis=1)
+    if LOG:
+        y = (z - tl.log2(s)[:, None]) * LN2
+    else:
+        y = e * (1.0 / s)[:, None]
+    _, y_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, y_row_stride)
+    tl.store(y_ptr + y_offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -139,22 +136,19 @@ def softmax_bwd_fused_kernel(
     n_rows,             # rows
     n_cols,             # row length
     LOG: tl.constexpr,      # y is log_softmax output
-    BLOCK_M: tl.constexpr,  # rows per tile
+    BLOCK_M: tl.constexpr,  # rows per program
     BLOCK_N: tl.constexpr,  # power of two >= n_cols
-    NUM_STAGES: tl.constexpr,  # >1: a persistent grid prefetches the next tile while this one computes
 ):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
-    n_tiles = tl.cdiv(n_rows, BLOCK_M)
-    for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), num_stages=NUM_STAGES):
-        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-        mask, y_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, y_row_stride)
-        _, dy_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, dy_row_stride)
-        _, dx_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, dx_row_stride)
-        y = tl.load(y_ptr + y_offs, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + dy_offs, mask=mask, other=0.0).to(tl.float32)
-        row_sum = tl.sum(_softmax_bwd_terms(y, dy, LOG), axis=1)
-        dx = _softmax_bwd_dx(y, dy, row_sum[:, None], LOG)
-        tl.store(dx_ptr + dx_offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+    mask, y_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, y_row_stride)
+    _, dy_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, dy_row_stride)
+    _, dx_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, dx_row_stride)
+    y = tl.load(y_ptr + y_offs, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + dy_offs, mask=mask, other=0.0).to(tl.float32)
+    row_sum = tl.sum(_softmax_bwd_terms(y, dy, LOG), axis=1)
+    dx = _softmax_bwd_dx(y, dy, row_sum[:, None], LOG)
+    tl.store(dx_ptr + dx_offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -203,14 +197,15 @@ def _fused_block_n(n_cols: int) -> int:
 
 
 def _rows_per_program(block_n: int, n_rows: int) -> int:
-    """Short rows share a program so each tile holds ~8K elements (H200 sweep: 4K-8K-element
-    tiles were best at N = 1024 and 4096; 16K-32K tiles lost 10-20 %)."""
-    return max(1, min(8192 // block_n, triton.next_power_of_2(max(n_rows, 1))))
+    """Short rows share a program up to ~2K elements per tile: many small programs beat few big
+    ones (H200 sweeps: 1 row of 4096 or 2 rows of 1024 per program were best)."""
+    return max(1, min(2048 // block_n, triton.next_power_of_2(max(n_rows, 1))))
 
 
 def _num_warps(tile_elems: int) -> int:
-    """~16 fp32 values per thread, 4 to 16 warps (32 warps lost 3-10 % in the H200 sweep)."""
-    return max(4, min(16, tile_elems // (32 * 16)))
+    """~32 values per thread (four 16-byte bf16 loads in flight), 4 to 16 warps: at 16-32 warps the
+    cross-warp row reductions stalled the loads (H200: 4 warps 3.55 TB/s vs 16 warps 2.35 at 1x4096)."""
+    return max(4, min(16, tile_elems // (32 * 32)))
 
 
 LOOPED_BLOCK_N = 16384   # tile of the looped tier (best or tied-best at N = 32K and 256K)
@@ -229,16 +224,8 @@ def _launch_config(n_rows: int, n_cols: int, max_fused_n: int, config: dict | No
         cfg = {"looped": False, "BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": _num_warps(block_m * block_n)}
     else:
         cfg = {"looped": True, "BLOCK_M": 1, "BLOCK_N": LOOPED_BLOCK_N, "num_warps": _num_warps(LOOPED_BLOCK_N)}
-    cfg.update({"programs_per_sm": 0, "num_stages": 1})   # 0: one program per tile (not persistent)
     cfg.update(config or {})
     return cfg
-
-
-def _fused_grid(n_rows: int, cfg: dict, t: torch.Tensor) -> tuple[int]:
-    n_tiles = triton.cdiv(n_rows, cfg["BLOCK_M"])
-    if cfg["programs_per_sm"]:
-        return (min(n_tiles, cfg["programs_per_sm"] * num_sms(t)),)
-    return (n_tiles,)
 
 
 def _launch_fwd(x: torch.Tensor, log: bool, config: dict | None = None) -> torch.Tensor:
@@ -249,10 +236,9 @@ def _launch_fwd(x: torch.Tensor, log: bool, config: dict | None = None) -> torch
         return y.view(x.shape)
     cfg = _launch_config(n_rows, n_cols, FWD_MAX_FUSED_N, config)
     if not cfg["looped"]:
-        softmax_fwd_fused_kernel[_fused_grid(n_rows, cfg, x)](
+        softmax_fwd_fused_kernel[(triton.cdiv(n_rows, cfg["BLOCK_M"]),)](
             x2, y, x2.stride(0), y.stride(0), n_rows, n_cols,
-            LOG=log, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], NUM_STAGES=cfg["num_stages"],
-            num_warps=cfg["num_warps"],
+            LOG=log, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
         )
     else:
         softmax_fwd_looped_kernel[(n_rows,)](
@@ -270,10 +256,9 @@ def _launch_bwd(y: torch.Tensor, dy: torch.Tensor, log: bool, config: dict | Non
         return dx.view(y.shape)
     cfg = _launch_config(n_rows, n_cols, BWD_MAX_FUSED_N, config)
     if not cfg["looped"]:
-        softmax_bwd_fused_kernel[_fused_grid(n_rows, cfg, y)](
+        softmax_bwd_fused_kernel[(triton.cdiv(n_rows, cfg["BLOCK_M"]),)](
             y2, dy2, dx, y2.stride(0), dy2.stride(0), dx.stride(0), n_rows, n_cols,
-            LOG=log, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], NUM_STAGES=cfg["num_stages"],
-            num_warps=cfg["num_warps"],
+            LOG=log, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
         )
     else:
         softmax_bwd_looped_kernel[(n_rows,)](
