@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Everything one device call needs, in one command (the device tool runs this from the repo root):
+#   bash scripts/gpu_call.sh "<pytest files or ''>" "<bench group>" ["<bench group>" ...]
+# Each bench group (space-separated op names) writes $OUT/bench-<n>.json; a group that runs out of
+# time loses only itself. Liger-Kernel travels as a wheel in .whl/ (carry it).
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv,noheader
+tests=$1; shift
+if [ -n "$tests" ]; then
+  timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider $tests > "$OUT/gpu-tests.log" 2>&1
+  echo "pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu-tests.log" | tail -30
+fi
+n=0
+for group in "$@"; do
+  n=$((n + 1))
+  timeout "${BENCH_TIMEOUT:-300}" python3 -m tilefuse.cli bench $group --no-progress ${BENCH_ARGS:-} \
+    --json "$OUT/bench-$n.json" > "$OUT/bench-$n.log" 2>&1
+  echo "bench [$group] exit $?"; tail -n "${BENCH_TAIL:-40}" "$OUT/bench-$n.log"
+done
