@@ -1,6 +1,7 @@
 """nn.Module drop-ins with torch's constructor arguments and state_dict keys."""
 
+from .activations import FusedBiasActDropout, SwiGLUMLP
 from .norms import LayerNorm, RMSNorm
 from .softmax import LogSoftmax, Softmax
 
-__all__ = ["Softmax", "LogSoftmax", "LayerNorm", "RMSNorm"]
+__all__ = ["Softmax", "LogSoftmax", "LayerNorm", "RMSNorm", "FusedBiasActDropout", "SwiGLUMLP"]

@@ -1,0 +1,187 @@
+"""Elementwise activations shared by bias_act and the gated units (swiglu / geglu).
+
+Each activation is written once, as a value and its derivative from shared subexpressions,
+all in fp32 registers:
+
+    relu(z)      = max(z, 0)                               relu'(z)      = [z > 0]
+    gelu(z)      = z·Φ(z),  Φ(z) = erfc(−z/√2) / 2         gelu'(z)      = Φ(z) + z·φ(z),  φ(z) = exp(-z²/2)/√(2π)
+    gelu_tanh(z) = z·σ(2u), u = √(2/π)·(z + 0.044715·z³)   gelu_tanh'(z) = σ(2u) + z·σ(2u)(1 − σ(2u))·2u'
+    silu(z)      = z·σ(z)                                  silu'(z)      = σ(z)·(1 + z(1 − σ(z)))
+
+Both gelus keep their relative accuracy in the lower tail, where the textbook forms cancel:
+``gelu`` evaluates Φ through erfc (``_normal_cdf_pdf``), and ``gelu_tanh`` uses
+(1 + tanh(u))/2 = σ(2u), the same function as PyTorch's ``gelu(approximate="tanh")`` with one
+exp instead of a tanh.
+
+Also here: the 2-D elementwise tile heuristic both op files launch with, and its override.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu")
+
+SQRT1_2 = tl.constexpr(0.7071067811865476)          # 1/√2
+INV_SQRT_2PI = tl.constexpr(0.3989422804014327)     # 1/√(2π)
+TWO_SQRT_2_OVER_PI = tl.constexpr(1.5957691216057308)   # 2·√(2/π): σ(2u) takes 2u directly
+GELU_TANH_CUBIC = tl.constexpr(0.044715)
+
+
+@triton.jit
+def _normal_cdf_pdf(z):
+    """Φ(z) and φ(z) to ~5e-7 relative everywhere, the lower tail included, where
+    (1 + erf(z/√2))/2 cancels in fp32 (1e-3 relative error at z = -4, exactly 0 below -5.5:
+    a 100 % error on gelu(z), and on a one-element test).
+
+    Φ(z) = erfc(x)/2 for z < 0 and 1 − erfc(x)/2 above, x = |z|/√2, with erfc(x) = t·exp(−x² + P(t)),
+    t = 1/(1 + x/2): the Chebyshev fit of Numerical Recipes' erfcc (P below, in Horner form;
+    relative error < 1.2e-7 for all x >= 0). The exp(−x²) = exp(−z²/2) in
+    both is exp(−h²/2)·exp((h − |z|)(h + |z|)/2) with h = |z| rounded down to 1/64: h²/2 is exact
+    in fp32 (|z| < 22; Φ underflows long before), so no rounding of z²/2 or of z/√2, which exp
+    amplifies z²-fold (1e-5 at z = -12), reaches the result. The forward pays 2 exps (φ is
+    dead code there), the backward 3.
+    """
+    a = tl.abs(z)
+    h = tl.floor(a * 64.0) * (1.0 / 64.0)
+    e_h = tl.exp(-0.5 * h * h)
+    tail = 0.5 * (h - a) * (h + a)
+    t = 1.0 / (1.0 + (0.5 * SQRT1_2) * a)
+    p = 0.17087277
+    p = -0.82215223 + t * p
+    p = 1.48851587 + t * p
+    p = -1.13520398 + t * p
+    p = 0.27886807 + t * p
+    p = -0.18628806 + t * p
+    p = 0.09678418 + t * p
+    p = 0.37409196 + t * p
+    p = 1.00002368 + t * p
+    p = -1.26551223 + t * p
+    half_erfc = 0.5 * t * e_h * tl.exp(tail + p)
+    cdf = tl.where(z < 0.0, half_erfc, 1.0 - half_erfc)
+    return cdf, INV_SQRT_2PI * e_h * tl.exp(tail)
+
+
+@triton.jit
+def _gelu_tanh_sigmoid(z):
+    """σ(2u) and d(2u)/dz of the tanh approximation."""
+    z2 = z * z
+    two_u = TWO_SQRT_2_OVER_PI * z * (1.0 + GELU_TANH_CUBIC * z2)
+    d_two_u = TWO_SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_TANH_CUBIC * z2)
+    return tl.sigmoid(two_u), d_two_u
+
+
+@triton.jit
+def activation_fwd(z, ACT: tl.constexpr):
+    """act(z) for an fp32 tile; ACT is one of ACTIVATIONS."""
+    if ACT == "relu":
+        return tl.maximum(z, 0.0)
+    elif ACT == "gelu":
+        cdf, _ = _normal_cdf_pdf(z)
+        return z * cdf
+    elif ACT == "gelu_tanh":
+        s, _ = _gelu_tanh_sigmoid(z)
+        return z * s
+    elif ACT == "silu":
+        return z * tl.sigmoid(z)
+    else:
+        return z
+
+
+@triton.jit
+def activation_fwd_bwd(z, ACT: tl.constexpr):
+    """(act(z), act'(z)) for an fp32 tile, sharing the sigmoid / erf between the two; a caller
+    that uses only one gets the other removed by the compiler."""
+    if ACT == "relu":
+        pos = z > 0.0
+        return tl.where(pos, z, 0.0), tl.where(pos, 1.0, 0.0)
+    elif ACT == "gelu":
+        cdf, pdf = _normal_cdf_pdf(z)
+        return z * cdf, cdf + z * pdf
+    elif ACT == "gelu_tanh":
+        s, d_two_u = _gelu_tanh_sigmoid(z)
+        return z * s, s + z * (s * (1.0 - s)) * d_two_u
+    elif ACT == "silu":
+        s = tl.sigmoid(z)
+        return z * s, s * (1.0 + z * (1.0 - s))
+    else:
+        return z, tl.full(z.shape, 1.0, tl.float32)
+
+
+def _two_u(z: torch.Tensor) -> torch.Tensor:
+    return TWO_SQRT_2_OVER_PI.value * z * (1.0 + GELU_TANH_CUBIC.value * z * z)
+
+
+def activation_reference(z: torch.Tensor, activation: str) -> torch.Tensor:
+    """PyTorch act(z), differentiable, in z's dtype (callers pass fp32 or fp64).
+
+    The gelus are F.gelu's functions in their cancellation-free forms, z·erfc(−z/√2)/2 and
+    z·σ(2u): F.gelu's own (1 + erf) and (1 + tanh) lose all digits of the lower tail even in
+    fp64 (gelu(−9) = −1e−18 comes out 0), so they would be the less exact side of a test.
+    """
+    if activation == "relu":
+        return torch.relu(z)
+    if activation == "gelu":
+        return 0.5 * z * torch.special.erfc(-z * SQRT1_2.value)
+    if activation == "gelu_tanh":
+        return z * torch.sigmoid(_two_u(z))
+    if activation == "silu":
+        return F.silu(z)
+    return z
+
+
+def activation_grad_reference(z: torch.Tensor, activation: str) -> torch.Tensor:
+    """PyTorch act'(z), closed form: custom-op bodies run below autograd, so the CPU path of a
+    backward cannot differentiate activation_reference."""
+    if activation == "relu":
+        return (z > 0).to(z.dtype)
+    if activation == "gelu":
+        return 0.5 * torch.special.erfc(-z * SQRT1_2.value) + z * torch.exp(-0.5 * z * z) * INV_SQRT_2PI.value
+    if activation == "gelu_tanh":
+        s = torch.sigmoid(_two_u(z))
+        return s + z * s * (1.0 - s) * TWO_SQRT_2_OVER_PI.value * (1.0 + 3.0 * GELU_TANH_CUBIC.value * z * z)
+    if activation == "silu":
+        s = torch.sigmoid(z)
+        return s * (1.0 + z * (1.0 - s))
+    return torch.ones_like(z)
+
+
+# ----------------------------------------------------------------------------------------------
+# launch heuristics shared by the elementwise row-tiled kernels (bias_act, glu)
+# ----------------------------------------------------------------------------------------------
+
+
+MAX_BLOCK_N = 1024      # wide rows are split into column blocks; a row of 1024 bf16 is 2 KB
+FWD_TILE_ELEMS = 8192   # elements per program (the softmax H200 sweep: 4K-8K-element tiles best)
+BWD_TILE_ELEMS = 4096   # backward keeps more tiles live (x, dy, dx, ...): half the tile
+
+
+def tile_config(n_rows: int, n_cols: int, tile_elems: int, config: dict | None = None) -> dict:
+    """Launch parameters of a 2-D elementwise kernel: a [BLOCK_M, BLOCK_N] tile of ~``tile_elems``
+    elements per program (per loop step for a reducing backward): full padded rows up to
+    MAX_BLOCK_N columns and as many rows as fit, so short rows still give a program enough bytes
+    in flight. ``config`` overrides any key (GPU sweeps); op files add their own keys."""
+    block_n = max(4, min(triton.next_power_of_2(max(n_cols, 1)), MAX_BLOCK_N))   # >= 4: dropout RNG
+    block_m = max(1, min(tile_elems // block_n, triton.next_power_of_2(max(n_rows, 1))))
+    cfg = {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": num_warps_for(block_m * block_n)}
+    cfg.update(config or {})
+    return cfg
+
+
+def num_warps_for(tile_elems: int) -> int:
+    """~16 elements per thread (two 16-byte vectors of bf16 per input), 1 to 16 warps."""
+    return max(1, min(16, tile_elems // (32 * 16)))
+
+
+@triton.jit
+def tile_rows_cols(n_col_blocks, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's tile of a 1-D grid over [row blocks x column blocks] (column blocks fastest,
+    so neighbouring programs stream neighbouring memory): int64 rows, first column, columns."""
+    pid = tl.program_id(0)
+    row_block = pid // n_col_blocks
+    col_start = (pid % n_col_blocks) * BLOCK_N
+    rows = row_block.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    return rows, col_start, col_start + tl.arange(0, BLOCK_N)
