@@ -349,7 +349,7 @@ def test_opcheck_custom_ops(case):
     x, w, b, r = _t((3, 40)), _t(40), _t(40), _t((3, 40))
     fwd_args = {"ln_res": (x, w, b, r, 1e-5, 0.0, False), "rms_offset": (x, w, None, None, 1e-6, 1.0, True),
                 "rms_noweight_res": (x, None, None, r, 1e-6, 0.0, True)}[case]
-    torch.library.opcheck(nm._norm_fwd_op, fwd_args)
+    torch.library.opcheck(nm._norm_fwd_op.op, fwd_args)
     with torch.no_grad():
         _, h, mean, rstd = nm._norm_fwd_op(*fwd_args)
     is_rms, has_res = fwd_args[-1], fwd_args[3] is not None
@@ -357,7 +357,7 @@ def test_opcheck_custom_ops(case):
     bwd_args = (dy, (h if has_res else x).detach(), None if fwd_args[1] is None else w.detach(),
                 None if is_rms else mean, rstd, dy.clone() if has_res else None, fwd_args[5], is_rms,
                 fwd_args[1] is not None, fwd_args[2] is not None)
-    torch.library.opcheck(nm._norm_bwd_op, bwd_args)
+    torch.library.opcheck(nm._norm_bwd_op.op, bwd_args)
 
 
 def test_compile_inductor_default_backend():

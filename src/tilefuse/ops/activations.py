@@ -27,6 +27,7 @@ import triton.language as tl
 
 from .._checks import check_same_device, check_same_dtype, check_shape, check_tensor
 from .._dispatch import empty, num_sms, rows_view, use_triton
+from .._op import custom_op
 from ..registry import Inputs, OpSpec, register, tensor_bytes
 from ._activation_math import (
     ACTIVATIONS, BWD_TILE_ELEMS, FWD_TILE_ELEMS, activation_fwd, activation_fwd_bwd,
@@ -271,7 +272,7 @@ def _bias_act_bwd_reference(dy, x, bias, activation, p, seed):
 # ----------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("tilefuse::bias_act_fwd", mutates_args=())
+@custom_op("tilefuse::bias_act_fwd", mutates_args=())
 def _bias_act_fwd_op(x: torch.Tensor, bias: Optional[torch.Tensor], residual: Optional[torch.Tensor],
                      activation: str, dropout_p: float, seed: int) -> torch.Tensor:
     if use_triton(x):
@@ -285,7 +286,7 @@ def _(x, bias, residual, activation, dropout_p, seed):
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
-@torch.library.custom_op("tilefuse::bias_act_bwd", mutates_args=())
+@custom_op("tilefuse::bias_act_bwd", mutates_args=())
 def _bias_act_bwd_op(dy: torch.Tensor, x: Optional[torch.Tensor], bias: Optional[torch.Tensor],
                      activation: str, dropout_p: float, seed: int, n_cols: int,
                      want_dx: bool, want_dbias: bool) -> tuple[torch.Tensor, torch.Tensor]:

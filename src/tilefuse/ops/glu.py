@@ -26,6 +26,7 @@ import triton.language as tl
 
 from .._checks import check_same_device, check_same_dtype, check_shape, check_tensor
 from .._dispatch import empty, rows_view, use_triton
+from .._op import custom_op
 from ..registry import Inputs, OpSpec, register, tensor_bytes
 from ._activation_math import (
     BWD_TILE_ELEMS, FWD_TILE_ELEMS, activation_fwd, activation_fwd_bwd, activation_grad_reference,
@@ -191,7 +192,7 @@ def _glu_bwd_reference(dy, gate, up, activation):
 # ----------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("tilefuse::glu_fwd", mutates_args=())
+@custom_op("tilefuse::glu_fwd", mutates_args=())
 def _glu_fwd_op(gate: torch.Tensor, up: Optional[torch.Tensor], activation: str) -> torch.Tensor:
     if use_triton(gate):
         return _launch_fwd(gate, up, activation)
@@ -204,7 +205,7 @@ def _(gate, up, activation):
     return torch.empty(g.shape, dtype=gate.dtype, device=gate.device)
 
 
-@torch.library.custom_op("tilefuse::glu_bwd", mutates_args=())
+@custom_op("tilefuse::glu_bwd", mutates_args=())
 def _glu_bwd_op(dy: torch.Tensor, gate: torch.Tensor, up: Optional[torch.Tensor],
                 activation: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(dgate, dup), or (dpacked, empty) for a packed input (custom ops return tensors only)."""

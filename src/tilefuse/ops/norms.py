@@ -35,6 +35,7 @@ import triton
 
 from .._checks import check_same_device, check_same_dtype, check_shape, check_tensor
 from .._dispatch import empty, num_sms, rows_view, use_triton
+from .._op import custom_op
 from ..registry import Inputs, OpSpec, register, tensor_bytes
 from ._norm_kernels import norm_bwd_kernel, norm_bwd_stats_kernel, norm_fwd_kernel, norm_fwd_stats_kernel
 
@@ -277,7 +278,7 @@ def _bwd_reference(dy, x, weight, mean, rstd, dres, offset, is_rms, need_dw, nee
 # ----------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("tilefuse::norm_fwd", mutates_args=())
+@custom_op("tilefuse::norm_fwd", mutates_args=())
 def _norm_fwd_op(
     x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
     residual: Optional[torch.Tensor], eps: float, offset: float, is_rms: bool,
@@ -298,7 +299,7 @@ def _(x, weight, bias, residual, eps, offset, is_rms):
     )
 
 
-@torch.library.custom_op("tilefuse::norm_bwd", mutates_args=())
+@custom_op("tilefuse::norm_bwd", mutates_args=())
 def _norm_bwd_op(
     dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor], mean: Optional[torch.Tensor],
     rstd: torch.Tensor, dres: Optional[torch.Tensor], offset: float, is_rms: bool, need_dw: bool, need_db: bool,

@@ -41,6 +41,7 @@ import triton.language as tl
 
 from .._checks import check_same_device, check_same_dtype, check_tensor
 from .._dispatch import empty, num_sms, use_triton
+from .._op import custom_op
 from ..registry import Inputs, OpSpec, register, tensor_bytes
 
 MAX_TILE = 4096          # elements of one head-block tile: ~16 fp32 values per thread at 8 warps
@@ -333,7 +334,7 @@ def rope_reference(q, k, cos, sin, position_ids=None, interleaved=False, rotary_
 # ----------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("tilefuse::rope", mutates_args=())
+@custom_op("tilefuse::rope", mutates_args=())
 def _rope_op(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
              position_ids: Optional[torch.Tensor], interleaved: bool, rotary_dim: int, layout: str,
              inverse: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -367,7 +368,7 @@ def _backward(ctx, dq_out, dk_out):
 _rope_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-@torch.library.custom_op("tilefuse::rope_", mutates_args=("q", "k"))
+@custom_op("tilefuse::rope_", mutates_args=("q", "k"))
 def _rope_inplace_op(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      position_ids: Optional[torch.Tensor], interleaved: bool, rotary_dim: int,
                      layout: str) -> None:

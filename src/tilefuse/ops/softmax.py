@@ -25,6 +25,7 @@ import triton.language as tl
 
 from .._checks import check_dim, check_tensor
 from .._dispatch import empty, rows_view, use_triton
+from .._op import custom_op
 from ..registry import Inputs, OpSpec, register, tensor_bytes
 from ._common import LN2, LOG2E, row_tile_mask_offsets
 
@@ -299,7 +300,7 @@ def _softmax_bwd_reference(y: torch.Tensor, dy: torch.Tensor, log: bool) -> torc
 # ----------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("tilefuse::softmax_fwd", mutates_args=())
+@custom_op("tilefuse::softmax_fwd", mutates_args=())
 def _softmax_fwd_op(x: torch.Tensor, log: bool) -> torch.Tensor:
     if use_triton(x):
         return _launch_fwd(x, log)
@@ -311,7 +312,7 @@ def _(x, log):
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
-@torch.library.custom_op("tilefuse::softmax_bwd", mutates_args=())
+@custom_op("tilefuse::softmax_bwd", mutates_args=())
 def _softmax_bwd_op(y: torch.Tensor, dy: torch.Tensor, log: bool) -> torch.Tensor:
     if use_triton(y):
         return _launch_bwd(y, dy, log)
