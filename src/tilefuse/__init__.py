@@ -4,7 +4,9 @@ CUDA tensors run the Triton kernels; CPU tensors run the PyTorch reference path,
 kernels through the interpreter when ``TRITON_INTERPRET=1`` is set (see ``tilefuse._dispatch``).
 """
 
+from . import optim
 from .ops.activations import bias_act
+from .ops.adamw import adam_step, adamw_step
 from .ops.glu import geglu, swiglu
 from .ops.norms import layer_norm, rms_norm
 from .ops.rope import rope, rope_cos_sin_table
@@ -12,4 +14,5 @@ from .ops.softmax import log_softmax, softmax
 
 __version__ = "0.1.0"
 
-__all__ = ["softmax", "log_softmax", "layer_norm", "rms_norm", "bias_act", "swiglu", "geglu", "rope", "rope_cos_sin_table"]
+__all__ = ["softmax", "log_softmax", "layer_norm", "rms_norm", "bias_act", "swiglu", "geglu", "rope", "rope_cos_sin_table",
+           "adam_step", "adamw_step", "optim"]

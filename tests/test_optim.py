@@ -1,0 +1,434 @@
+"""tilefuse.optim.Adam / AdamW and the adamw_step functional beyond the registry sweep:
+trajectories against torch.optim, master weights, state_dict both ways, options, layouts,
+empty and grad-less params, bad input, CUDA-graph capture (GPU)."""
+
+import copy
+import io
+
+import pytest
+import torch
+from conftest import DEVICE, HAS_CUDA
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tilefuse.ops._adam_kernels as K
+import tilefuse.ops.adamw as A   # registers the "adamw" spec (before ops/__init__ imports it)
+from tilefuse.optim import Adam, AdamW
+from tilefuse.testing import rel_err
+
+FP32_TOL = 1e-5
+SMALL = {"BLOCK": 128, "CHUNK": 512, "num_warps": 4}   # several chunks per tensor on tiny shapes
+SHAPES = [(7,), (33, 17), (1,), (1500,), (3, 4, 5)]    # 1500: two whole chunks and a tail
+
+
+@pytest.fixture(autouse=True)
+def _small_chunks(monkeypatch):
+    """Interpreted runs use small chunks so whole (unmasked) and tail chunks both occur."""
+    if not HAS_CUDA:
+        monkeypatch.setattr(K, "_default_config", lambda: dict(SMALL))
+
+
+def _twin_params(shapes, dtype=torch.float32, device=DEVICE):
+    ours = [torch.nn.Parameter(torch.randn(s, device=device).to(dtype)) for s in shapes]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    return ours, theirs
+
+
+def _groups(params, split, **second):
+    return [{"params": params[:split]}, {"params": params[split:], **second}]
+
+
+def _set_grads(ours, theirs, step, skip=None):
+    for i, (p, q) in enumerate(zip(ours, theirs)):
+        if skip is not None and i == skip and step % 3 == 1:
+            p.grad = q.grad = None            # this param sits out some steps
+            continue
+        g = torch.randn_like(q, dtype=torch.float32)
+        p.grad, q.grad = g.to(p.dtype), g.to(q.dtype)
+
+
+def _assert_close(ours, theirs, opt, ref, tol=FP32_TOL):
+    for i, (p, q) in enumerate(zip(ours, theirs)):
+        assert rel_err(p, q) <= tol, f"param {i}: {rel_err(p, q):.3g}"
+        if q in ref.state:
+            for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+                if k in ref.state[q]:
+                    err = rel_err(opt.state[p][k], ref.state[q][k])
+                    assert err <= tol, f"param {i} {k}: {err:.3g}"
+            assert float(opt.state[p]["step"]) == float(ref.state[q]["step"])
+
+
+# ----------------------------------------------------------------------------------------------
+# trajectories against torch.optim
+# ----------------------------------------------------------------------------------------------
+
+CASES = [
+    # (ours, torch's, shared kwargs, second group's overrides, steps)
+    (AdamW, torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1, maximize=True),
+     dict(lr=3e-3, weight_decay=0.3), 100),
+    (AdamW, torch.optim.AdamW, dict(lr=5e-3, betas=(0.8, 0.99), eps=1e-6, amsgrad=True),
+     dict(lr=1e-2), 30),
+    (Adam, torch.optim.Adam, dict(lr=1e-2, weight_decay=0.05), dict(lr=2e-3, weight_decay=0.0), 30),
+    (Adam, torch.optim.Adam, dict(lr=1e-2, betas=(0.0, 0.9)), dict(maximize=True, amsgrad=True), 20),
+]
+
+
+@pytest.mark.parametrize("ours_cls,torch_cls,kwargs,second,steps", CASES,
+                         ids=["adamw-wd-maximize", "adamw-amsgrad", "adam-l2", "adam-beta1-0"])
+def test_trajectory_matches_torch(ours_cls, torch_cls, kwargs, second, steps):
+    """Two groups with different lr / weight decay, odd sizes, a param whose grad is None on
+    some steps: every param, moment and step count agrees with torch.optim to fp32 rounding."""
+    ours, theirs = _twin_params(SHAPES)
+    opt = ours_cls(_groups(ours, 2, **second), **kwargs)
+    ref = torch_cls(_groups(theirs, 2, **second), foreach=False, **kwargs)
+    for step in range(steps):
+        _set_grads(ours, theirs, step, skip=1)
+        opt.step()
+        ref.step()
+    _assert_close(ours, theirs, opt, ref)
+
+
+def test_zero_grad_skips_every_param():
+    ours, theirs = _twin_params(SHAPES[:2])
+    opt = AdamW(ours, lr=0.1)
+    _set_grads(ours, theirs, 0)
+    opt.step()
+    before = [p.detach().clone() for p in ours]
+    opt.zero_grad()
+    opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(ours, before))
+    assert all(float(opt.state[p]["step"]) == 1.0 for p in ours)
+
+
+def test_tensor_lr_is_read_on_device_each_step():
+    """A tensor lr changed in place between steps (what a scheduler does under CUDA graphs)."""
+    ours, theirs = _twin_params(SHAPES[:3])
+    lr = torch.tensor(0.01, device=DEVICE)
+    opt = AdamW(ours, lr=lr, capturable=True)
+    ref = torch.optim.AdamW(theirs, lr=0.01, foreach=False)
+    for step in range(6):
+        _set_grads(ours, theirs, step)
+        lr.fill_(0.01 * (step + 1))
+        ref.param_groups[0]["lr"] = 0.01 * (step + 1)
+        opt.step()
+        ref.step()
+    _assert_close(ours, theirs, opt, ref)
+
+
+def test_non_contiguous_and_unaligned_params():
+    """A transposed (dense, non-contiguous) param and params that are views at odd offsets
+    into one flat buffer (not 16-byte aligned: the kernel must not promise alignment)."""
+    flat = torch.randn(1 + 300 + 2 + 77, device=DEVICE)
+    ours = [torch.nn.Parameter(torch.randn(40, 9, device=DEVICE).t()),
+            torch.nn.Parameter(flat[1:301].view(20, 15)), torch.nn.Parameter(flat[303:380])]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    opt, ref = AdamW(ours, lr=0.02), torch.optim.AdamW(theirs, lr=0.02, foreach=False)
+    for step in range(5):
+        _set_grads(ours, theirs, step)
+        ours[0].grad = ours[0].grad.contiguous()    # a grad not in the param's layout
+        opt.step()
+        ref.step()
+    _assert_close(ours, theirs, opt, ref)
+    assert not ours[0].is_contiguous()
+
+
+def test_empty_params_are_counted_but_untouched():
+    ours, theirs = _twin_params([(0,), (5,), (3, 0)])
+    opt, ref = AdamW(ours, lr=0.1), torch.optim.AdamW(theirs, lr=0.1, foreach=False)
+    for step in range(3):
+        _set_grads(ours, theirs, step)
+        opt.step()
+        ref.step()
+    _assert_close(ours, theirs, opt, ref)
+    assert float(opt.state[ours[0]]["step"]) == 3.0
+
+
+def test_cpu_reference_path_matches_torch(monkeypatch):
+    """Without TRITON_INTERPRET, CPU params take the plain-PyTorch loop; same trajectory."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    ours, theirs = _twin_params(SHAPES, device="cpu")
+    opt = AdamW(_groups(ours, 2, lr=1e-3), lr=1e-2, amsgrad=True)
+    ref = torch.optim.AdamW(_groups(theirs, 2, lr=1e-3), lr=1e-2, amsgrad=True, foreach=False)
+    for step in range(10):
+        _set_grads(ours, theirs, step, skip=0)
+        opt.step()
+        ref.step()
+    _assert_close(ours, theirs, opt, ref)
+
+
+# ----------------------------------------------------------------------------------------------
+# master weights
+# ----------------------------------------------------------------------------------------------
+
+LOW_DTYPES = [torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("dtype", LOW_DTYPES)
+def test_master_weights_follow_fp32_trajectory(dtype):
+    """fp16/bf16 params with fp32 masters track an fp32 AdamW fed the same (rounded) grads;
+    each param is exactly its master rounded; the moments are fp32."""
+    ours = [torch.nn.Parameter(torch.randn(s, device=DEVICE).to(dtype)) for s in SHAPES]
+    theirs = [torch.nn.Parameter(p.detach().float()) for p in ours]
+    opt = AdamW(_groups(ours, 2, lr=3e-3), lr=1e-2, weight_decay=0.1, master_weights=True)
+    ref = torch.optim.AdamW(_groups(theirs, 2, lr=3e-3), lr=1e-2, weight_decay=0.1, foreach=False)
+    for step in range(25):
+        for p, q in zip(ours, theirs):
+            p.grad = torch.randn_like(p)
+            q.grad = p.grad.float()
+        opt.step()
+        ref.step()
+    for p, q in zip(ours, theirs):
+        master = opt.state[p]["master_param"]
+        assert master.dtype == torch.float32 and opt.state[p]["exp_avg"].dtype == torch.float32
+        assert rel_err(master, q) <= FP32_TOL
+        assert torch.equal(p.detach(), master.to(dtype))
+
+
+def test_without_master_weights_state_is_in_param_dtype():
+    p = torch.nn.Parameter(torch.randn(100, device=DEVICE).half())
+    opt = AdamW([p])
+    p.grad = torch.randn_like(p)
+    opt.step()
+    assert opt.state[p]["exp_avg"].dtype == torch.float16 and "master_param" not in opt.state[p]
+
+
+# ----------------------------------------------------------------------------------------------
+# state_dict interchange with torch.optim.AdamW
+# ----------------------------------------------------------------------------------------------
+
+
+def _save_load(sd):
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+def _torch_adamw(params, **kw):
+    return torch.optim.AdamW(_groups(params, 2, lr=4e-3), foreach=False, **kw)
+
+
+def _our_adamw(params, **kw):
+    return AdamW(_groups(params, 2, lr=4e-3), **kw)
+
+
+@pytest.mark.parametrize("first_is_torch", [True, False], ids=["torch_to_ours", "ours_to_torch"])
+def test_state_dict_interchange(first_is_torch):
+    """Train a few steps with one, checkpoint, continue with the other: same trajectory as
+    continuing with the first; keys and step type are torch's."""
+    kw = dict(lr=1e-2, weight_decay=0.1, amsgrad=True)
+    make_first, make_second = (_torch_adamw, _our_adamw) if first_is_torch else (_our_adamw, _torch_adamw)
+    first_params, second_params = _twin_params(SHAPES)
+    first = make_first(first_params, **kw)
+    for step in range(4):
+        _set_grads(first_params, second_params, step, skip=3)
+        first.step()
+    with torch.no_grad():
+        for p, q in zip(first_params, second_params):
+            q.copy_(p)
+    sd = _save_load(first.state_dict())
+    second = make_second(second_params, **kw)
+    second.load_state_dict(sd)
+    for group in sd["state"].values():
+        assert set(group) == {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"}
+        assert group["step"].dtype == torch.float32 and group["step"].device.type == "cpu"
+    assert second.state_dict()["param_groups"] == first.state_dict()["param_groups"]
+    for step in range(4, 10):
+        _set_grads(first_params, second_params, step, skip=3)
+        first.step()
+        second.step()
+    if first_is_torch:
+        _assert_close(second_params, first_params, second, first)
+    else:
+        _assert_close(first_params, second_params, first, second)
+
+
+def test_master_state_survives_a_round_trip():
+    """Our checkpoint keeps the fp32 master and moments; loading it back is lossless even though
+    torch's loader casts state to the param dtype. A torch (fp16-state) checkpoint rebuilds them."""
+    ps = [torch.nn.Parameter(torch.randn(s, device=DEVICE).half()) for s in SHAPES[:3]]
+    opt = AdamW(ps, lr=1e-2, master_weights=True)
+    for _ in range(3):
+        for p in ps:
+            p.grad = torch.randn_like(p)
+        opt.step()
+    sd = _save_load(opt.state_dict())
+    clone = AdamW([torch.nn.Parameter(p.detach().clone()) for p in ps], lr=1e-2, master_weights=True)
+    clone.load_state_dict(sd)
+    for p, q in zip(ps, clone.param_groups[0]["params"]):
+        for k in ("exp_avg", "exp_avg_sq", "master_param"):
+            assert clone.state[q][k].dtype == torch.float32
+            assert torch.equal(clone.state[q][k], opt.state[p][k])
+    torch_opt = torch.optim.AdamW([torch.nn.Parameter(p.detach().clone()) for p in ps], lr=1e-2)
+    torch_opt.load_state_dict(copy.deepcopy(sd))
+    again = AdamW([torch.nn.Parameter(p.detach().clone()) for p in ps], lr=1e-2, master_weights=True)
+    again.load_state_dict(_save_load(torch_opt.state_dict()))
+    for q in again.param_groups[0]["params"]:
+        q.grad = torch.randn_like(q)
+    again.step()
+    for q in again.param_groups[0]["params"]:
+        assert again.state[q]["master_param"].dtype == torch.float32
+
+
+# ----------------------------------------------------------------------------------------------
+# the functional, against the fp64 reference
+# ----------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=12, deadline=None)
+@given(sizes=st.lists(st.integers(0, 1300), min_size=1, max_size=4), maximize=st.booleans(),
+       amsgrad=st.booleans(), decoupled=st.booleans(), weight_decay=st.sampled_from([0.0, 0.2]),
+       master=st.booleans(), lr_tensor=st.booleans(), half=st.booleans())
+def test_functional_options_match_reference(sizes, maximize, amsgrad, decoupled, weight_decay,
+                                            master, lr_tensor, half):
+    dtype = torch.float16 if half else torch.float32
+    n = len(sizes)
+    params = [torch.randn(s, device=DEVICE).to(dtype) for s in sizes]
+    masters = [p.float() for p in params] if master else None
+    state_dtype = torch.float32 if master else dtype
+    grads = [torch.randn_like(p) for p in params]
+    ms = [(0.1 * torch.randn(s, device=DEVICE)).to(state_dtype) for s in sizes]
+    vs = [(0.01 * torch.rand(s, device=DEVICE) + 1e-3).to(state_dtype) for s in sizes]
+    vmax = [v + 0.01 * torch.rand_like(v) for v in vs] if amsgrad else None
+    steps = torch.randint(0, 9, (n,), device=DEVICE).float()
+    lr = torch.tensor(0.05, device=DEVICE) if lr_tensor else 0.05
+    wide = lambda ts: None if ts is None else [t.double() for t in ts]   # noqa: E731
+    ref = dict(params=wide(masters or params), grads=wide(grads), ms=wide(ms), vs=wide(vs),
+               vmax=wide(vmax))
+    ref_steps = steps.double()
+    A.adamw_step(params, grads, ms, vs, steps, lr, 0.9, 0.999, 1e-8, weight_decay, maximize,
+                 max_exp_avg_sqs=vmax, master_params=masters, decoupled_weight_decay=decoupled)
+    A.adam_reference(ref["params"], ref["grads"], ref["ms"], ref["vs"], ref_steps, 0.05, 0.9, 0.999,
+                     1e-8, weight_decay, maximize, max_exp_avg_sqs=ref["vmax"],
+                     decoupled_weight_decay=decoupled)
+    assert torch.equal(steps.double(), ref_steps)
+    for i in range(n):
+        pairs = [(params[i], ref["params"][i]), (ms[i], ref["ms"][i]), (vs[i], ref["vs"][i])]
+        pairs += [(masters[i], ref["params"][i])] if master else []
+        pairs += [(vmax[i], ref["vmax"][i])] if amsgrad else []
+        for j, (out, expect) in enumerate(pairs):
+            assert rel_err(out, expect) <= (FP32_TOL if out.dtype == torch.float32 else 2e-3), (i, j)
+
+
+def test_stacked_rows_and_lists_agree():
+    """A 2-D tensor stands for the list of its rows (the registry's form)."""
+    inp = A._make_inputs((3, 700), torch.float32, DEVICE)
+    lists = [[r.clone() for r in t] for t in inp.args[:4]] + [inp.args[4].clone()]
+    out = A.adamw_step(*inp.args, **inp.kwargs)
+    A.adamw_step(*lists, **inp.kwargs)
+    assert out[0] is inp.args[0]
+    for stacked, rows in zip(inp.args[:4], lists[:4]):
+        assert torch.equal(stacked, torch.stack(rows))
+
+
+def test_adam_step_is_l2_adamw_step():
+    inp = A._make_inputs((2, 300), torch.float32, DEVICE)
+    twin = [t.clone() for t in inp.args]
+    A.adam_step(*inp.args, **inp.kwargs)
+    A.adamw_step(*twin, **inp.kwargs, decoupled_weight_decay=False)
+    assert all(torch.equal(a, b) for a, b in zip(inp.args, twin))
+
+
+# ----------------------------------------------------------------------------------------------
+# bad input
+# ----------------------------------------------------------------------------------------------
+
+
+def _good(n=2, size=10):
+    ps = [torch.randn(size, device=DEVICE) for _ in range(n)]
+    return dict(params=ps, grads=[torch.randn_like(p) for p in ps],
+                exp_avgs=[torch.zeros_like(p) for p in ps], exp_avg_sqs=[torch.zeros_like(p) for p in ps],
+                state_steps=torch.zeros(n, device=DEVICE))
+
+
+def _int_param(a):
+    a["params"][0] = torch.arange(10, device=DEVICE)
+
+
+@pytest.mark.parametrize("change,error,match", [
+    (_int_param, TypeError, "params\\[0\\]"),
+    (lambda a: a.update(grads=a["grads"][:1]), ValueError, "grads has 1"),
+    (lambda a: a["grads"].__setitem__(1, a["grads"][1].half()), TypeError, "grads\\[1\\]"),
+    (lambda a: a["grads"].__setitem__(0, a["grads"][0].to_sparse()), ValueError, "is sparse"),
+    (lambda a: a["exp_avgs"].__setitem__(1, torch.zeros(11, device=DEVICE)), ValueError, "exp_avgs"),
+    (lambda a: a.update(state_steps=torch.zeros(2, dtype=torch.int64)), TypeError, "state_steps"),
+    (lambda a: a.update(state_steps=torch.zeros(3, device=DEVICE)), ValueError, "state_steps"),
+    (lambda a: a["params"].__setitem__(1, a["params"][1].half()), TypeError, "params\\[1\\]"),
+    (lambda a: a.update(lr=-1.0), ValueError, "lr"),
+    (lambda a: a.update(beta2=1.0), ValueError, "beta2"),
+    (lambda a: a.update(params=5), TypeError, "params"),
+], ids=["int-param", "lengths", "grad-dtype", "sparse-grad", "state-shape", "steps-dtype",
+        "steps-length", "mixed-dtypes", "lr", "beta2", "not-a-list"])
+def test_functional_rejects_bad_input(change, error, match):
+    args = _good()
+    change(args)
+    with pytest.raises(error, match=match):
+        A.adamw_step(**args)
+
+
+def test_optimizer_rejects_bad_input():
+    with pytest.raises(TypeError, match="dtype"):
+        AdamW([torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))])
+    with pytest.raises(ValueError, match="differentiable"):
+        AdamW([torch.nn.Parameter(torch.zeros(3))], differentiable=True)
+    p = torch.nn.Parameter(torch.zeros(4, 4, device=DEVICE))
+    p.grad = torch.eye(4, device=DEVICE).to_sparse()
+    with pytest.raises(ValueError, match="sparse"):
+        AdamW([p]).step()
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU only
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture_matches_eager_torch():
+    """step() captured in a CUDA graph (device steps, tensor lr changed between replays) follows
+    torch.optim.AdamW(capturable=True) run eagerly."""
+    ours, theirs = _twin_params([(4097,), (33, 65), (1,)], device="cuda")
+    lr, ref_lr = torch.tensor(1e-2, device="cuda"), torch.tensor(1e-2, device="cuda")
+    opt = AdamW(ours, lr=lr, capturable=True, weight_decay=0.1)
+    ref = torch.optim.AdamW(theirs, lr=ref_lr, capturable=True, weight_decay=0.1)
+    static_grads = [torch.randn_like(p) for p in ours]
+    for p, g in zip(ours, static_grads):
+        p.grad = g
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        opt.step()                                   # warm-up: builds the pointer tables
+    torch.cuda.current_stream().wait_stream(side)
+    for q, g in zip(theirs, static_grads):
+        q.grad = g.clone()
+    ref.step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.step()
+    for step in range(5):
+        new = [torch.randn_like(g) for g in static_grads]
+        for g, n_, q in zip(static_grads, new, theirs):
+            g.copy_(n_)
+            q.grad = n_.clone()
+        lr.fill_(1e-2 / (step + 2))
+        ref_lr.fill_(1e-2 / (step + 2))
+        graph.replay()
+        ref.step()
+    torch.cuda.synchronize()
+    _assert_close(ours, theirs, opt, ref)
+
+
+@pytest.mark.gpu
+def test_int64_offsets_past_2_31_elements():
+    """One fp16 tensor of 2^31 + 2^12 + 5 elements: the tail is updated at the right offsets
+    (checked elementwise against the reference on copies of the tail)."""
+    n = 2**31 + 2**12 + 5
+    p = torch.randn(n, device="cuda", dtype=torch.float16)
+    g = torch.randn(n, device="cuda", dtype=torch.float16)
+    m = torch.zeros(n, device="cuda", dtype=torch.float16)
+    v = torch.zeros(n, device="cuda", dtype=torch.float16)
+    tail = slice(n - 10000, n)
+    ref = [t[tail].double() for t in (p, g, m, v)]
+    A.adamw_step([p], [g], [m], [v], torch.zeros(1, device="cuda"), lr=0.1)
+    ref_steps = torch.zeros(1, dtype=torch.float64, device="cuda")
+    A.adamw_reference([ref[0]], [ref[1]], [ref[2]], [ref[3]], ref_steps, lr=0.1)
+    assert rel_err(p[tail], ref[0]) <= 2e-3 and rel_err(m[tail], ref[2]) <= 2e-3
