@@ -13,8 +13,14 @@ fi
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv,noheader
 tests=$1; shift
 if [ -n "$tests" ]; then
-  timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider $tests > "$OUT/gpu-tests.log" 2>&1
-  echo "pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu-tests.log" | tail -30
+  # 8 workers: the GPU tests spend most of their time compiling kernels on the CPU
+  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -rfE -p no:cacheprovider -n "${TEST_WORKERS:-8}" \
+    --timeout=180 $tests > "$OUT/gpu-tests.log" 2>&1
+  echo "pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu-tests.log" | cut -c1-300 | tail -40
+fi
+if [ -n "${SWEEP:-}" ]; then
+  timeout "${SWEEP_TIMEOUT:-200}" python3 scripts/sweep.py $SWEEP > "$OUT/sweep.log" 2>&1
+  echo "sweep exit $?"; sed -n '/^op | shape/,$p' "$OUT/sweep.log"
 fi
 n=0
 for group in "$@"; do

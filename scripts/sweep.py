@@ -178,7 +178,39 @@ def sweep_norm(name, dtype):
     return rows
 
 
+def sweep_rope(dtype):
+    from tilefuse.ops import rope as rp
+    spec = registry.get("rope")
+    rows = []
+    for shape in spec.bench_shapes[:2]:
+        inp = spec.make_inputs(shape, dtype, "cuda")
+        q, k, cos, sin = (a.detach() for a in inp.args)
+        d = shape[-1]
+        q_ref, k_ref = rp.rope_reference(q.double(), k.double(), cos.double(), sin.double())
+        nbytes = spec.bytes_fn(shape, dtype, "fwd")
+
+        def fn_for(cfg):
+            def run():
+                qo, ko = torch.empty_like(q), torch.empty_like(k)
+                rp._launch(q, k, qo, ko, cos, sin, None, False, d, False, False, cfg)
+                return qo, ko
+            return run
+
+        check = lambda out: max(rel_err(out[0], q_ref), rel_err(out[1], k_ref))
+        cfgs = [{"TOKENS": t, "BLOCK_HQ": hq, "BLOCK_HK": hk, "num_warps": w}
+                for t, hq, hk, w in itertools.product((1, 2, 4), (8, 16, 32), (4, 8), (2, 4, 8))
+                if hq <= triton.next_power_of_2(shape[2]) and hk <= triton.next_power_of_2(shape[3])]
+        results = sweep(fn_for, check, cfgs, nbytes, {})
+        copy = copy_gbps(nbytes)
+        for gbps, ms, cfg in results[:6]:
+            print(f"rope {shape} fwd: {gbps:7.0f} GB/s {ms*1e3:8.1f} us {cfg}{' (default)' if cfg == {} else ''}", flush=True)
+        dflt = [r for r in results if r[2] == {}]
+        rows.append((shape, "fwd", results[0][0], results[0][2], dflt[0][0] if dflt else float("nan"), copy, float("nan")))
+    return rows
+
+
 SWEEPS = {
+    "rope": sweep_rope,
     "softmax": sweep_softmax,
     "rms_norm": lambda dtype: sweep_norm("rms_norm", dtype),
     "layer_norm": lambda dtype: sweep_norm("layer_norm", dtype),
