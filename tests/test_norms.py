@@ -238,7 +238,7 @@ def test_looped_layer_norm_large_mean_is_accurate():
 def test_launcher_config_overrides(cfg):
     if DEVICE == "cpu" and not nm.use_triton(torch.empty(0)):
         pytest.skip("launchers need CUDA or the interpreter")
-    x, w, b, r = torch.randn(9, 300), torch.randn(300), torch.randn(300), torch.randn(9, 300)
+    x, w, b, r = (torch.randn(*s, device=DEVICE) for s in ((9, 300), (300,), (300,), (9, 300)))
     y, h, mean, rstd = nm._launch_fwd(x, w, b, r, 1e-5, 0.0, False, config=cfg)
     ry, rh, rmean, rrstd = nm._fwd_reference(x, w, b, r, 1e-5, 0.0, False)
     assert all(rel_err(a, c) <= 1e-5 for a, c in ((y, ry), (h, rh), (mean, rmean), (rstd, rrstd)))

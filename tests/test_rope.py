@@ -41,15 +41,16 @@ def hf_llama_apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_d
 
 def hf_llama_cos_sin(position_ids, dim, base=10000.0):
     """LlamaRotaryEmbedding.forward (default rope type): cos/sin [B, S, dim], in float64 here."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).double() / dim))
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64, device=position_ids.device).double() / dim))
     freqs = (inv_freq[None, :, None] * position_ids[:, None, :].double()).transpose(1, 2)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos(), emb.sin()
 
 
 def hf_gptj_create_sinusoidal_positions(num_pos, dim):
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=torch.int64) / dim))
-    sinusoid_inp = torch.einsum("i , j -> i j", torch.arange(num_pos, dtype=torch.int64).double(), inv_freq.double())
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=torch.int64, device=DEVICE) / dim))
+    sinusoid_inp = torch.einsum("i , j -> i j", torch.arange(num_pos, dtype=torch.int64, device=DEVICE).double(),
+                                inv_freq.double())
     return torch.cat((torch.sin(sinusoid_inp), torch.cos(sinusoid_inp)), dim=1)
 
 
@@ -94,7 +95,7 @@ def _assert_close(outs, refs, dtype):
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 def test_matches_hf_llama(dtype, layout):
     B, S, Hq, Hk, D = 2, 6, 4, 2, 32
-    pos = torch.randint(0, 500, (B, S))
+    pos = torch.randint(0, 500, (B, S), device=DEVICE)
     cos, sin = hf_llama_cos_sin(pos, D)
     q, k = _rand(B, Hq, S, D, dtype=dtype), _rand(B, Hk, S, D, dtype=dtype)
     ref = hf_llama_apply_rotary_pos_emb(q.double(), k.double(), cos, sin)
@@ -109,7 +110,7 @@ def test_matches_hf_llama(dtype, layout):
 def test_matches_real_transformers_llama():
     modeling_llama = pytest.importorskip("transformers.models.llama.modeling_llama")
     B, S, Hq, Hk, D = 2, 5, 4, 2, 16
-    cos, sin = hf_llama_cos_sin(torch.arange(S)[None].expand(B, S), D)
+    cos, sin = hf_llama_cos_sin(torch.arange(S, device=DEVICE)[None].expand(B, S), D)
     q, k = _rand(B, Hq, S, D).double(), _rand(B, Hk, S, D).double()
     ref = modeling_llama.apply_rotary_pos_emb(q, k, cos, sin)
     _assert_close(rope(q.float(), k.float(), cos.float(), sin.float(), layout="bhsd"), ref, torch.float32)
@@ -119,7 +120,7 @@ def test_matches_real_transformers_llama():
 def test_matches_hf_gptj_partial_with_position_ids(dtype):
     B, S, Hq, Hk, D, r, max_pos = 2, 5, 3, 1, 24, 8, 64
     embed_positions = hf_gptj_create_sinusoidal_positions(max_pos, r)
-    pos = torch.randint(0, max_pos, (B, S))
+    pos = torch.randint(0, max_pos, (B, S), device=DEVICE)
     q, k = _rand(B, S, Hq, D, dtype=dtype), _rand(B, S, Hk, D, dtype=dtype)
     ref = hf_gptj_attention_rope(q.double(), k.double(), embed_positions, pos, r)
     sin_half, cos_half = embed_positions.split(r // 2, dim=-1)
@@ -133,7 +134,7 @@ def test_matches_hf_gptj_partial_with_position_ids(dtype):
 
 def test_cos_sin_table_matches_hf():
     cos, sin = rope_cos_sin_table(40, 16, dtype=torch.float64)
-    hf_cos, hf_sin = hf_llama_cos_sin(torch.arange(40)[None], 16)
+    hf_cos, hf_sin = hf_llama_cos_sin(torch.arange(40, device=DEVICE)[None], 16)
     assert torch.allclose(cos, hf_cos[0]) and torch.allclose(sin, hf_sin[0])
     cos_j, sin_j = rope_cos_sin_table(40, 16, interleaved=True, dtype=torch.float64)
     sin_h, cos_h = hf_gptj_create_sinusoidal_positions(40, 16).split(8, -1)

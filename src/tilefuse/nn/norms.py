@@ -15,65 +15,22 @@ from ..ops.norms import layer_norm, rms_norm
 _Shape = Union[int, Sequence[int], torch.Size]
 
 
-def _as_shape(normalized_shape: _Shape) -> tuple:
-    if isinstance(normalized_shape, int):
-        return (normalized_shape,)
-    return tuple(normalized_shape)
-
-
-class LayerNorm(torch.nn.Module):
-    """``torch.nn.LayerNorm`` running tilefuse's kernels (fp32 math for fp16/bf16)."""
-
-    __constants__ = ["normalized_shape", "eps", "elementwise_affine"]
-
-    def __init__(
-        self,
-        normalized_shape: _Shape,
-        eps: float = 1e-5,
-        elementwise_affine: bool = True,
-        bias: bool = True,
-        device=None,
-        dtype=None,
-    ) -> None:
-        super().__init__()
-        factory = {"device": device, "dtype": dtype}
-        self.normalized_shape = _as_shape(normalized_shape)
-        self.eps = eps
-        self.elementwise_affine = elementwise_affine
-        if elementwise_affine:
-            self.weight = torch.nn.Parameter(torch.empty(self.normalized_shape, **factory))
-            if bias:
-                self.bias = torch.nn.Parameter(torch.empty(self.normalized_shape, **factory))
-            else:
-                self.register_parameter("bias", None)
-        else:
-            self.register_parameter("weight", None)
-            self.register_parameter("bias", None)
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        if self.weight is not None:
-            torch.nn.init.ones_(self.weight)
-        if self.bias is not None:
-            torch.nn.init.zeros_(self.bias)
+class LayerNorm(torch.nn.LayerNorm):
+    """``torch.nn.LayerNorm`` (subclassed: same constructor, parameters, state_dict and repr)
+    running tilefuse's kernels (fp32 math for fp16/bf16); ``forward`` also takes a residual."""
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
         return layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps, residual)
 
-    def extra_repr(self) -> str:
-        return (f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}, "
-                f"bias={self.bias is not None}")
 
-
-class RMSNorm(torch.nn.Module):
-    """``torch.nn.RMSNorm`` running tilefuse's kernels.
+class RMSNorm(torch.nn.RMSNorm):
+    """``torch.nn.RMSNorm`` (subclassed: same constructor, parameters, state_dict and repr)
+    running tilefuse's kernels; ``forward`` also takes a residual.
 
     ``offset`` (keyword, tilefuse-only) scales by ``offset + weight``: ``offset=1.0`` is Gemma's
     RMSNorm, whose checkpoints store ``weight - 1``. ``reset_parameters`` sets the weight to
     ``1 - offset`` so a fresh module always starts as the identity scale.
     """
-
-    __constants__ = ["normalized_shape", "eps", "elementwise_affine", "offset"]
 
     def __init__(
         self,
@@ -85,18 +42,10 @@ class RMSNorm(torch.nn.Module):
         *,
         offset: float = 0.0,
     ) -> None:
-        super().__init__()
-        self.normalized_shape = _as_shape(normalized_shape)
-        self.eps = eps
-        self.elementwise_affine = elementwise_affine
         self.offset = float(offset)
         if self.offset and not elementwise_affine:
             raise ValueError("offset scales the weight: it needs elementwise_affine=True")
-        if elementwise_affine:
-            self.weight = torch.nn.Parameter(torch.empty(self.normalized_shape, device=device, dtype=dtype))
-        else:
-            self.register_parameter("weight", None)
-        self.reset_parameters()
+        super().__init__(normalized_shape, eps, elementwise_affine, device=device, dtype=dtype)
 
     def reset_parameters(self) -> None:
         if self.weight is not None:
@@ -106,5 +55,4 @@ class RMSNorm(torch.nn.Module):
         return rms_norm(x, self.normalized_shape, self.weight, self.eps, self.offset, residual)
 
     def extra_repr(self) -> str:
-        extra = f", offset={self.offset}" if self.offset else ""
-        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}{extra}"
+        return super().extra_repr() + (f", offset={self.offset}" if self.offset else "")

@@ -89,10 +89,10 @@ def norm_fwd_kernel(
         mean = tl.zeros([BLOCK_M], dtype=tl.float32)
         xc = x                          # masked x loads as 0
         if not IS_RMS:
-            mean = tl.sum(x, axis=1) / n_cols
+            mean = tl.sum(x, axis=1) * (1.0 / n_cols)
             tl.store(mean_ptr + rows, mean, mask=row_mask)
             xc = tl.where(mask, x - mean[:, None], 0.0)
-        rstd = tl.rsqrt(tl.sum(xc * xc, axis=1) / n_cols + eps)
+        rstd = tl.rsqrt(tl.sum(xc * xc, axis=1) * (1.0 / n_cols) + eps)
         tl.store(rstd_ptr + rows, rstd, mask=row_mask)
     y = _xhat(x, mean, rstd, mask, IS_RMS)
     if HAS_W:
@@ -231,8 +231,8 @@ def norm_bwd_kernel(
             c1 = tl.load(dot_ptr + rows, mask=row_mask, other=0.0)
             c2 = tl.load(dot_ptr + n_rows + rows, mask=row_mask, other=0.0)
         else:
-            c1 = tl.sum(xhat * wdy, axis=1) / n_cols
-            c2 = tl.sum(wdy, axis=1) / n_cols
+            c1 = tl.sum(xhat * wdy, axis=1) * (1.0 / n_cols)
+            c2 = tl.sum(wdy, axis=1) * (1.0 / n_cols)
         if IS_RMS:
             dx = (wdy - xhat * c1[:, None]) * rstd[:, None]
         else:
@@ -286,5 +286,5 @@ def norm_bwd_stats_kernel(
         wdy = dy * _scale(w_ptr, cols, n_cols, offset, HAS_W)[None, :]
         acc_xw += _xhat(x, mean, rstd, mask, IS_RMS) * wdy
         acc_w += wdy
-    tl.store(dot_ptr + rows, tl.sum(acc_xw, axis=1) / n_cols)
-    tl.store(dot_ptr + n_rows + rows, tl.sum(acc_w, axis=1) / n_cols)
+    tl.store(dot_ptr + rows, tl.sum(acc_xw, axis=1) * (1.0 / n_cols))
+    tl.store(dot_ptr + n_rows + rows, tl.sum(acc_w, axis=1) * (1.0 / n_cols))
