@@ -1,6 +1,8 @@
 """layer_norm / rms_norm beyond the registry sweep: options, tiers, layouts, empties, bad input,
 torch.compile, and the nn modules against torch's."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -186,6 +188,13 @@ def test_rows_of_length_one():
     assert torch.equal(y, b.expand_as(y))
     gx, gw, gb = torch.autograd.grad(y, (x, w, b), torch.ones_like(y))
     assert torch.equal(gx, torch.zeros_like(x)) and torch.equal(gw, torch.zeros_like(w)) and gb.item() == 9
+    # with a random dy the exact dx is still 0, but on the GPU dx = (dy·w - mean(dy·w))·rstd contracts
+    # to fma(dy, w, -round(dy·w))·rstd: the rounding of one product, scaled by rstd = 1/sqrt(eps)
+    y = nm.layer_norm(x, None, w, b)
+    g = torch.randn_like(y)
+    (gx,) = torch.autograd.grad(y, (x,), g)
+    rstd = 1.0 / math.sqrt(1e-5)
+    assert (gx.abs() <= 2 * torch.finfo(torch.float32).eps * rstd * (g * w).abs()).all()
     y = nm.rms_norm(x, None, w)
     xr, wr = x.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
     yr = nm.rms_norm_reference(xr, None, wr)

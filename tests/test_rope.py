@@ -133,10 +133,10 @@ def test_matches_hf_gptj_partial_with_position_ids(dtype):
 
 
 def test_cos_sin_table_matches_hf():
-    cos, sin = rope_cos_sin_table(40, 16, dtype=torch.float64)
+    cos, sin = rope_cos_sin_table(40, 16, dtype=torch.float64, device=DEVICE)
     hf_cos, hf_sin = hf_llama_cos_sin(torch.arange(40, device=DEVICE)[None], 16)
     assert torch.allclose(cos, hf_cos[0]) and torch.allclose(sin, hf_sin[0])
-    cos_j, sin_j = rope_cos_sin_table(40, 16, interleaved=True, dtype=torch.float64)
+    cos_j, sin_j = rope_cos_sin_table(40, 16, interleaved=True, dtype=torch.float64, device=DEVICE)
     sin_h, cos_h = hf_gptj_create_sinusoidal_positions(40, 16).split(8, -1)
     assert torch.allclose(cos_j[:, 0::2], cos_h) and torch.allclose(sin_j[:, 1::2], sin_h)
 

@@ -66,15 +66,15 @@ class FastOp:
         self.op.register_autograd(backward, setup_context=setup_context)
         impl = self.op._init_fn
 
+        # forward(ctx, ...) form on purpose: with a separate setup_context staticmethod,
+        # Function.apply binds the arguments through inspect.signature on every call (~10-20 µs)
         class _Eager(torch.autograd.Function):
             @staticmethod
-            def forward(*args):
-                return impl(*args)
-
-            @staticmethod
-            def setup_context(ctx, inputs, output):
+            def forward(ctx, *args):
+                output = impl(*args)
                 if setup_context is not None:
-                    setup_context(ctx, inputs, output)
+                    setup_context(ctx, args, output)
+                return output
 
             @staticmethod
             def backward(ctx, *grads):

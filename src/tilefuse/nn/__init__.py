@@ -1,7 +1,9 @@
 """nn.Module drop-ins with torch's constructor arguments and state_dict keys."""
 
 from .activations import FusedBiasActDropout, SwiGLUMLP
+from .losses import CrossEntropyLoss, LinearCrossEntropyLoss
 from .norms import LayerNorm, RMSNorm
 from .softmax import LogSoftmax, Softmax
 
-__all__ = ["Softmax", "LogSoftmax", "LayerNorm", "RMSNorm", "FusedBiasActDropout", "SwiGLUMLP"]
+__all__ = ["Softmax", "LogSoftmax", "LayerNorm", "RMSNorm", "FusedBiasActDropout", "SwiGLUMLP",
+           "CrossEntropyLoss", "LinearCrossEntropyLoss"]

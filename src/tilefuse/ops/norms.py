@@ -507,7 +507,10 @@ def _liger_peer(is_rms: bool, fused_add: bool):
     return factory
 
 
-_TEST_SHAPES = [(1, 1), (3, 781), (7, 4097), (2, 3, 1000), (1, 65537), (5, 1)]
+# Rows of one element are tested in tests/test_norms.py::test_rows_of_length_one: LayerNorm's exact
+# dx is 0 at N = 1 and N = 2 (two values normalize to ±1 whatever they are), so a relative error
+# is undefined there (the GPU's FMA leaves rounding-level values); the sweep starts at N = 3.
+_TEST_SHAPES = [(1, 3), (3, 781), (7, 4097), (2, 3, 1000), (1, 65537), (5, 3)]
 # RMSNorm's dx at N = 1 is eps·rstd³·wdy: a difference of two O(1) terms, ill-conditioned in fp32
 # against an fp64 reference (LayerNorm's is exactly 0); tests/test_norms.py checks N = 1 separately.
 _RMS_TEST_SHAPES = [(1, 2), (3, 781), (7, 4097), (2, 3, 1000), (1, 65537), (5, 2)]

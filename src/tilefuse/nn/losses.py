@@ -1,0 +1,77 @@
+"""Loss modules: a drop-in for torch.nn.CrossEntropyLoss and a fused linear + cross-entropy loss."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..ops.cross_entropy import check_ce_options, cross_entropy
+from ..ops.linear_cross_entropy import linear_cross_entropy
+
+
+class CrossEntropyLoss(torch.nn.Module):
+    """``torch.nn.CrossEntropyLoss(ignore_index, reduction, label_smoothing)`` on logits ``[..., V]``
+    (class dim last), plus ``z_loss`` and ``softcap``; see :func:`tilefuse.cross_entropy`.
+
+    ``logits_inplace_grad=True`` lets the op overwrite the logits with their gradient (no [T, V]
+    buffer of its own); only use it where nothing reads the logits after the loss.
+    Class weights (torch's ``weight``) are not supported.
+    """
+
+    def __init__(
+        self,
+        ignore_index: int = -100,
+        reduction: str = "mean",
+        label_smoothing: float = 0.0,
+        z_loss: float = 0.0,
+        softcap: Optional[float] = None,
+        logits_inplace_grad: bool = False,
+    ) -> None:
+        super().__init__()
+        check_ce_options(ignore_index, label_smoothing, z_loss, softcap, reduction)
+        self.ignore_index = ignore_index
+        self.reduction = reduction
+        self.label_smoothing = label_smoothing
+        self.z_loss = z_loss
+        self.softcap = softcap
+        self.logits_inplace_grad = logits_inplace_grad
+
+    def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:  # noqa: A002 - torch's name
+        return cross_entropy(input, target, self.ignore_index, self.label_smoothing, self.z_loss, self.softcap,
+                             self.reduction, logits_inplace_grad=self.logits_inplace_grad)
+
+    def extra_repr(self) -> str:
+        return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
+                f"label_smoothing={self.label_smoothing}, z_loss={self.z_loss}, softcap={self.softcap}")
+
+
+class LinearCrossEntropyLoss(torch.nn.Module):
+    """Cross-entropy of ``hidden @ weight.T (+ bias)`` without materializing the logits; see
+    :func:`tilefuse.linear_cross_entropy`. The projection is an argument of ``forward`` (usually
+    the model's ``lm_head.weight``), so the module holds no parameters."""
+
+    def __init__(
+        self,
+        ignore_index: int = -100,
+        label_smoothing: float = 0.0,
+        z_loss: float = 0.0,
+        softcap: Optional[float] = None,
+        reduction: str = "mean",
+    ) -> None:
+        super().__init__()
+        check_ce_options(ignore_index, label_smoothing, z_loss, softcap, reduction)
+        self.ignore_index = ignore_index
+        self.label_smoothing = label_smoothing
+        self.z_loss = z_loss
+        self.softcap = softcap
+        self.reduction = reduction
+
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return linear_cross_entropy(hidden, weight, target, bias, self.ignore_index, self.label_smoothing,
+                                    self.z_loss, self.softcap, self.reduction)
+
+    def extra_repr(self) -> str:
+        return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
+                f"label_smoothing={self.label_smoothing}, z_loss={self.z_loss}, softcap={self.softcap}")

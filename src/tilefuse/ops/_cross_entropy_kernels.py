@@ -1,0 +1,344 @@
+"""Triton kernels of cross_entropy (and linear_cross_entropy's chunks): loss and gradient rows,
+and the in-place scaling of stored gradients by grad_output. The math is in ops/cross_entropy.py.
+
+Numerics, all in fp32 whatever the logits' dtype:
+
+* differences against the row max first: p = exp2((x - m)·log2 e - log2 s), loss terms (m - x_t),
+  never x - lse (at |x| ~ 1e4, lse's own fp32 rounding is a 1e-3 relative error in p);
+* q = 1 - p_t is summed over the other classes (the target's term added from its scalar logit),
+  so a confident row (p_t ~ 1) keeps its relative precision: the target's gradient is
+  (eps - q) - eps/V and -log p_t = -log1p(-q) there, where softmax - onehot and (m - x_t) + ln s
+  would be all rounding;
+* the soft cap's tanh and slope are fp32-accurate for every logit (see _softcap).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import triton
+import triton.language as tl
+
+from .._dispatch import num_sms
+from ._common import LN2, LOG2E
+
+MAX_SINGLE_TILE = 8192    # a row this long sits in registers (16 warps x 16 values per thread): one read
+LOOPED_BLOCK_V = 8192     # tile of the looped tier: 16 values per thread at 16 warps, 16-byte loads
+LOOPED_MAXNREG = 64       # ptxas takes ~90 registers for the looped kernel if allowed; 64 (no spills
+                          # without options) fits two 16-warp programs per SM instead of one
+SCALE_BLOCK = 4096        # tile of the in-place scaling pass (8 warps, 16 values per thread)
+SCALE_PROGRAMS_PER_SM = 4 # its persistent grid: 4 x 8 warps at ~40 registers all fit on an SM at once
+
+
+class CEOptions(NamedTuple):
+    ignore_index: int
+    label_smoothing: float
+    z_loss: float
+    softcap: Optional[float]
+
+
+# ----------------------------------------------------------------------------------------------
+# kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _softcap(x, softcap):
+    """(c·tanh(x/c), its slope 1 - tanh^2), fp32-accurate for every x (libdevice.tanh is not in the
+    interpreter). With y = x/c and e = exp(-2|y|) in (0, 1]: tanh = sign·(1 - e)/(1 + e) and
+    1 - tanh^2 = 4e/(1 + e)^2 (no 1 - t·t cancellation where tanh saturates); below |y| = 1/4,
+    where 1 - e would cancel, tanh's odd series to y^9 (error < 1e-8 relative)."""
+    y = x / softcap
+    e = tl.exp2((-2.0 * LOG2E) * tl.abs(y))
+    r = 1.0 / (1.0 + e)
+    y2 = y * y
+    series = y * (1.0 + y2 * (-1.0 / 3.0 + y2 * (2.0 / 15.0 + y2 * (-17.0 / 315.0 + y2 * (62.0 / 2835.0)))))
+    t = tl.where(tl.abs(y) < 0.25, series, tl.where(y < 0, e - 1.0, 1.0 - e) * r)
+    return softcap * t, 4.0 * e * r * r
+
+
+@triton.jit
+def _load_logits(row_ptr, cols, n_cols, softcap, HAS_SOFTCAP: tl.constexpr):
+    """(x', mask, dx'/dx) of one fp32 tile of (soft-capped) logits; past the row x' is -inf."""
+    mask = cols < n_cols
+    if HAS_SOFTCAP:
+        x = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        x, slope = _softcap(x, softcap)
+        x = tl.where(mask, x, -float("inf"))
+    else:
+        x = tl.load(row_ptr + cols, mask=mask, other=-float("inf")).to(tl.float32)
+        slope = 1.0
+    return x, mask, slope
+
+
+@triton.jit
+def _row_stats_looped(row_ptr, n_cols, t_col, softcap,
+                      HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr):
+    """(m, s_other, sum_j x'_j) of a row walked in tiles; see _tile_stats. A running tile max m,
+    per-lane sums rescaled by exp(m_old - m_new): one cross-warp reduction (the max) per tile."""
+    m = tl.full([], -float("inf"), tl.float32)
+    s_other = tl.zeros([BLOCK_V], dtype=tl.float32)
+    sum_x = tl.zeros([BLOCK_V], dtype=tl.float32)
+    for start in range(0, n_cols, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        x, mask, _ = _load_logits(row_ptr, cols, n_cols, softcap, HAS_SOFTCAP)
+        m_new = tl.maximum(m, tl.max(x, axis=0))
+        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)   # an all -inf prefix stays 0, not NaN
+        e = tl.exp2((x - m_safe) * LOG2E)
+        s_other = s_other * tl.exp2((m - m_safe) * LOG2E) + tl.where(cols == t_col, 0.0, e)
+        if HAS_SMOOTHING:
+            sum_x += tl.where(mask, x, 0.0)
+        m = m_new
+    return m, tl.sum(s_other, axis=0), tl.sum(sum_x, axis=0)
+
+
+@triton.jit
+def _tile_stats(x, mask, cols, t_col, HAS_SMOOTHING: tl.constexpr):
+    """(m, s_other, sum_j x'_j) of a row held in one register tile: the max m and the sum of
+    exp(x'_j - m) over the classes other than the target. The target's term is added back from its
+    scalar logit, so q = 1 - p_t = s_other / s keeps its relative precision when p_t ~ 1 (1 - p_t
+    would be ~1e-7 of rounding), at the cost of one vector accumulator, not two."""
+    m = tl.max(x, axis=0)
+    m_safe = tl.where(m == -float("inf"), 0.0, m)
+    s_other = tl.sum(tl.where(cols == t_col, 0.0, tl.exp2((x - m_safe) * LOG2E)), axis=0)
+    sum_x = 0.0
+    if HAS_SMOOTHING:
+        sum_x = tl.sum(tl.where(mask, x, 0.0), axis=0)
+    return m, s_other, sum_x
+
+
+@triton.jit
+def _nll(m, x_t, log_s, q):
+    """-log p_t: (m - x'_t) + ln s, or -log1p(-q) where p_t > 1/2 (there the first form cancels
+    to ~1e-7 absolute). log1p(y) = log(u)·y/(u - 1), u = 1 + y rounded (Goldberg): triton.language
+    has no log1p."""
+    u = 1.0 - q
+    u_used = tl.maximum(u, 0.5)   # the form is only taken for q <= 1/2
+    log1p_neg_q = tl.where(u == 1.0, -q, tl.log(u_used) * (-q) / tl.where(u == 1.0, 1.0, u_used - 1.0))
+    return tl.where(q <= 0.5, -log1p_neg_q, (m - x_t) + log_s)
+
+
+@triton.jit
+def _grad_tile(x, slope, m, log2_s, scale, z_coef, uniform, HAS_SOFTCAP: tl.constexpr, HAS_Z_LOSS: tl.constexpr):
+    """dloss/dx of one tile's non-target classes: (p·scale - uniform + p·z_coef)·dx'/dx."""
+    # p = exp(x - m) / s: x - m first, never x - lse (at |x| ~ 1e4 lse's fp32 rounding alone
+    # would be a 1e-3 relative error in p)
+    p = tl.exp2((x - m) * LOG2E - log2_s)
+    g = p * scale - uniform
+    if HAS_Z_LOSS:
+        g += p * z_coef
+    if HAS_SOFTCAP:
+        g = g * slope
+    return g
+
+
+@triton.jit
+def _cross_entropy_row(x_row, g_row, target, loss_ptr, scale, n_cols, ignore_index, label_smoothing, z_loss,
+                       softcap, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
+                       WRITE_GRAD: tl.constexpr, SINGLE_TILE: tl.constexpr, BLOCK_V: tl.constexpr):
+    """One row: its loss into *loss_ptr and, with WRITE_GRAD, scale·dloss/dx into g_row."""
+    # the target as an int32 column for the per-element compares (-1: matches no column)
+    t_col = tl.where((target >= 0) & (target < n_cols), target, -1).to(tl.int32)
+    if target == ignore_index:
+        tl.store(loss_ptr, 0.0)
+        if WRITE_GRAD:
+            zeros = tl.zeros([BLOCK_V], dtype=g_row.dtype.element_ty)
+            for start in range(0, n_cols, BLOCK_V):
+                cols = start + tl.arange(0, BLOCK_V)
+                tl.store(g_row + cols, zeros, mask=cols < n_cols)
+    else:
+        if SINGLE_TILE:
+            cols = tl.arange(0, BLOCK_V)
+            x, mask, slope = _load_logits(x_row, cols, n_cols, softcap, HAS_SOFTCAP)
+            m, s_other, sum_x = _tile_stats(x, mask, cols, t_col, HAS_SMOOTHING)
+        else:
+            m, s_other, sum_x = _row_stats_looped(x_row, n_cols, t_col, softcap, HAS_SOFTCAP, HAS_SMOOTHING,
+                                                  BLOCK_V)
+        m = tl.where(m == -float("inf"), 0.0, m)   # an all -inf row: NaN loss below, no NaN shift
+        # the target logit is one scalar load (cached); an out-of-range target (check_targets=False)
+        # reads nothing and makes the row NaN
+        in_range = (target >= 0) & (target < n_cols)
+        x_t = tl.load(x_row + target, mask=in_range, other=float("nan")).to(tl.float32)
+        slope_t = 1.0
+        if HAS_SOFTCAP:
+            x_t, slope_t = _softcap(x_t, softcap)
+        e_t = tl.exp2((x_t - m) * LOG2E)
+        s = s_other + e_t
+        q = s_other / s
+        log2_s = tl.log2(s)
+        log_s = log2_s * LN2
+        lse = m + log_s
+        loss = _nll(m, x_t, log_s, q)
+        if HAS_SMOOTHING:   # eps·(lse - mean x'), with m subtracted first as in p
+            loss = (1.0 - label_smoothing) * loss + label_smoothing * ((m - sum_x / n_cols) + log_s)
+        if HAS_Z_LOSS:
+            loss += z_loss * lse * lse
+        tl.store(loss_ptr, loss)
+        if WRITE_GRAD:
+            z_coef = scale * (2.0 * z_loss) * lse
+            uniform = scale * (label_smoothing / n_cols)
+            if SINGLE_TILE:
+                g = _grad_tile(x, slope, m, log2_s, scale, z_coef, uniform, HAS_SOFTCAP, HAS_Z_LOSS)
+                tl.store(g_row + cols, g.to(g_row.dtype.element_ty), mask=mask)
+            else:
+                # backwards over the tiles: the first walk's last tiles are the likeliest in L2
+                last = (n_cols - 1) // BLOCK_V * BLOCK_V
+                for start in range(0, n_cols, BLOCK_V):
+                    cols = (last - start) + tl.arange(0, BLOCK_V)
+                    x, mask, slope = _load_logits(x_row, cols, n_cols, softcap, HAS_SOFTCAP)
+                    g = _grad_tile(x, slope, m, log2_s, scale, z_coef, uniform, HAS_SOFTCAP, HAS_Z_LOSS)
+                    tl.store(g_row + cols, g.to(g_row.dtype.element_ty), mask=mask)
+            # the target's entry, rewritten once after the walk rather than picked out per element
+            # in it (that compare cost registers, i.e. occupancy): p_t - eps/V - (1 - eps) =
+            # (eps - q) - eps/V, free of the p_t - 1 cancellation. The barrier orders this store
+            # after the walk's store of the same address.
+            target_grad = scale * (label_smoothing - q) - uniform
+            if HAS_Z_LOSS:
+                target_grad += (e_t / s) * z_coef
+            if HAS_SOFTCAP:
+                target_grad = target_grad * slope_t
+            tl.debug_barrier()
+            tl.store(g_row + target, target_grad.to(g_row.dtype.element_ty), mask=in_range)
+
+
+@triton.jit
+def cross_entropy_fwd_kernel(
+    logits_ptr,         # *[n_rows, n_cols] logits, unit column stride
+    grad_ptr,           # *[n_rows, n_cols] dloss/dlogits (may be logits_ptr: in-place mode)
+    target_ptr,         # *[n_rows] int32/int64 class ids
+    loss_ptr,           # *[n_rows] fp32 loss per row before reduction (0 on ignored rows)
+    scale_ptr,          # *fp32 gradient scale per row (1/n_valid for mean, grad_output rows, ...)
+    logits_row_stride,  # elements between rows of logits
+    grad_row_stride,    # elements between rows of grad
+    scale_stride,       # 0: one scale shared by every row, 1: one per row
+    n_rows,             # rows (tokens)
+    n_cols,             # vocabulary size V
+    ignore_index,       # target value of rows that contribute nothing
+    label_smoothing,    # eps
+    z_loss,             # z
+    softcap,            # c (unused without HAS_SOFTCAP)
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    HAS_Z_LOSS: tl.constexpr,
+    WRITE_GRAD: tl.constexpr,   # False: loss only (nothing needs the gradient)
+    SINGLE_TILE: tl.constexpr,  # the whole row is one register tile: read once
+    BLOCK_V: tl.constexpr,      # tile of the row
+):
+    # one row per program by default; with fewer programs than rows (config programs_per_sm) the
+    # grid is persistent and bounds the rows in flight, for the looped rows' second read from L2
+    for row in range(tl.program_id(0).to(tl.int64), n_rows, tl.num_programs(0)):   # int64 offsets
+        target = tl.load(target_ptr + row).to(tl.int64)
+        scale = 0.0
+        if WRITE_GRAD:
+            scale = tl.load(scale_ptr + row * scale_stride)
+        _cross_entropy_row(logits_ptr + row * logits_row_stride, grad_ptr + row * grad_row_stride, target,
+                           loss_ptr + row, scale, n_cols, ignore_index, label_smoothing, z_loss, softcap,
+                           HAS_SOFTCAP, HAS_SMOOTHING, HAS_Z_LOSS, WRITE_GRAD, SINGLE_TILE, BLOCK_V)
+
+
+@triton.jit
+def scale_rows_kernel(
+    x_ptr,              # *[n_rows, n_cols] stored gradient, scaled in place
+    applied_ptr,        # *fp32 scale already applied to each row (1 after the forward)
+    grad_ptr,           # *fp32 grad_output: the scale each row must carry
+    x_row_stride,       # elements between rows of x
+    scale_stride,       # stride of applied and grad_output (unused with SHARED_SCALE)
+    n_rows,             # rows
+    n_cols,             # row length
+    SHARED_SCALE: tl.constexpr,  # one scalar grad_output for every row (mean/sum)
+    BLOCK: tl.constexpr,         # tile of a row
+):
+    # rows times grad_output / applied, skipped where both are 1: loss.backward() on a fresh
+    # forward moves no bytes (a repeated backward with grad_output 1 still rescales, by 1)
+    if SHARED_SCALE:
+        g = tl.load(grad_ptr)
+        a = tl.load(applied_ptr)
+        if (g != 1.0) | (a != 1.0):
+            for row in range(tl.program_id(0).to(tl.int64), n_rows, tl.num_programs(0)):
+                _scale_row(x_ptr + row * x_row_stride, g / a, n_cols, BLOCK)
+    else:
+        for row in range(tl.program_id(0).to(tl.int64), n_rows, tl.num_programs(0)):
+            g = tl.load(grad_ptr + row * scale_stride)
+            a = tl.load(applied_ptr + row * scale_stride)
+            if (g != 1.0) | (a != 1.0):
+                _scale_row(x_ptr + row * x_row_stride, g / a, n_cols, BLOCK)
+
+
+@triton.jit
+def _scale_row(row_ptr, factor, n_cols, BLOCK: tl.constexpr):
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        x = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(row_ptr + cols, (x * factor).to(row_ptr.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# launch heuristics
+# ----------------------------------------------------------------------------------------------
+
+
+def _single_tile_config(n_cols: int) -> dict:
+    """Rows up to MAX_SINGLE_TILE sit in registers (one read) at ~16 values per thread; one
+    program per row, as many resident as fit."""
+    tile = triton.next_power_of_2(max(n_cols, 1))
+    return {"single_tile": True, "BLOCK_V": tile, "num_warps": max(1, min(16, tile // 512)),
+            "maxnreg": None, "programs_per_sm": None}
+
+
+def _looped_config() -> dict:
+    """Long rows: 8K tiles at 16 warps, registers capped so two programs share an SM: 32 KB of
+    loads in flight per SM, and ~66 MB of rows in flight for a 128K-vocab bf16 batch on 132 SMs,
+    near L2's size, so the backwards second walk mostly hits L2. One program per row."""
+    return {"single_tile": False, "BLOCK_V": LOOPED_BLOCK_V, "num_warps": 16, "maxnreg": LOOPED_MAXNREG,
+            "programs_per_sm": None}
+
+
+def default_config(n_cols: int) -> dict:
+    """Launch config; ``programs_per_sm`` (None: one program per row) makes the grid persistent,
+    for sweeps that bound the rows in flight further."""
+    if triton.next_power_of_2(max(n_cols, 1)) <= MAX_SINGLE_TILE:
+        return _single_tile_config(n_cols)
+    return _looped_config()
+
+
+# ----------------------------------------------------------------------------------------------
+# launchers (inputs already validated by the public function)
+# ----------------------------------------------------------------------------------------------
+
+
+def launch_cross_entropy_rows(logits, target, row_scale, loss_rows, grad, opts: CEOptions, config=None):
+    """Per-row loss into ``loss_rows`` (fp32 [n]) and, unless ``grad`` is None, the gradient
+    times ``row_scale`` ([1] shared or [n]) into ``grad`` ([n, V], may be ``logits`` itself)."""
+    n_rows, n_cols = logits.shape
+    if n_rows == 0:
+        return
+    cfg = {**default_config(n_cols), **(config or {})}
+    if cfg["single_tile"] and cfg["BLOCK_V"] < n_cols:
+        raise ValueError(f"config: a single tile of {cfg['BLOCK_V']} cannot hold rows of {n_cols}")
+    programs = n_rows if not cfg["programs_per_sm"] else min(n_rows, num_sms(logits) * cfg["programs_per_sm"])
+    extra = {"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] else {}
+    cross_entropy_fwd_kernel[(programs,)](
+        logits, logits if grad is None else grad, target, loss_rows, row_scale,
+        logits.stride(0), logits.stride(0) if grad is None else grad.stride(0),
+        0 if row_scale.numel() == 1 else row_scale.stride(0),
+        n_rows, n_cols, opts.ignore_index,
+        float(opts.label_smoothing), float(opts.z_loss), float(opts.softcap or 1.0),
+        HAS_SOFTCAP=opts.softcap is not None, HAS_SMOOTHING=opts.label_smoothing > 0,
+        HAS_Z_LOSS=opts.z_loss > 0, WRITE_GRAD=grad is not None,
+        SINGLE_TILE=cfg["single_tile"], BLOCK_V=cfg["BLOCK_V"], num_warps=cfg["num_warps"], **extra,
+    )
+
+
+def launch_scale_rows(x2, applied, grad_output):
+    """x2 [n, C] *= grad_output / applied, per row ([n] each) or shared ([1] each)."""
+    n_rows, n_cols = x2.shape
+    if x2.numel() == 0:
+        return
+    shared = grad_output.numel() == 1
+    block = min(SCALE_BLOCK, triton.next_power_of_2(n_cols))
+    programs = max(1, min(n_rows, num_sms(x2) * SCALE_PROGRAMS_PER_SM))
+    scale_rows_kernel[(programs,)](
+        x2, applied, grad_output, x2.stride(0), 0 if shared else grad_output.stride(0), n_rows, n_cols,
+        SHARED_SCALE=shared, BLOCK=block, num_warps=max(1, min(8, block // 512)),
+    )

@@ -1,0 +1,394 @@
+"""cross_entropy over the last dimension, with the gradient computed in the forward pass.
+
+For one row of logits ``x`` (length V) with target class ``t``, label smoothing ``eps``, z-loss
+weight ``z`` and an optional soft cap ``c``:
+
+    x'_j  = c * tanh(x_j / c)                          (Gemma 2 soft cap; x' = x without it)
+    lse   = log sum_j exp(x'_j)                        (online over tiles of V: running max/sum)
+    loss  = (1 - eps)(lse - x'_t) + eps (lse - mean_j x'_j) + z * lse^2
+    dx_j  = scale * (p_j - eps/V - (1 - eps)[j == t] + 2 z lse p_j) * (1 - tanh^2(x_j / c))
+
+with ``p = softmax(x')``. Rows whose target is ``ignore_index`` give loss 0 and gradient 0;
+``mean`` divides by max(valid rows, 1), so an all-ignored batch is 0, not NaN. The label-smoothing
+term is torch's (``F.cross_entropy(label_smoothing=eps)``), the z-loss PaLM's.
+
+The gradient is written in the same kernel as the loss (second walk over the row), as Liger does:
+into a fresh [T, V] buffer, or -- ``logits_inplace_grad=True`` -- into the logits' own storage,
+so no second [T, V] tensor ever exists. Backward only scales the stored gradient by grad_output,
+in place, and skips that pass when grad_output is exactly 1 (the ``loss.backward()`` case).
+
+Bytes counted (ideal): forward reads the logits once and writes the gradient once (2·T·V elements,
+plus the int64 targets and the loss); backward reads and writes the stored gradient (2·T·V).
+Rows up to 16K classes are read once; longer ones twice, the second walk running backwards over the
+row so it starts on the tiles the first walk touched last, still in L2. Kernels and their numerics:
+ops/_cross_entropy_kernels.py.
+
+Out-of-range targets raise a ``ValueError`` before the launch: that check is one host sync
+(``check_targets=False`` skips it; a bad row then gets a NaN loss, never an out-of-bounds read).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .._checks import check_same_device, check_shape, check_tensor
+from .._dispatch import empty, rows_view, use_triton
+from .._op import custom_op
+from ..registry import Inputs, OpSpec, register, tensor_bytes
+from ._cross_entropy_kernels import CEOptions, launch_cross_entropy_rows, launch_scale_rows
+
+REDUCTIONS = ("mean", "sum", "none")
+TARGET_DTYPES = (torch.int64, torch.int32)
+
+
+# ----------------------------------------------------------------------------------------------
+# references (fp32 or wider; also the CPU path)
+# ----------------------------------------------------------------------------------------------
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.float64 else t.float()
+
+
+def torch_cross_entropy(logits, target, ignore_index, label_smoothing, z_loss, softcap, reduction):
+    """The op as a composition of torch ops, in logits' dtype (autograd gives the gradient)."""
+    x = logits if softcap is None else softcap * torch.tanh(logits / softcap)
+    x2 = x.reshape(-1, x.shape[-1] if x.dim() else 1)
+    t = target.reshape(-1).long()
+    valid = t != ignore_index
+    rows = F.cross_entropy(x2, t, ignore_index=ignore_index, label_smoothing=label_smoothing, reduction="none")
+    if z_loss:
+        rows = rows + z_loss * torch.where(valid, torch.logsumexp(x2, -1) ** 2, 0.0)
+    if reduction == "none":
+        return rows.reshape(target.shape)
+    total = rows.sum()
+    return total if reduction == "sum" else total / valid.sum().clamp(min=1)
+
+
+def softcap_reference(x: torch.Tensor, softcap: float) -> torch.Tensor:
+    """c·tanh(x/c) whose autograd slope stays accurate where tanh saturates: torch.tanh's backward
+    1 - tanh^2 cancels there (even in fp64, past |x/c| ~ 15), while sign·(1 - e)/(1 + e) with
+    e = exp(-2|x/c|) differentiates to 4e/(1 + e)^2. torch.tanh below |x/c| = 1/2, where 1 - e
+    would cancel instead."""
+    y = x / softcap
+    e = torch.exp(-2 * y.abs())
+    tail = torch.sign(y) * (1 - e) / (1 + e)
+    return softcap * torch.where(y.abs() < 0.5, torch.tanh(y), tail)
+
+
+def cross_entropy_reference(logits, target, ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
+                            softcap=None, reduction="mean", logits_inplace_grad=False, check_targets=True):
+    """fp32-or-wider torch composition; same signature as :func:`cross_entropy`."""
+    x = _wide(logits) if softcap is None else softcap_reference(_wide(logits), softcap)
+    return torch_cross_entropy(x, target, ignore_index, label_smoothing, z_loss, None, reduction).to(logits.dtype)
+
+
+def _cross_entropy_rows_torch(logits, target, row_scale, loss_rows, grad, opts: CEOptions):
+    """The kernel's contract (see launch_cross_entropy_rows) in closed form, in fp32: CPU path.
+    Same numerics as the kernel: -log p_t from q = 1 - p_t where p_t > 1/2, q summed over the
+    other classes."""
+    x = _wide(logits)
+    if opts.softcap is not None:
+        x = opts.softcap * torch.tanh(x / opts.softcap)
+    n_cols = x.shape[-1]
+    t = target.long()
+    valid = t != opts.ignore_index
+    onehot = torch.arange(n_cols, device=x.device) == t[:, None]   # all False for an out-of-range t
+    logp = torch.log_softmax(x, -1)   # subtracts the max first, never x - lse
+    p = logp.exp()
+    q = torch.where(onehot, 0.0, p).sum(-1)
+    nll = torch.where(q <= 0.5, -torch.log1p(-q), -torch.where(onehot, logp, 0.0).sum(-1))
+    loss = torch.where(onehot.any(-1), nll, float("nan"))
+    eps = opts.label_smoothing
+    if eps:   # terms only when on, as in the kernel (0 * a -inf logit would be NaN)
+        loss = (1 - eps) * loss - eps * logp.mean(-1)
+    lse = torch.logsumexp(x, -1)
+    if opts.z_loss:
+        loss = loss + opts.z_loss * lse * lse
+    loss_rows.copy_(torch.where(valid, loss, 0.0))
+    if grad is None:
+        return
+    uniform = eps / max(n_cols, 1)
+    g = torch.where(onehot, (eps - q - uniform)[:, None], p - uniform)
+    if opts.z_loss:
+        g = g + p * (2 * opts.z_loss * lse)[:, None]
+    if opts.softcap is not None:   # 1 - tanh^2 = 4e/(1 + e)^2, e = exp(-2|x|/c): no cancellation
+        e = torch.exp(-2 * _wide(logits).abs() / opts.softcap)
+        g = g * (4 * e / (1 + e) ** 2)
+    g = g * torch.where(valid, row_scale.to(g.dtype), 0.0)[:, None]
+    grad.copy_(g)
+
+
+def cross_entropy_rows(logits, target, row_scale, loss_rows, grad, opts: CEOptions, config=None):
+    """Kernel on CUDA (and under the interpreter), closed-form torch otherwise. Shared with
+    linear_cross_entropy, which calls it on each chunk of logits."""
+    if use_triton(logits):
+        launch_cross_entropy_rows(logits, target, row_scale, loss_rows, grad, opts, config)
+    else:
+        _cross_entropy_rows_torch(logits, target, row_scale, loss_rows, grad, opts)
+
+
+def check_targets_in_range(target: torch.Tensor, n_classes: int, ignore_index: int) -> None:
+    """One host sync: every target is ignore_index or in [0, n_classes)."""
+    bad = ((target < 0) | (target >= n_classes)) & (target != ignore_index)
+    if target.numel() and bool(bad.any()):
+        first = int(target[bad][0])
+        raise ValueError(f"target holds class {first}, outside [0, {n_classes}) and not ignore_index "
+                         f"({ignore_index}); pass check_targets=False to skip this check")
+
+
+def mean_scale(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """1 / max(valid rows, 1) as a 1-element fp32 device tensor (no host sync)."""
+    n_valid = (target != ignore_index).sum().clamp(min=1)
+    return n_valid.to(torch.float32).reciprocal().reshape(1)
+
+
+def reduce_loss_rows(loss_rows, scale, reduction, shape, dtype):
+    if reduction == "none":
+        return loss_rows.reshape(shape).to(dtype)
+    total = loss_rows.sum()
+    return (total if reduction == "sum" else total * scale[0]).to(dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# custom ops + autograd
+# ----------------------------------------------------------------------------------------------
+
+
+def _forward_into(logits, target, grad, ignore_index, label_smoothing, z_loss, softcap, reduction, check):
+    opts = CEOptions(ignore_index, label_smoothing, z_loss, softcap)
+    x2 = rows_view(logits)
+    t1 = target.reshape(-1)
+    if check:
+        check_targets_in_range(t1, x2.shape[1], ignore_index)
+    loss_rows = empty((x2.shape[0],), torch.float32, logits.device)
+    if reduction == "mean":
+        scale = mean_scale(t1, ignore_index)
+    else:   # sum / none: the stored gradient is unscaled, backward multiplies by grad_output
+        scale = torch.ones(1, dtype=torch.float32, device=logits.device)
+    g2 = None if grad is None else grad.view(x2.shape)
+    cross_entropy_rows(x2, t1, scale, loss_rows, g2, opts)
+    return reduce_loss_rows(loss_rows, scale, reduction, target.shape, logits.dtype)
+
+
+def _loss_fake(logits, target, reduction):
+    shape = target.shape if reduction == "none" else ()
+    return torch.empty(shape, dtype=logits.dtype, device=logits.device)
+
+
+@custom_op("tilefuse::cross_entropy_fwd", mutates_args=())
+def _ce_fwd_op(logits: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float,
+               z_loss: float, softcap: Optional[float], reduction: str, write_grad: bool,
+               check_targets: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    grad = empty(logits.shape, logits.dtype, logits.device) if write_grad else logits.new_empty(0)
+    loss = _forward_into(logits, target, grad if write_grad else None, ignore_index, label_smoothing,
+                         z_loss, softcap, reduction, check_targets)
+    return loss, grad
+
+
+@_ce_fwd_op.register_fake
+def _(logits, target, ignore_index, label_smoothing, z_loss, softcap, reduction, write_grad, check_targets):
+    grad = torch.empty(logits.shape if write_grad else (0,), dtype=logits.dtype, device=logits.device)
+    return _loss_fake(logits, target, reduction), grad
+
+
+@custom_op("tilefuse::cross_entropy_fwd_inplace", mutates_args=("logits",))
+def _ce_fwd_inplace_op(logits: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float,
+                       z_loss: float, softcap: Optional[float], reduction: str,
+                       check_targets: bool) -> torch.Tensor:
+    """Like cross_entropy_fwd, but the gradient overwrites ``logits`` (contiguous)."""
+    return _forward_into(logits, target, logits, ignore_index, label_smoothing, z_loss, softcap,
+                         reduction, check_targets)
+
+
+@_ce_fwd_inplace_op.register_fake
+def _(logits, target, ignore_index, label_smoothing, z_loss, softcap, reduction, check_targets):
+    return _loss_fake(logits, target, reduction)
+
+
+@custom_op("tilefuse::scale_saved_grads_", mutates_args=("grads", "applied"))
+def _scale_saved_grads_op(grads: list[torch.Tensor], applied: torch.Tensor, grad_output: torch.Tensor) -> None:
+    """grads *= grad_output / applied (per row of each grad's rows view when grad_output has one
+    value per row), then applied = grad_output: a repeated backward (retain_graph) stays right."""
+    go = grad_output.reshape(-1).to(torch.float32).contiguous()
+    for g in grads:
+        if g.numel() == 0:
+            continue
+        g2 = g.view(-1, g.shape[-1]) if g.dim() else g.view(1, 1)
+        if use_triton(g):
+            launch_scale_rows(g2, applied, go)
+        else:
+            factor = go / applied
+            g2.copy_((_wide(g2) * (factor[:, None] if factor.numel() > 1 else factor)).to(g.dtype))
+    applied.copy_(go)
+
+
+@_scale_saved_grads_op.register_fake
+def _(grads, applied, grad_output):
+    return None
+
+
+def scale_saved_grads_(grads: list, applied: torch.Tensor, grad_output: torch.Tensor) -> None:
+    """Scale gradients stored by a forward in place, from inside a backward.
+
+    In eager mode the saved tensors' version counters are preserved, so a second backward over the
+    same graph (retain_graph=True) can unpack them again; compiled graphs functionalize the op.
+    """
+    if torch.compiler.is_compiling():
+        _scale_saved_grads_op(grads, applied, grad_output)
+        return
+    with contextlib.ExitStack() as stack:
+        for t in [*grads, applied]:
+            stack.enter_context(torch.autograd._unsafe_preserve_version_counter(t))
+        _scale_saved_grads_op(grads, applied, grad_output)
+
+
+class _CrossEntropyFunction(torch.autograd.Function):
+    # a torch.autograd.Function rather than register_autograd: the in-place mode mutates logits,
+    # and register_autograd only takes functional ops; the kernels still run as custom ops
+    @staticmethod
+    def forward(ctx, logits, target, ignore_index, label_smoothing, z_loss, softcap, reduction, write_grad,
+                inplace, check):
+        args = (ignore_index, label_smoothing, z_loss, softcap, reduction)
+        if write_grad and inplace:
+            loss = _ce_fwd_inplace_op(logits, target, *args, check)
+            grad = logits.detach()
+        else:
+            loss, grad = _ce_fwd_op(logits, target, *args, write_grad, check)
+        n_scales = loss.numel() if reduction == "none" else 1
+        applied = torch.ones(n_scales, dtype=torch.float32, device=logits.device)
+        ctx.save_for_backward(grad, applied)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad, applied = ctx.saved_tensors
+        scale_saved_grads_([grad], applied, grad_loss)
+        return grad, None, None, None, None, None, None, None, None, None
+
+
+# ----------------------------------------------------------------------------------------------
+# public API
+# ----------------------------------------------------------------------------------------------
+
+
+def check_ce_options(ignore_index, label_smoothing, z_loss, softcap, reduction) -> None:
+    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    if not 0.0 <= float(label_smoothing) <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if not 0.0 <= float(z_loss) < float("inf"):
+        raise ValueError(f"z_loss must be finite and >= 0, got {z_loss}")
+    if softcap is not None and not 0.0 < float(softcap) < float("inf"):
+        raise ValueError(f"softcap must be None or a finite number > 0, got {softcap}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {', '.join(map(repr, REDUCTIONS))}, got {reduction!r}")
+
+
+def check_target(target, expected_shape, like: torch.Tensor, like_name: str) -> None:
+    check_tensor("target", target, TARGET_DTYPES)
+    check_shape("target", target, expected_shape, f"{like_name}'s leading dimensions")
+    check_same_device(**{like_name: like, "target": target})
+
+
+def cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    softcap: Optional[float] = None,
+    reduction: str = "mean",
+    logits_inplace_grad: bool = False,
+    check_targets: bool = True,
+) -> torch.Tensor:
+    """``F.cross_entropy(logits, target)`` over the last dim of ``logits [..., V]`` (``target
+    [...]`` int64/int32), plus ``z_loss`` (z·lse² per valid row) and ``softcap`` (logits →
+    c·tanh(logits/c) first). fp32 math; the loss has logits' dtype.
+
+    The gradient is computed in this call. ``logits_inplace_grad=True`` writes it into ``logits``
+    (which then no longer holds the logits: don't reuse them, and nothing else may have saved them
+    for backward -- autograd raises if something did), so the op needs no [T, V] buffer of its own;
+    with False a [T, V] gradient buffer is allocated here, as torch's backward would.
+    ``check_targets`` costs one host sync; False skips it (a bad target then gives a NaN loss).
+    """
+    check_tensor("logits", logits, min_dim=1)
+    check_target(target, logits.shape[:-1], logits, "logits")
+    check_ce_options(ignore_index, label_smoothing, z_loss, softcap, reduction)
+    # no gradient wanted (no_grad, eval, frozen logits): loss only, logits left alone
+    write_grad = logits.requires_grad and torch.is_grad_enabled()
+    # the in-place mode needs logits' own rows; other layouts take the buffered path
+    inplace = bool(logits_inplace_grad) and logits.is_contiguous()
+    return _CrossEntropyFunction.apply(logits, target, ignore_index, float(label_smoothing), float(z_loss),
+                                       None if softcap is None else float(softcap), reduction, write_grad,
+                                       inplace, bool(check_targets))
+
+
+# ----------------------------------------------------------------------------------------------
+# registry
+# ----------------------------------------------------------------------------------------------
+
+IGNORE_FRACTION = 0.1
+
+
+def random_targets(n_rows: int, n_classes: int, device, ignore_index: int = -100) -> torch.Tensor:
+    """Random classes with ~10 % of rows set to ignore_index."""
+    target = torch.randint(0, max(n_classes, 1), (n_rows,), device=device)
+    target[torch.rand(n_rows, device=device) < IGNORE_FRACTION] = ignore_index
+    return target
+
+
+def _make_inputs(shape, dtype, device):
+    n_rows, n_cols = shape
+    # scale 3: a real spread of probabilities; in-place gradient: the memory-lean mode is what runs
+    logits = (torch.randn(shape, device=device) * 3).to(dtype).requires_grad_(True)
+    return Inputs((logits, random_targets(n_rows, n_cols, device)), {"logits_inplace_grad": True}, grad_args=(0,))
+
+
+def _bytes(shape, dtype, pass_):
+    n_rows, _ = shape
+    if pass_ == "fwd":   # logits read + gradient written + int64 targets read + loss written
+        return 2 * tensor_bytes(shape, dtype) + n_rows * 8 + tensor_bytes((), dtype)
+    # backward: the stored gradient read and written (skipped when grad_output == 1) + grad_output
+    return 2 * tensor_bytes(shape, dtype) + tensor_bytes((), dtype)
+
+
+def _torch_peer():
+    def eager_cross_entropy(logits, target, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None,
+                            reduction="mean", logits_inplace_grad=False, check_targets=True):
+        return torch_cross_entropy(logits, target, ignore_index, label_smoothing, z_loss, softcap, reduction)
+    return eager_cross_entropy
+
+
+def _liger_peer():
+    try:
+        from liger_kernel.transformers.functional import liger_cross_entropy  # type: ignore
+    except Exception:
+        return None
+
+    def liger(logits, target, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None,
+              reduction="mean", logits_inplace_grad=False, check_targets=True):
+        # Liger always writes the gradient into logits; it takes [T, V] rows only
+        loss = liger_cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
+                                   ignore_index=ignore_index, label_smoothing=label_smoothing,
+                                   lse_square_scale=z_loss, softcap=softcap, reduction=reduction)
+        return loss.reshape(target.shape) if reduction == "none" else loss
+    return liger
+
+
+register(OpSpec(
+    name="cross_entropy",
+    fn=cross_entropy,
+    reference=cross_entropy_reference,
+    make_inputs=_make_inputs,
+    bytes_fn=_bytes,
+    test_shapes=[(1, 7), (5, 33), (8, 1000), (3, 4097), (2, 17000)],
+    gpu_test_shapes=[(8192, 128256), (4096, 151936), (1024, 256000), (37, 32000)],
+    bench_shapes=[(8192, 128256)],
+    peers={"torch": _torch_peer, "liger": _liger_peer},
+    description="cross-entropy over the last dim (gradient computed in the forward)",
+))

@@ -1,0 +1,341 @@
+"""linear_cross_entropy: cross-entropy of ``hidden @ weight.T (+ bias)`` without the [T, V] logits.
+
+    logits      = hidden @ weight.T + bias                    ([T, H] x [V, H] -> [T, V])
+    loss        = cross_entropy(logits, target, ...)          (see ops/cross_entropy.py)
+    grad_hidden = dlogits @ weight
+    grad_weight = dlogits.T @ hidden
+    grad_bias   = sum_t dlogits
+
+The tokens are walked in chunks of C (``_chunk_tokens``). Per chunk, cuBLAS writes the chunk's
+logits into one reused [C, V] buffer; tilefuse's cross-entropy kernel writes the rows' losses and
+overwrites the buffer with dlogits (already scaled by 1/n_valid for ``mean``); then
+``grad_hidden[chunk] = dlogits @ W`` and ``grad_weight (+)= dlogits.T @ h_chunk``. So the
+gradients are computed during the forward, as Liger's fused linear cross-entropy does, and the
+backward only scales them by grad_output in place (nothing at all when it is 1).
+
+Memory beyond the inputs and the gradients themselves: the [C, V] chunk buffer (<= 512 MiB:
+2048 tokens of a 128256 vocab in bf16) plus O(T + V) fp32 vectors.
+
+Precision: ``grad_weight`` lives in the weight's dtype. Each chunk's GEMM accumulates in fp32,
+and the running sum over chunks is rounded to the weight's dtype once per chunk (4 roundings at
+T=8192, V=128256). An fp32 [V, H] accumulator would be 2 GiB at H=4096 -- over the 1.2 GiB
+budget -- for an error that stays within bf16's own (a few 2^-9 relative, vs 1e-2 allowed).
+
+``reduction="none"``: each row's gradient carries its own grad_output, which must multiply
+dlogits *before* the weight GEMM; so the forward computes the loss only, and the backward
+recomputes the logits chunk by chunk with the row scales (one extra 2·T·H·V GEMM).
+
+FLOPs counted: 2·T·H·V for the logits ("fwd") + 4·T·H·V for the two gradient GEMMs ("bwd"),
+although with a gradient wanted all 6·T·H·V run inside the forward call: compare fwd+bwd times.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .._checks import check_same_device, check_same_dtype, check_shape, check_tensor
+from .._dispatch import empty
+from .._op import custom_op
+from ..registry import Inputs, OpSpec, register, tensor_bytes
+from .cross_entropy import (
+    CEOptions,
+    check_ce_options,
+    check_target,
+    check_targets_in_range,
+    cross_entropy_rows,
+    mean_scale,
+    random_targets,
+    reduce_loss_rows,
+    scale_saved_grads_,
+    softcap_reference,
+    torch_cross_entropy,
+)
+
+CHUNK_LOGITS_BYTES = 512 * 2**20   # the [C, V] logits buffer: the op's only large extra allocation
+
+
+# ----------------------------------------------------------------------------------------------
+# chunking heuristic
+# ----------------------------------------------------------------------------------------------
+
+
+def _chunk_tokens(n_tokens: int, vocab: int, elem_size: int, budget: int | None = None) -> int:
+    """Tokens per chunk: the chunk's logits fit ``budget`` (CHUNK_LOGITS_BYTES); multiples of 256
+    keep the GEMMs' M dimension tile-aligned (2048 tokens at V=128256 bf16: 4 full chunks at T=8192)."""
+    rows = max(1, (budget or CHUNK_LOGITS_BYTES) // max(1, vocab * elem_size))
+    if rows >= 256:
+        rows = rows // 256 * 256
+    return max(1, min(n_tokens, rows))
+
+
+# ----------------------------------------------------------------------------------------------
+# the chunked pass (CUDA, the interpreter and the CPU path alike: only the CE rows differ)
+# ----------------------------------------------------------------------------------------------
+
+
+def _chunked_pass(h2, weight, bias, target, row_scale, opts: CEOptions, loss_rows, grad_hidden, grad_weight,
+                  grad_bias32, chunk=None, config=None):
+    """Loss rows into ``loss_rows``; the gradients asked for (tensors, or None) from dlogits
+    scaled by ``row_scale`` ([1] shared, or one per token). ``chunk``/``config`` override the
+    chunk size and the CE kernel's launch config (GPU sweeps)."""
+    n_tokens, vocab = h2.shape[0], weight.shape[0]
+    want_grad = grad_hidden is not None or grad_weight is not None or grad_bias32 is not None
+    chunk = chunk or _chunk_tokens(n_tokens, vocab, h2.element_size())
+    buf = empty((min(chunk, n_tokens), vocab), h2.dtype, h2.device)
+    for c0 in range(0, n_tokens, chunk):
+        c1 = min(c0 + chunk, n_tokens)
+        h_c, logits = h2[c0:c1], buf[: c1 - c0]
+        if bias is None:
+            torch.mm(h_c, weight.t(), out=logits)
+        else:
+            torch.addmm(bias, h_c, weight.t(), out=logits)
+        scale = row_scale if row_scale.numel() == 1 else row_scale[c0:c1]
+        # the kernel overwrites the chunk's logits with dlogits
+        cross_entropy_rows(logits, target[c0:c1], scale, loss_rows[c0:c1], logits if want_grad else None,
+                           opts, config)
+        if grad_hidden is not None:
+            torch.mm(logits, weight, out=grad_hidden[c0:c1])
+        if grad_weight is not None:
+            if c0 == 0:
+                torch.mm(logits.t(), h_c, out=grad_weight)
+            else:
+                grad_weight.addmm_(logits.t(), h_c)
+        if grad_bias32 is not None:
+            grad_bias32 += logits.sum(0, dtype=torch.float32)
+    if grad_weight is not None and n_tokens == 0:
+        grad_weight.zero_()
+
+
+def _grads_and_pass(hidden, weight, target, bias, row_scale, opts, need_h, need_w, need_b):
+    """Allocate the wanted gradients (empty [0] tensors for the others) and run the chunked pass."""
+    h2 = hidden.reshape(-1, hidden.shape[-1])
+    t1 = target.reshape(-1)
+    gh = empty(hidden.shape, hidden.dtype, hidden.device) if need_h else hidden.new_empty(0)
+    gw = empty(weight.shape, weight.dtype, weight.device) if need_w else weight.new_empty(0)
+    gb32 = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_b else None
+    loss_rows = empty((h2.shape[0],), torch.float32, hidden.device)
+    _chunked_pass(h2, weight, bias, t1, row_scale, opts, loss_rows,
+                  gh.view(h2.shape) if need_h else None, gw if need_w else None, gb32)
+    gb = gb32.to(bias.dtype) if need_b else weight.new_empty(0)   # distinct empties: outputs may not alias
+    return loss_rows, gh, gw, gb
+
+
+# ----------------------------------------------------------------------------------------------
+# references (fp32 or wider; the CPU path is _chunked_pass with torch's CE rows)
+# ----------------------------------------------------------------------------------------------
+
+
+def _wide(t):
+    return t if t is None or t.dtype == torch.float64 else t.float()
+
+
+def linear_cross_entropy_reference(hidden, weight, target, bias=None, ignore_index=-100, label_smoothing=0.0,
+                                   z_loss=0.0, softcap=None, reduction="mean", check_targets=True):
+    """fp32-or-wider torch composition over the full logits; same signature as the op."""
+    logits = F.linear(_wide(hidden), _wide(weight), _wide(bias))
+    if softcap is not None:
+        logits = softcap_reference(logits, softcap)
+    out = torch_cross_entropy(logits, target, ignore_index, label_smoothing, z_loss, None, reduction)
+    return out.to(hidden.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# custom ops + autograd
+# ----------------------------------------------------------------------------------------------
+
+
+@custom_op("tilefuse::linear_cross_entropy_fwd", mutates_args=())
+def _lce_fwd_op(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: Optional[torch.Tensor],
+                ignore_index: int, label_smoothing: float, z_loss: float, softcap: Optional[float],
+                reduction: str, need_h: bool, need_w: bool, need_b: bool,
+                check_targets: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, grad_hidden, grad_weight, grad_bias); a gradient not wanted (or any, for "none")
+    comes back as an empty [0] tensor."""
+    opts = CEOptions(ignore_index, label_smoothing, z_loss, softcap)
+    t1 = target.reshape(-1)
+    if check_targets:
+        check_targets_in_range(t1, weight.shape[0], ignore_index)
+    if reduction == "mean":
+        scale = mean_scale(t1, ignore_index)
+    else:
+        scale = torch.ones(1, dtype=torch.float32, device=hidden.device)
+    in_fwd = reduction != "none"
+    loss_rows, gh, gw, gb = _grads_and_pass(hidden, weight, target, bias, scale, opts,
+                                            need_h and in_fwd, need_w and in_fwd, need_b and in_fwd)
+    return reduce_loss_rows(loss_rows, scale, reduction, target.shape, hidden.dtype), gh, gw, gb
+
+
+def _grad_fakes(hidden, weight, need_h, need_w, need_b):
+    def fake(t, need):
+        return torch.empty(t.shape if need else (0,), dtype=t.dtype, device=t.device)
+    # grad_bias has the bias' dtype, which the public function checks equals weight's
+    return fake(hidden, need_h), fake(weight, need_w), torch.empty(
+        (weight.shape[0],) if need_b else (0,), dtype=weight.dtype, device=weight.device)
+
+
+@_lce_fwd_op.register_fake
+def _(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap, reduction, need_h, need_w,
+      need_b, check_targets):
+    in_fwd = reduction != "none"
+    loss = torch.empty(target.shape if not in_fwd else (), dtype=hidden.dtype, device=hidden.device)
+    return (loss, *_grad_fakes(hidden, weight, need_h and in_fwd, need_w and in_fwd, need_b and in_fwd))
+
+
+@custom_op("tilefuse::linear_cross_entropy_bwd", mutates_args=())
+def _lce_bwd_op(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: Optional[torch.Tensor],
+                grad_rows: torch.Tensor, ignore_index: int, label_smoothing: float, z_loss: float,
+                softcap: Optional[float], need_h: bool, need_w: bool,
+                need_b: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """reduction="none": the logits recomputed chunk by chunk, dlogits rows scaled by grad_rows."""
+    opts = CEOptions(ignore_index, label_smoothing, z_loss, softcap)
+    row_scale = grad_rows.reshape(-1).to(torch.float32).contiguous()
+    _, gh, gw, gb = _grads_and_pass(hidden, weight, target, bias, row_scale, opts, need_h, need_w, need_b)
+    return gh, gw, gb
+
+
+@_lce_bwd_op.register_fake
+def _(hidden, weight, target, bias, grad_rows, ignore_index, label_smoothing, z_loss, softcap, need_h, need_w,
+      need_b):
+    return _grad_fakes(hidden, weight, need_h, need_w, need_b)
+
+
+def _setup_context(ctx, inputs, output):
+    (hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap, reduction,
+     need_h, need_w, need_b, _check) = inputs
+    ctx.options = (ignore_index, label_smoothing, z_loss, softcap)
+    ctx.needs = (need_h, need_w, need_b)
+    ctx.reduction = reduction
+    if reduction == "none":
+        ctx.save_for_backward(hidden, weight, target, bias)
+    else:
+        _, gh, gw, gb = output
+        ctx.save_for_backward(gh, gw, gb, torch.ones(1, dtype=torch.float32, device=hidden.device))
+
+
+def _backward(ctx, grad_loss, _gh, _gw, _gb):
+    need_h, need_w, need_b = ctx.needs
+    if ctx.reduction == "none":
+        hidden, weight, target, bias = ctx.saved_tensors
+        gh, gw, gb = _lce_bwd_op(hidden, weight, target, bias, grad_loss, *ctx.options, need_h, need_w, need_b)
+    else:
+        gh, gw, gb, applied = ctx.saved_tensors
+        scale_saved_grads_([gh, gw, gb], applied, grad_loss)
+    return (gh if need_h else None, gw if need_w else None, None, gb if need_b else None,
+            None, None, None, None, None, None, None, None, None)
+
+
+_lce_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------
+# public API
+# ----------------------------------------------------------------------------------------------
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    softcap: Optional[float] = None,
+    reduction: str = "mean",
+    check_targets: bool = True,
+) -> torch.Tensor:
+    """``F.cross_entropy(hidden @ weight.T + bias, target)`` for ``hidden [..., H]``, ``weight
+    [V, H]``, ``bias [V]``, ``target [...]`` (int64/int32), never materializing the [T, V] logits.
+    Options as in :func:`tilefuse.cross_entropy`; the loss has hidden's dtype. The gradients are
+    computed in this call (except for ``reduction="none"``, whose backward recomputes the logits)."""
+    check_tensor("hidden", hidden, min_dim=1)
+    check_tensor("weight", weight)
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight has shape {tuple(weight.shape)}, expected (vocab, {hidden.shape[-1]}) "
+                         f"to match hidden's last dimension")
+    if bias is not None:
+        check_tensor("bias", bias)
+        check_shape("bias", bias, (weight.shape[0],), "weight's vocabulary dimension")
+    check_same_dtype(hidden=hidden, weight=weight, bias=bias)
+    check_same_device(hidden=hidden, weight=weight, bias=bias)
+    check_target(target, hidden.shape[:-1], hidden, "hidden")
+    check_ce_options(ignore_index, label_smoothing, z_loss, softcap, reduction)
+    grad_on = torch.is_grad_enabled()
+    loss, _, _, _ = _lce_fwd_op(
+        hidden, weight, target, bias, ignore_index, float(label_smoothing), float(z_loss),
+        None if softcap is None else float(softcap), reduction,
+        grad_on and hidden.requires_grad, grad_on and weight.requires_grad,
+        grad_on and bias is not None and bias.requires_grad, bool(check_targets),
+    )
+    return loss
+
+
+# ----------------------------------------------------------------------------------------------
+# registry
+# ----------------------------------------------------------------------------------------------
+
+
+def _make_inputs(shape, dtype, device):
+    n_tokens, n_hidden, vocab = shape
+    hidden = torch.randn((n_tokens, n_hidden), device=device).to(dtype).requires_grad_(True)
+    # weight ~ 3/sqrt(H): logits of std ~3, a real spread of probabilities
+    weight = (torch.randn((vocab, n_hidden), device=device) * (3 / math.sqrt(n_hidden))).to(dtype)
+    return Inputs((hidden, weight.requires_grad_(True), random_targets(n_tokens, vocab, device)),
+                  grad_args=(0, 1))
+
+
+def _bytes(shape, dtype, pass_):
+    n_tokens, n_hidden, vocab = shape
+    h, w = tensor_bytes((n_tokens, n_hidden), dtype), tensor_bytes((vocab, n_hidden), dtype)
+    if pass_ == "fwd":   # hidden, weight, int64 targets read; loss + (in-forward) grads written
+        return 2 * (h + w) + n_tokens * 8 + tensor_bytes((), dtype)
+    return 2 * (h + w) + tensor_bytes((), dtype)   # the stored grads read and written (scale pass)
+
+
+def _flops(shape, pass_):
+    n_tokens, n_hidden, vocab = shape
+    return (2 if pass_ == "fwd" else 4) * n_tokens * n_hidden * vocab
+
+
+def _torch_peer():
+    def eager_linear_cross_entropy(hidden, weight, target, bias=None, ignore_index=-100, label_smoothing=0.0,
+                                   z_loss=0.0, softcap=None, reduction="mean", check_targets=True):
+        return torch_cross_entropy(F.linear(hidden, weight, bias), target, ignore_index, label_smoothing, z_loss,
+                                   softcap, reduction)
+    return eager_linear_cross_entropy
+
+
+def _liger_peer():
+    try:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy  # type: ignore
+    except Exception:
+        return None
+
+    def liger(hidden, weight, target, bias=None, ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
+              softcap=None, reduction="mean", check_targets=True):
+        loss = liger_fused_linear_cross_entropy(
+            hidden.reshape(-1, hidden.shape[-1]), weight, target.reshape(-1), bias=bias,
+            ignore_index=ignore_index, lse_square_scale=z_loss, label_smoothing=label_smoothing,
+            reduction=reduction, softcap=softcap)
+        return loss.reshape(target.shape) if reduction == "none" else loss
+    return liger
+
+
+register(OpSpec(
+    name="linear_cross_entropy",
+    fn=linear_cross_entropy,
+    reference=linear_cross_entropy_reference,
+    make_inputs=_make_inputs,
+    bytes_fn=_bytes,
+    flops_fn=_flops,
+    test_shapes=[(4, 16, 50), (9, 32, 130), (1, 8, 7)],
+    # (4096, 2048, 128256): two chunks; (5000, 1024, 151936): 1536-token chunks, a ragged last one
+    gpu_test_shapes=[(37, 4096, 32000), (4096, 2048, 128256), (5000, 1024, 151936)],
+    bench_shapes=[(8192, 4096, 128256)],
+    peers={"torch": _torch_peer, "liger": _liger_peer},
+    description="cross-entropy of hidden @ weight.T, chunked over tokens (no [T, V] logits)",
+))

@@ -1,0 +1,316 @@
+"""cross_entropy: options, edge cases and errors (the registry test covers the spec's shapes).
+
+Every comparison is against the float64 reference (torch's F.cross_entropy composed with the soft
+cap and z-loss) by relative error norm; the kernels run under the interpreter on CPU.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import CPU_DTYPES, DEVICE
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tilefuse.ops._cross_entropy_kernels as kernels
+import tilefuse.ops.cross_entropy as ce_mod  # registers the op before test_ops runs
+from tilefuse.nn.losses import CrossEntropyLoss
+from tilefuse.ops.cross_entropy import cross_entropy, cross_entropy_reference
+from tilefuse.testing import rel_err
+
+
+# the interpreter turns scalar kernel arguments into 1-element arrays; range() over them warns
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
+IGNORE = -100
+
+
+def _targets(n_rows, n_cols, ignore_frac=0.25, dtype=torch.int64):
+    t = torch.randint(0, n_cols, (n_rows,), device=DEVICE)
+    t[torch.rand(n_rows, device=DEVICE) < ignore_frac] = IGNORE
+    return t.to(dtype)
+
+
+def _check(logits, target, dtype=None, inplace=False, grad_output=None, **kw):
+    """Loss and logits' gradient vs the fp64 reference; returns the loss."""
+    dtype = dtype or logits.dtype
+    x = logits.detach().clone().requires_grad_(True)
+    ref_x = logits.detach().double().requires_grad_(True)
+    out = cross_entropy(x, target, logits_inplace_grad=inplace, **kw)
+    ref = cross_entropy_reference(ref_x, target, **kw)
+    assert out.shape == ref.shape and out.dtype == dtype
+    assert rel_err(out, ref) <= TOL[dtype], (rel_err(out, ref), kw)
+    go = torch.randn_like(ref) if grad_output is None else grad_output
+    (g,) = torch.autograd.grad(out, x, go.to(out.dtype))
+    (rg,) = torch.autograd.grad(ref, ref_x, go.double())
+    assert g.shape == x.shape
+    assert rel_err(g, rg) <= TOL[dtype], (rel_err(g, rg), kw)
+    return out
+
+
+OPTIONS = [
+    dict(),
+    dict(label_smoothing=0.1),
+    dict(z_loss=1e-3),
+    dict(softcap=5.0),
+    dict(label_smoothing=0.2, z_loss=1e-2, softcap=3.0),
+]
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("opts", OPTIONS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()) or "plain")
+@pytest.mark.parametrize("inplace", [False, True], ids=["buffered", "inplace"])
+def test_options_and_reductions(dtype, reduction, opts, inplace):
+    logits = (torch.randn(6, 300, device=DEVICE) * 3).to(dtype)
+    _check(logits, _targets(6, 300), inplace=inplace, reduction=reduction, **opts)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.3])
+def test_matches_torch_cross_entropy(reduction, label_smoothing):
+    """Without z-loss or soft cap the op is F.cross_entropy itself (label smoothing + ignore_index)."""
+    logits = torch.randn(7, 123, device=DEVICE, dtype=torch.float64) * 3
+    target = _targets(7, 123)
+    target[0] = 5
+    kw = dict(ignore_index=IGNORE, reduction=reduction, label_smoothing=label_smoothing)
+    x = logits.float().requires_grad_(True)
+    ref_x = logits.clone().requires_grad_(True)
+    out, ref = cross_entropy(x, target, **kw), F.cross_entropy(ref_x, target, **kw)
+    assert rel_err(out, ref) <= 1e-5
+    go = torch.randn_like(ref)
+    assert rel_err(torch.autograd.grad(out, x, go.float())[0], torch.autograd.grad(ref, ref_x, go)[0]) <= 1e-5
+
+
+@pytest.mark.parametrize("n_cols", [1, 2, 63, 64, 65, 1000])
+@pytest.mark.parametrize("inplace", [False, True], ids=["buffered", "inplace"])
+def test_looped_tier(monkeypatch, n_cols, inplace):
+    """Rows walked in 64-wide tiles: V below, at, just past and far past one tile."""
+    monkeypatch.setattr(kernels, "MAX_SINGLE_TILE", 32)
+    monkeypatch.setattr(kernels, "LOOPED_BLOCK_V", 64)
+    logits = torch.randn(5, n_cols, device=DEVICE) * 3
+    # not at V=1: there the exact gradient is 0 (or 2z·lse) and fp32 rounding of p - eps - (1 - eps)
+    # is all that is left, an ill-posed relative error
+    opts = dict(label_smoothing=0.1, z_loss=1e-3, softcap=4.0) if n_cols > 1 else {}
+    _check(logits, _targets(5, n_cols), inplace=inplace, **opts)
+    _check(logits, _targets(5, n_cols), inplace=inplace, reduction="none")
+
+
+@pytest.mark.parametrize("config", [
+    {"programs_per_sm": 1},                                  # persistent grid: 4 programs, 13 rows
+    {"single_tile": False, "BLOCK_V": 128, "programs_per_sm": 2},
+    {"single_tile": True, "BLOCK_V": 1024, "num_warps": 2},
+], ids=["persistent", "looped-128", "single-1024"])
+def test_launch_configs(config):
+    """The sweep's config overrides give the same rows as the closed form (CPU path)."""
+    logits = torch.randn(13, 1000, device=DEVICE) * 3
+    target = _targets(13, 1000)
+    scale = torch.rand(13, device=DEVICE)
+    opts = kernels.CEOptions(IGNORE, 0.1, 1e-3, 5.0)
+    loss, grad = torch.empty(13, device=DEVICE), torch.empty_like(logits)
+    kernels.launch_cross_entropy_rows(logits, target, scale, loss, grad, opts, config)
+    ref_loss, ref_grad = torch.empty_like(loss), torch.empty_like(grad)
+    ce_mod._cross_entropy_rows_torch(logits, target, scale, ref_loss, ref_grad, opts)
+    assert rel_err(loss, ref_loss) <= 1e-5 and rel_err(grad, ref_grad) <= 1e-5
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (1, 5), (1, 4097), (3, 2), (2, 3, 77)])
+def test_small_and_leading_dims(shape):
+    logits = torch.randn(shape, device=DEVICE) * 3
+    target = torch.randint(0, shape[-1], shape[:-1], device=DEVICE)
+    for reduction in ("mean", "none"):
+        _check(logits, target, reduction=reduction)
+
+
+def test_one_dim_logits():
+    """Like torch: logits [V] with a 0-d target."""
+    logits = torch.randn(40, device=DEVICE)
+    for reduction in ("mean", "none"):
+        out = _check(logits, torch.tensor(3, device=DEVICE), reduction=reduction)
+        assert out.shape == ()
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("softcap", [None, 20.0])
+def test_huge_logits(dtype, softcap):
+    """Logits of +-1e4: finite, correct loss and gradient (the online max keeps exp in range)."""
+    logits = torch.randn(4, 500, device=DEVICE) * 3
+    logits[:, ::7] = 1e4
+    logits[:, 3::11] = -1e4
+    logits[1] = -1e4
+    logits[1, 17] = 1e4
+    target = torch.tensor([0, 17, 3, 250], device=DEVICE)
+    out = _check(logits.to(dtype), target, z_loss=1e-6, softcap=softcap)
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("n_cols", [2, 7, 300])
+@pytest.mark.parametrize("opts", [{}, dict(z_loss=1e-3, softcap=30.0)], ids=["plain", "z-softcap"])
+def test_confident_rows(n_cols, opts):
+    """p_t ~ 1 - 1e-7: loss and gradient keep fp32 relative precision (1 - p_t comes from the other
+    classes' sum, -log p_t from log1p), where softmax - onehot in fp32 would be all rounding."""
+    logits = torch.randn(3, n_cols, device=DEVICE)
+    target = torch.randint(0, n_cols, (3,), device=DEVICE)
+    logits[torch.arange(3), target] = 16.0 + torch.rand(3, device=DEVICE)
+    _check(logits, target, **opts)
+    _check(logits, target, reduction="none", **opts)
+
+
+def test_masked_vocab_minus_inf():
+    """-inf logits (a masked tail of the vocabulary) weigh nothing and get a zero gradient."""
+    logits = torch.randn(3, 100, device=DEVICE)
+    logits[:, 60:] = -float("inf")
+    x = logits.clone().requires_grad_(True)
+    target = torch.tensor([1, 59, 30], device=DEVICE)
+    out = cross_entropy(x, target)
+    ref = F.cross_entropy(logits[:, :60].double(), target)
+    assert rel_err(out, ref) <= 1e-5
+    (g,) = torch.autograd.grad(out, x)
+    assert torch.isfinite(g).all() and (g[:, 60:] == 0).all()
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("inplace", [False, True], ids=["buffered", "inplace"])
+def test_all_ignored(reduction, inplace):
+    x = torch.randn(4, 50, device=DEVICE, requires_grad=True)
+    target = torch.full((4,), IGNORE, device=DEVICE)
+    out = cross_entropy(x, target, reduction=reduction, label_smoothing=0.1, z_loss=1e-3,
+                        logits_inplace_grad=inplace)
+    assert (out == 0).all()
+    (g,) = torch.autograd.grad(out, x, torch.ones_like(out))
+    assert (g == 0).all()
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_empty(reduction):
+    x = torch.randn(0, 10, device=DEVICE, requires_grad=True)
+    out = cross_entropy(x, torch.zeros(0, dtype=torch.long, device=DEVICE), reduction=reduction)
+    assert out.shape == ((0,) if reduction == "none" else ())
+    assert (out == 0).all()
+    (g,) = torch.autograd.grad(out, x, torch.ones_like(out))
+    assert g.shape == (0, 10)
+
+
+def test_int32_targets_and_custom_ignore_index():
+    logits = torch.randn(9, 70, device=DEVICE) * 3
+    target = torch.randint(0, 70, (9,), device=DEVICE, dtype=torch.int32)
+    target[::3] = 7   # a real class used as ignore_index, like torch allows
+    _check(logits, target, ignore_index=7, label_smoothing=0.1)
+
+
+def test_inplace_overwrites_logits_and_buffered_keeps_them():
+    logits = torch.randn(4, 30, device=DEVICE)
+    target = _targets(4, 30, ignore_frac=0.0)
+    kept = logits.clone().requires_grad_(True)
+    cross_entropy(kept, target)
+    assert torch.equal(kept.detach(), logits)
+    over = logits.clone().requires_grad_(True)
+    loss = cross_entropy(over, target, logits_inplace_grad=True)
+    (g,) = torch.autograd.grad(loss, over)
+    assert torch.equal(over.detach(), g)   # the gradient lives in the logits' storage
+    # a non-contiguous view cannot take the gradient in place: the op buffers and leaves it alone
+    wide = torch.randn(4, 60, device=DEVICE)
+    view = wide[:, ::2].clone().requires_grad_(True).transpose(0, 1).contiguous().t()
+    before = view.detach().clone()
+    _ = cross_entropy(view, target, logits_inplace_grad=True)
+    assert torch.equal(view.detach(), before)
+
+
+def test_no_grad_leaves_logits_alone():
+    x = torch.randn(3, 20, device=DEVICE, requires_grad=True)
+    before = x.detach().clone()
+    with torch.no_grad():
+        loss = cross_entropy(x, _targets(3, 20), logits_inplace_grad=True)
+    assert torch.equal(x.detach(), before) and not loss.requires_grad
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("inplace", [False, True], ids=["buffered", "inplace"])
+def test_repeated_backward_and_unit_grad(reduction, inplace):
+    """grad_output 1 (loss.backward(): the scaling pass is skipped) and a retain_graph backward
+    repeated with other grad_outputs all give the right gradient."""
+    logits = torch.randn(5, 40, device=DEVICE) * 2
+    target = _targets(5, 40)
+    x = logits.clone().requires_grad_(True)
+    ref_x = logits.double().requires_grad_(True)
+    out = cross_entropy(x, target, reduction=reduction, logits_inplace_grad=inplace)
+    ref = cross_entropy_reference(ref_x, target, reduction=reduction)
+    for go in (torch.ones_like(ref), torch.randn_like(ref), torch.randn_like(ref), torch.ones_like(ref)):
+        (g,) = torch.autograd.grad(out, x, go.float(), retain_graph=True)
+        (rg,) = torch.autograd.grad(ref, ref_x, go, retain_graph=True)
+        assert rel_err(g, rg) <= 1e-5
+
+
+def test_none_reduction_through_sum():
+    """loss.sum() hands the backward an expanded (stride-0) grad_output."""
+    x = torch.randn(6, 33, device=DEVICE, requires_grad=True)
+    ref_x = x.detach().double().requires_grad_(True)
+    target = _targets(6, 33)
+    (cross_entropy(x, target, reduction="none").sum() * 3).backward()
+    (cross_entropy_reference(ref_x, target, reduction="none").sum() * 3).backward()
+    assert rel_err(x.grad, ref_x.grad) <= 1e-5
+
+
+def test_cpu_reference_path(monkeypatch):
+    """TRITON_INTERPRET=0: CPU tensors take the closed-form torch path, same contract."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    logits = torch.randn(5, 90) * 3
+    for kw in ({}, dict(label_smoothing=0.1, z_loss=1e-3, softcap=4.0, reduction="none")):
+        for inplace in (False, True):
+            _check(logits, _targets(5, 90).cpu(), inplace=inplace, **kw)
+
+
+def test_module_matches_torch():
+    logits = torch.randn(2, 5, 64, device=DEVICE) * 2
+    target = torch.randint(0, 64, (2, 5), device=DEVICE)
+    target[0, 0] = 3
+    ours = CrossEntropyLoss(ignore_index=3, reduction="sum", label_smoothing=0.1)
+    theirs = torch.nn.CrossEntropyLoss(ignore_index=3, reduction="sum", label_smoothing=0.1)
+    assert rel_err(ours(logits, target), theirs(logits.double().reshape(-1, 64), target.reshape(-1))) <= 1e-5
+    assert "label_smoothing=0.1" in repr(ours)
+
+
+def test_bad_inputs():
+    x = torch.randn(4, 10, device=DEVICE)
+    t = torch.randint(0, 10, (4,), device=DEVICE)
+    with pytest.raises(TypeError, match="target"):
+        cross_entropy(x, t.float())
+    with pytest.raises(TypeError, match="logits"):
+        cross_entropy(x.long(), t)
+    with pytest.raises(ValueError, match="target"):
+        cross_entropy(x, t[:3])
+    with pytest.raises(ValueError, match="target holds class 10"):
+        cross_entropy(x, torch.tensor([0, 1, 10, 2], device=DEVICE))
+    with pytest.raises(ValueError, match="target holds class -1"):
+        cross_entropy(x, torch.tensor([0, -1, 1, 2], device=DEVICE))
+    for kw, name in ((dict(reduction="avg"), "reduction"), (dict(label_smoothing=1.5), "label_smoothing"),
+                     (dict(z_loss=-1.0), "z_loss"), (dict(softcap=0.0), "softcap")):
+        with pytest.raises(ValueError, match=name):
+            cross_entropy(x, t, **kw)
+    with pytest.raises(TypeError, match="ignore_index"):
+        cross_entropy(x, t, ignore_index=1.5)
+    with pytest.raises(ValueError, match="label_smoothing"):
+        CrossEntropyLoss(label_smoothing=-0.1)
+
+
+def test_unchecked_bad_target_is_nan_not_a_crash():
+    x = torch.randn(3, 10, device=DEVICE, requires_grad=True)
+    out = cross_entropy(x, torch.tensor([1, 99, 2], device=DEVICE), reduction="none", check_targets=False)
+    assert torch.isnan(out[1]) and torch.isfinite(out[[0, 2]]).all()
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    n_rows=st.integers(1, 6),
+    n_cols=st.integers(1, 300),
+    reduction=st.sampled_from(["mean", "sum", "none"]),
+    label_smoothing=st.sampled_from([0.0, 0.05, 0.5]),
+    z_loss=st.sampled_from([0.0, 1e-2]),
+    softcap=st.sampled_from([None, 2.0, 30.0]),
+    scale=st.floats(0.1, 20.0),
+    inplace=st.booleans(),
+)
+def test_hypothesis(n_rows, n_cols, reduction, label_smoothing, z_loss, softcap, scale, inplace):
+    logits = torch.randn(n_rows, n_cols, device=DEVICE) * scale
+    _check(logits, _targets(n_rows, n_cols), inplace=inplace, reduction=reduction,
+           label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap)
