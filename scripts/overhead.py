@@ -10,7 +10,7 @@ import time
 import torch
 import triton.testing
 
-import tilefuse
+import tilefuse  # run with PYTHONPATH=src
 from tilefuse.ops import norms as nm
 from tilefuse.ops import softmax as sm
 
@@ -53,3 +53,31 @@ for n in (1, 5):
     out = tilefuse.layer_norm(a, (1,), wa, ba)
     print("layer_norm N=1 grads (all but db must be exactly 0):",
           [g.flatten().tolist() for g in torch.autograd.grad(out, (a, wa, ba), torch.randn_like(out))])
+
+
+def profile(name, fn, steps=5):
+    """The CUDA kernels one call launches, with their device time (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile as tprofile
+    fn()
+    torch.cuda.synchronize()
+    with tprofile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    print(f"--- {name}: per-call averages over {steps} calls")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
+
+
+x = torch.randn(16384, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+w = torch.randn(4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+dy = torch.randn_like(x)
+y = tilefuse.rms_norm(x, None, w)
+row("rms 16384x4096 tilefuse bwd (autograd.grad)", lambda: torch.autograd.grad(y, (x, w), dy, retain_graph=True))
+yt = torch.nn.functional.rms_norm(x, (4096,), w, 1e-6)
+row("rms 16384x4096 torch bwd (autograd.grad)", lambda: torch.autograd.grad(yt, (x, w), dy, retain_graph=True))
+profile("tilefuse rms_norm bwd", lambda: torch.autograd.grad(y, (x, w), dy, retain_graph=True))
+xs = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+ys = tilefuse.softmax(xs)
+dys = torch.randn_like(ys)
+row("softmax 8192x4096 tilefuse bwd (autograd.grad)", lambda: torch.autograd.grad(ys, (xs,), dys, retain_graph=True))
+profile("tilefuse softmax bwd", lambda: torch.autograd.grad(ys, (xs,), dys, retain_graph=True))
