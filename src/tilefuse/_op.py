@@ -62,7 +62,13 @@ class FastOp:
     def register_fake(self, fn: Callable) -> Callable:
         return self.op.register_fake(fn)
 
-    def register_autograd(self, backward: Callable, *, setup_context: Callable | None = None) -> None:
+    def register_autograd(self, backward: Callable, *, setup_context: Callable | None = None,
+                          materialize_grads: bool = True) -> None:
+        """As ``CustomOpDef.register_autograd``. ``materialize_grads=False`` (eager path only)
+        hands ``backward`` ``None`` for outputs that received no gradient instead of zero
+        tensors: for ops with side outputs (a norm's mean/rstd) each zero-fill is a launch and
+        ~tens of µs of host time per backward. Such a ``backward`` must accept both forms,
+        since the traced path still materializes."""
         self.op.register_autograd(backward, setup_context=setup_context)
         impl = self.op._init_fn
 
@@ -71,6 +77,7 @@ class FastOp:
         class _Eager(torch.autograd.Function):
             @staticmethod
             def forward(ctx, *args):
+                ctx.set_materialize_grads(materialize_grads)
                 output = impl(*args)
                 if setup_context is not None:
                     setup_context(ctx, args, output)

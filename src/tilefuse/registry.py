@@ -46,6 +46,16 @@ class Inputs:
 
         return Inputs(tuple(conv(i, a) for i, a in enumerate(self.args)), dict(self.kwargs), self.grad_args)
 
+    def cloned(self) -> "Inputs":
+        """Fresh leaves with their own storage: for running an implementation that may update
+        its inputs in place (an optimizer step, an in-place gradient) without touching these."""
+        def conv(i, a):
+            if not isinstance(a, torch.Tensor):
+                return a
+            return a.detach().clone().requires_grad_(i in self.grad_args)
+
+        return Inputs(tuple(conv(i, a) for i, a in enumerate(self.args)), dict(self.kwargs), self.grad_args)
+
 
 @dataclasses.dataclass
 class OpSpec:

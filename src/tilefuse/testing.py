@@ -283,10 +283,14 @@ def check_impl(
     if backward is None:
         backward = spec.has_backward and bool(inputs.grad_args)
     baseline = None
-    if torch_baseline and dtype not in (torch.float32, torch.float64) and "torch" in spec.peers:
-        baseline = _torch_errors(spec, inputs, reference, backward, seed)
     try:
+        # the reference first, from the untouched inputs (the baseline runs on clones)
         ref = reference if reference is not None else ReferenceCache(spec, inputs)
+    except Exception as exc:  # noqa: BLE001
+        return CheckResult(math.inf, None, tol, error=f"reference: {type(exc).__name__}: {exc}".strip()[:500])
+    if torch_baseline and dtype not in (torch.float32, torch.float64) and "torch" in spec.peers:
+        baseline = _torch_errors(spec, inputs, ref, backward, seed)
+    try:
         fwd_err, bwd_err = _errors(fn, inputs, ref, backward, seed)
     except Exception as exc:  # noqa: BLE001 - any failure of an implementation is a FAILED row
         return CheckResult(math.inf, None, tol, error=f"{type(exc).__name__}: {exc}".strip()[:500])
@@ -313,6 +317,6 @@ def _torch_errors(spec, inputs, reference, backward, seed) -> tuple[float, float
         if peer is None:
             return None
         ref = reference if reference is not None else ReferenceCache(spec, inputs)
-        return _errors(peer, inputs.detached(), ref, backward, seed)
+        return _errors(peer, inputs.cloned(), ref, backward, seed)
     except Exception:  # noqa: BLE001 - no baseline: the spec's bound alone applies
         return None

@@ -337,7 +337,8 @@ def _backward(ctx, dy, dh, _dmean, _drstd):
             dx if ctx.has_res else None, None, None, None)
 
 
-_norm_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+# mean/rstd never receive gradients: skip materializing zeros for them (and for an unused y or h)
+_norm_fwd_op.register_autograd(_backward, setup_context=_setup_context, materialize_grads=False)
 
 
 # ----------------------------------------------------------------------------------------------
