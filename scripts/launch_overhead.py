@@ -36,7 +36,7 @@ stream = driver.active.get_current_stream(dev)
 kernel_cache, kernel_key_cache, target, backend, binder = k.device_caches[dev]
 print(f"kernel[grid](...)                     {host_us(lambda: k[grid](*args, **kw)):7.1f} us")
 print(f"binder(...) only                      {host_us(lambda: binder(*args, **kw)):7.1f} us")
-print(f"compiled[grid](*all_args, stream=s)   {host_us(lambda: compiled[grid](*full, stream=stream)):7.1f} us")
+print(f"compiled[grid](*all_args, stream=s)   {host_us(lambda: compiled[(32, 1, 1)](*full, stream=stream)):7.1f} us")
 run, fn, meta = compiled.run, compiled.function, compiled.packed_metadata
 print(f"compiled.run(...) direct              {host_us(lambda: run(32, 1, 1, stream, fn, meta, None, None, None, *full)):7.1f} us")
 print(f"get_current_stream                    {host_us(lambda: driver.active.get_current_stream(dev)):7.1f} us")
