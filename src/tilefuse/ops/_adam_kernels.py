@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .._launch import fast_launch
+
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 N_COEFS = tl.constexpr(3)   # per tensor, from the prep launch: lr / bc1, sqrt(bc2), 1 - lr·wd
 
@@ -43,6 +45,7 @@ N_COEFS = tl.constexpr(3)   # per tensor, from the prep launch: lr / bc1, sqrt(b
 # ----------------------------------------------------------------------------------------------
 
 
+@fast_launch
 @triton.jit
 def adam_prep_kernel(
     steps_ptr,              # *fp32 [n_tensors]: step count of each tensor, incremented here
@@ -138,6 +141,7 @@ def _adam_update(
     _store(p_ptr + offs, p, mask, MASKED)
 
 
+@fast_launch
 @triton.jit
 def adam_multi_tensor_kernel(
     ptr_table,          # *int64 [rows, n_tensors]: data_ptr of param, grad, exp_avg, exp_avg_sq,

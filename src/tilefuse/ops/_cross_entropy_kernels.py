@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from .._dispatch import num_sms
+from .._launch import fast_launch
 from ._common import LN2, LOG2E
 
 MAX_SINGLE_TILE = 8192    # a row this long sits in registers (16 warps x 16 values per thread): one read
@@ -201,6 +202,7 @@ def _cross_entropy_row(x_row, g_row, target, loss_ptr, scale, n_cols, ignore_ind
             tl.store(g_row + target, target_grad.to(g_row.dtype.element_ty), mask=in_range)
 
 
+@fast_launch
 @triton.jit
 def cross_entropy_fwd_kernel(
     logits_ptr,         # *[n_rows, n_cols] logits, unit column stride
@@ -236,6 +238,7 @@ def cross_entropy_fwd_kernel(
                            HAS_SOFTCAP, HAS_SMOOTHING, HAS_Z_LOSS, WRITE_GRAD, SINGLE_TILE, BLOCK_V)
 
 
+@fast_launch
 @triton.jit
 def scale_rows_kernel(
     x_ptr,              # *[n_rows, n_cols] stored gradient, scaled in place

@@ -22,6 +22,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .._launch import fast_launch
+
 from ._common import row_tile_mask_offsets
 
 
@@ -43,6 +45,7 @@ def _scale(w_ptr, cols, n_cols, offset, HAS_W: tl.constexpr):
         return tl.full(cols.shape, 1.0, tl.float32)
 
 
+@fast_launch
 @triton.jit
 def norm_fwd_kernel(
     x_ptr,              # *input [n_rows, n_cols], unit column stride (h when STATS_IN)
@@ -103,6 +106,7 @@ def norm_fwd_kernel(
     tl.store(y_ptr + y_offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@fast_launch
 @triton.jit
 def norm_fwd_stats_kernel(
     x_ptr,              # *input [n_rows, n_cols], unit column stride
@@ -167,6 +171,7 @@ def _bwd_block_loads(x_ptr, dy_ptr, mean_ptr, rstd_ptr, blk, cols, n_rows, n_col
     return x, dy, mean, rstd
 
 
+@fast_launch
 @triton.jit
 def norm_bwd_kernel(
     x_ptr,              # *normalized input [n_rows, n_cols] (h for the residual-fused op)
@@ -252,6 +257,7 @@ def norm_bwd_kernel(
         tl.store(db_ptr + part, tl.sum(db_acc, axis=0), mask=cols < n_cols)
 
 
+@fast_launch
 @triton.jit
 def norm_bwd_stats_kernel(
     x_ptr,              # *normalized input [n_rows, n_cols]

@@ -27,6 +27,7 @@ import triton.language as tl
 
 from .._checks import check_same_device, check_same_dtype, check_shape, check_tensor
 from .._dispatch import empty, num_sms, rows_view, use_triton
+from .._launch import fast_launch
 from .._op import custom_op
 from ..registry import Inputs, OpSpec, register, tensor_bytes
 from ._activation_math import (
@@ -58,6 +59,7 @@ def _apply_dropout(v, seed, rows, col_start, threshold, scale,
     return v
 
 
+@fast_launch
 @triton.jit
 def bias_act_fwd_kernel(
     x_ptr,              # *input    [n_rows, n_cols], unit column stride
@@ -94,6 +96,7 @@ def bias_act_fwd_kernel(
     tl.store(y_ptr + y_offs, v.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@fast_launch
 @triton.jit
 def bias_act_bwd_kernel(
     dy_ptr,             # *grad of output [n_rows, n_cols], unit column stride

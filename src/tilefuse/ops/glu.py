@@ -26,6 +26,7 @@ import triton.language as tl
 
 from .._checks import check_same_device, check_same_dtype, check_shape, check_tensor
 from .._dispatch import empty, rows_view, use_triton
+from .._launch import fast_launch
 from .._op import custom_op
 from ..registry import Inputs, OpSpec, register, tensor_bytes
 from ._activation_math import (
@@ -47,6 +48,7 @@ def _tile_offsets(rows, cols, n_rows, n_cols, row_stride):
     return offs
 
 
+@fast_launch
 @triton.jit
 def glu_fwd_kernel(
     gate_ptr,           # *gate [n_rows, n_cols], unit column stride (a packed input's first half)
@@ -70,6 +72,7 @@ def glu_fwd_kernel(
     tl.store(y_ptr + _tile_offsets(rows, cols, n_rows, n_cols, y_row_stride), y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@fast_launch
 @triton.jit
 def glu_bwd_kernel(
     dy_ptr,             # *grad of out [n_rows, n_cols], unit column stride

@@ -41,6 +41,7 @@ import triton.language as tl
 
 from .._checks import check_same_device, check_same_dtype, check_tensor
 from .._dispatch import empty, num_sms, use_triton
+from .._launch import fast_launch
 from .._op import custom_op
 from ..registry import Inputs, OpSpec, register, tensor_bytes
 
@@ -107,6 +108,7 @@ def _rope_token_heads(
             tl.store(o_rows + cols, tl.load(x_rows + cols, mask=mask), mask=mask)
 
 
+@fast_launch
 @triton.jit
 def rope_kernel(
     q_ptr,              # *q      [B, S, H_q, D] via strides, unit stride along D

@@ -25,6 +25,7 @@ import triton.language as tl
 
 from .._checks import check_dim, check_tensor
 from .._dispatch import empty, rows_view, use_triton
+from .._launch import fast_launch
 from .._op import custom_op
 from ..registry import Inputs, OpSpec, register, tensor_bytes
 from ._common import LN2, LOG2E, row_tile_mask_offsets
@@ -43,6 +44,7 @@ MAX_FUSED_N = BWD_MAX_FUSED_N   # widest row any pass keeps whole (tests cover b
 # ----------------------------------------------------------------------------------------------
 
 
+@fast_launch
 @triton.jit
 def softmax_fwd_fused_kernel(
     x_ptr,              # *input  [n_rows, n_cols], unit column stride
@@ -71,6 +73,7 @@ def softmax_fwd_fused_kernel(
     tl.store(y_ptr + y_offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@fast_launch
 @triton.jit
 def softmax_fwd_looped_kernel(
     x_ptr,              # *input  [n_rows, n_cols], unit column stride
@@ -126,6 +129,7 @@ def _softmax_bwd_dx(y, dy, row_sum, LOG: tl.constexpr):
         return y * (dy - row_sum)
 
 
+@fast_launch
 @triton.jit
 def softmax_bwd_fused_kernel(
     y_ptr,              # *forward output [n_rows, n_cols]
@@ -152,6 +156,7 @@ def softmax_bwd_fused_kernel(
     tl.store(dx_ptr + dx_offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
+@fast_launch
 @triton.jit
 def softmax_bwd_looped_kernel(
     y_ptr,              # *forward output [n_rows, n_cols]
