@@ -3,24 +3,12 @@
     PYTHONPATH=src python scripts/launch_overhead.py
 """
 
-import time
-
 import torch
 import triton
 from triton.runtime import driver
 
+from tilefuse.bench import host_us
 from tilefuse.ops import softmax as sm
-
-
-def host_us(fn, n=2000):
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / n * 1e6
 
 
 x = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16)   # tiny: host-bound on purpose
@@ -33,8 +21,9 @@ compiled = k[grid](*args, **kw)
 full = args + (False, 2, 1024)
 dev = torch.cuda.current_device()
 stream = driver.active.get_current_stream(dev)
-kernel_cache, kernel_key_cache, target, backend, binder = k.device_caches[dev]
-print(f"kernel[grid](...)                     {host_us(lambda: k[grid](*args, **kw)):7.1f} us")
+kernel_cache, kernel_key_cache, target, backend, binder = k.fn.device_caches[dev]
+print(f"Triton's kernel[grid](...)            {host_us(lambda: k.fn[grid](*args, **kw)):7.1f} us")
+print(f"tilefuse fast_launch kernel[grid](...) {host_us(lambda: k[grid](*args, **kw)):7.1f} us")
 print(f"binder(...) only                      {host_us(lambda: binder(*args, **kw)):7.1f} us")
 print(f"compiled[grid](*all_args, stream=s)   {host_us(lambda: compiled[(32, 1, 1)](*full, stream=stream)):7.1f} us")
 run, fn, meta = compiled.run, compiled.function, compiled.packed_metadata

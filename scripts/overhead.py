@@ -5,25 +5,13 @@ torch) prints do_bench's median (GPU events, what the benchmark reports) and the
 call (a Python loop, synchronized once at the end).
 """
 
-import time
-
 import torch
 import triton.testing
 
 import tilefuse  # run with PYTHONPATH=src
+from tilefuse.bench import host_us
 from tilefuse.ops import norms as nm
 from tilefuse.ops import softmax as sm
-
-
-def host_us(fn, n=300):
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / n * 1e6
 
 
 def row(name, fn):

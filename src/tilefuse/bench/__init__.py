@@ -9,7 +9,7 @@
 Importing this package does not import matplotlib or rich; those load when a report needs them.
 """
 
-from .ceilings import cuda_available, get_ceilings, time_ms
+from .ceilings import cuda_available, get_ceilings, host_us, time_ms
 from .runner import PASSES, Settings, bench_case, check_interpreted, parse_dtype, run_bench
 
 __all__ = [
@@ -19,6 +19,7 @@ __all__ = [
     "check_interpreted",
     "cuda_available",
     "get_ceilings",
+    "host_us",
     "parse_dtype",
     "run_bench",
     "time_ms",

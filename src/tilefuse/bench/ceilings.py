@@ -39,6 +39,23 @@ def time_ms(fn, warmup: int = 25, rep: int = 100) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
+def host_us(fn, n: int = 300) -> float:
+    """Host time per call of ``fn()`` in microseconds: a Python loop, synchronized once at the end
+    (so it is max(host time, GPU time) per call; ``scripts/overhead.py`` sets the two side by side)."""
+    import time
+
+    import torch
+
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / n * 1e6
+
+
 # ----------------------------------------------------------------------------------------------
 # device description
 # ----------------------------------------------------------------------------------------------
