@@ -10,7 +10,9 @@ ceilings stay in ``runs`` so a reader can see they agree.
 
 import sys
 
+from tilefuse import registry
 from tilefuse.bench.report import load_json, plot, write_json, write_markdown
+from tilefuse.bench.runner import unsplit_pass_rows
 
 
 def main(argv):
@@ -21,6 +23,8 @@ def main(argv):
         raise SystemExit(f"runs come from different devices: {sorted(devices)}")
     merged = dict(runs[0])
     merged["rows"] = [row for r in runs for row in r["rows"]]
+    for spec in registry.all_ops():     # today's registry decides which per-pass rows compare
+        unsplit_pass_rows(spec, [row for row in merged["rows"] if row["op"] == spec.name])
     merged["runs"] = [{"path": p, "date": r.get("date"), "ceilings": r.get("ceilings"),
                        "summary": r.get("summary")} for p, r in zip(paths, runs)]
     keys = ("rows", "ok", "failed", "errors", "skipped", "tilefuse_not_ok")

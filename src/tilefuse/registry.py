@@ -76,6 +76,10 @@ class OpSpec:
         default_factory=lambda: {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
     )
     has_backward: bool = True
+    # False for ops that compute their gradients inside the forward (cross-entropy, linear
+    # cross-entropy): their fwd and bwd passes do other work than a peer's, so the benchmark
+    # reports no per-pass throughput for them -- only fwd+bwd is comparable
+    split_passes: bool = True
     description: str = ""
 
 

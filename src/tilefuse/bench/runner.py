@@ -345,7 +345,20 @@ def bench_case(
             add(impl.name, p, **results[p])
     del ref
     _speedups(rows)
+    unsplit_pass_rows(spec, rows)
     return rows
+
+
+def unsplit_pass_rows(spec: OpSpec, rows: list[dict[str, Any]]) -> None:
+    """For ops whose forward already computes the gradients (``spec.split_passes`` False), drop
+    the per-pass throughput of fwd and bwd rows: it would divide one implementation's work split
+    by another's byte/FLOP model. Times and fwd+bwd rows stay."""
+    if spec.split_passes:
+        return
+    for r in rows:
+        if r.get("pass") in ("fwd", "bwd") and r.get("achieved") is not None:
+            r.update(achieved=None, pct_of_ceiling=None,
+                     note="gradients are computed in the forward: compare fwd+bwd only")
 
 
 def _time_bwd(bench: _Passes, timer, tw) -> float:

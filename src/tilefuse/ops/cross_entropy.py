@@ -382,6 +382,7 @@ def _liger_peer():
 
 register(OpSpec(
     name="cross_entropy",
+    split_passes=False,
     fn=cross_entropy,
     reference=cross_entropy_reference,
     make_inputs=_make_inputs,

@@ -327,6 +327,7 @@ def _liger_peer():
 
 register(OpSpec(
     name="linear_cross_entropy",
+    split_passes=False,
     fn=linear_cross_entropy,
     reference=linear_cross_entropy_reference,
     make_inputs=_make_inputs,
