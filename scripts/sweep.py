@@ -68,6 +68,15 @@ def sweep(fn_for, check, cfgs, nbytes, default, top=5, repeats=3):
     return results
 
 
+def report(label, shape, pass_, results, default, copy, eager):
+    """Print the best configs of one (shape, pass); return its summary row."""
+    for gbps, ms, cfg in results[:6]:
+        tag = " (default)" if cfg == default else ""
+        print(f"{label}: {gbps:7.0f} GB/s {ms*1e3:8.1f} us {cfg}{tag}", flush=True)
+    dflt = [r for r in results if r[2] == default]
+    return (shape, pass_, results[0][0], results[0][2], dflt[0][0] if dflt else float("nan"), copy, eager)
+
+
 def softmax_base_configs(n_rows, n_cols):
     from tilefuse.ops import softmax as sm
     out = []
@@ -112,11 +121,7 @@ def sweep_softmax(dtype):
             graph_ms = triton.testing.do_bench_cudagraph(best_fn, rep=40)
             print(f"{shape} {pass_}: same-size copy {copy:.0f} GB/s, torch eager {eager:.0f} GB/s, "
                   f"best in a CUDA graph {nbytes / graph_ms / 1e6:.0f} GB/s", flush=True)
-            for gbps, ms, cfg in results[:6]:
-                tag = " (default)" if cfg == default else ""
-                print(f"{shape} {pass_}: {gbps:7.0f} GB/s {ms*1e3:8.1f} us {cfg}{tag}", flush=True)
-            dflt = [r for r in results if r[2] == default]
-            rows.append((shape, pass_, results[0][0], results[0][2], dflt[0][0] if dflt else float("nan"), copy, eager))
+            rows.append(report(f"{shape} {pass_}", shape, pass_, results, default, copy, eager))
     return rows
 
 
@@ -170,11 +175,7 @@ def sweep_norm(name, dtype):
             results = sweep(fn_for, check, norm_configs(n, pass_), nbytes, default)
             copy = copy_gbps(nbytes)
             eager = time_gbps(torch_fn, nbytes)[0] if torch_fn else float("nan")
-            for gbps, ms, cfg in results[:6]:
-                tag = " (default)" if cfg == default else ""
-                print(f"{name} {shape} {pass_}: {gbps:7.0f} GB/s {ms*1e3:8.1f} us {cfg}{tag}", flush=True)
-            dflt = [r for r in results if r[2] == default]
-            rows.append((shape, pass_, results[0][0], results[0][2], dflt[0][0] if dflt else float("nan"), copy, eager))
+            rows.append(report(f"{name} {shape} {pass_}", shape, pass_, results, default, copy, eager))
     return rows
 
 
