@@ -203,10 +203,7 @@ def sweep_rope(dtype):
                 if hq <= triton.next_power_of_2(shape[2]) and hk <= triton.next_power_of_2(shape[3])]
         results = sweep(fn_for, check, cfgs, nbytes, {})
         copy = copy_gbps(nbytes)
-        for gbps, ms, cfg in results[:6]:
-            print(f"rope {shape} fwd: {gbps:7.0f} GB/s {ms*1e3:8.1f} us {cfg}{' (default)' if cfg == {} else ''}", flush=True)
-        dflt = [r for r in results if r[2] == {}]
-        rows.append((shape, "fwd", results[0][0], results[0][2], dflt[0][0] if dflt else float("nan"), copy, float("nan")))
+        rows.append(report(f"rope {shape} fwd", shape, "fwd", results, {}, copy, float("nan")))
     return rows
 
 

@@ -385,6 +385,16 @@ def test_compile_inductor_default_backend():
 # ----------------------------------------------------------------------------------------------
 
 
+def _assert_module_matches(mod, ref, x):
+    """Outputs and the gradients of x and every parameter agree with torch's module."""
+    y, yr = mod(x), ref(x)
+    assert rel_err(y, yr) <= 1e-5
+    g = torch.randn_like(y)
+    grads = torch.autograd.grad(y, [x, *mod.parameters()], g)
+    ref_grads = torch.autograd.grad(yr, [x, *ref.parameters()], g)
+    assert all(rel_err(a, c) <= 1e-5 for a, c in zip(grads, ref_grads))
+
+
 @pytest.mark.parametrize("kwargs", [{}, {"bias": False}, {"elementwise_affine": False}, {"eps": 1e-3}])
 def test_layer_norm_module_matches_torch(kwargs):
     ref = torch.nn.LayerNorm(48, **kwargs).to(DEVICE)
@@ -395,13 +405,7 @@ def test_layer_norm_module_matches_torch(kwargs):
     mod.load_state_dict(ref.state_dict())
     assert list(mod.state_dict()) == list(ref.state_dict())
     assert repr(mod).replace("LayerNorm", "") == repr(ref).replace("LayerNorm", "")
-    x = torch.randn(3, 5, 48, device=DEVICE, requires_grad=True)
-    y, yr = mod(x), ref(x)
-    assert rel_err(y, yr) <= 1e-5
-    g = torch.randn_like(y)
-    grads = torch.autograd.grad(y, [x, *mod.parameters()], g)
-    ref_grads = torch.autograd.grad(yr, [x, *ref.parameters()], g)
-    assert all(rel_err(a, c) <= 1e-5 for a, c in zip(grads, ref_grads))
+    _assert_module_matches(mod, ref, torch.randn(3, 5, 48, device=DEVICE, requires_grad=True))
     ref.load_state_dict(mod.state_dict())
 
 
@@ -414,13 +418,7 @@ def test_rms_norm_module_matches_torch(kwargs):
     mod = RMSNorm((4, 12), **kwargs).to(DEVICE)
     mod.load_state_dict(ref.state_dict())
     assert list(mod.state_dict()) == list(ref.state_dict())
-    x = torch.randn(6, 4, 12, device=DEVICE, requires_grad=True)
-    y, yr = mod(x), ref(x)
-    assert rel_err(y, yr) <= 1e-5
-    g = torch.randn_like(y)
-    grads = torch.autograd.grad(y, [x, *mod.parameters()], g)
-    ref_grads = torch.autograd.grad(yr, [x, *ref.parameters()], g)
-    assert all(rel_err(a, c) <= 1e-5 for a, c in zip(grads, ref_grads))
+    _assert_module_matches(mod, ref, torch.randn(6, 4, 12, device=DEVICE, requires_grad=True))
 
 
 def test_modules_residual_and_gemma_offset():
