@@ -1,0 +1,207 @@
+"""What every attention kernel agrees on: the masking rule, softcapping, the fp64 reference.
+
+Layout (flash-attn's): q ``[B, S_q, H_q, D]``, k and v ``[B, S_k, H_kv, D]``; packed (varlen)
+tensors ``[total, H, D]`` with ``cu_seqlens`` offsets. Query head ``h`` reads key/value head
+``h // (H_q // H_kv)`` (GQA/MQA), without K/V ever being repeated in memory.
+
+Scores, for query ``i`` and key ``j`` of one sequence::
+
+    s[i, j] = scale · q_i · k_j                       (scale defaults to 1/sqrt(D))
+    s[i, j] = softcap · tanh(s[i, j] / softcap)        when softcap > 0 (Gemma 2)
+
+Masking. With ``shift = S_k - S_q`` (queries aligned to the *bottom right* of the score matrix,
+as FlashAttention ≥ 2.1 does when S_q ≠ S_k) and ``d = j - i - shift``, key ``j`` is visible to
+query ``i`` iff::
+
+    d <= right     (when right >= 0; causal is right = 0)
+    d >= -left     (when left >= 0)
+
+``window = (left, right)`` with -1 meaning unbounded on that side. A query row that sees no key
+(e.g. causal with S_q > S_k) gets output 0 and log-sum-exp ``-inf``: the value that merges
+correctly when partial results are combined by their lse (ring attention).
+
+``lse[b, h, i] = log Σ_j exp(s[i, j])`` in natural log, float32, shape ``[B, H_q, S_q]``
+(varlen: ``[H_q, total_q]``), as flash-attn returns it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+NO_WINDOW = -1
+
+
+# ----------------------------------------------------------------------------------------------
+# host side: argument normalization shared by attention, attention_varlen and attention_decode
+# ----------------------------------------------------------------------------------------------
+
+
+def normalize_window(causal: bool, window: Sequence[int]) -> tuple[int, int]:
+    """(left, right) with -1 for unbounded; causal tightens right to 0. Raises on bad types."""
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise TypeError(f"window must be a (left, right) pair of ints, got {window!r}")
+    left, right = window
+    for name, w in (("window[0] (left)", left), ("window[1] (right)", right)):
+        if isinstance(w, bool) or not isinstance(w, int):
+            raise TypeError(f"{name} must be an int (-1 for unbounded), got {type(w).__name__}")
+        if w < -1:
+            raise ValueError(f"{name} must be >= -1 (-1 for unbounded), got {w}")
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    return left, right
+
+
+def normalize_scale(scale: float | None, head_dim: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    return float(scale)
+
+
+def normalize_softcap(softcap: float) -> float:
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap must be a float (0 for none), got {type(softcap).__name__}")
+    if softcap < 0:
+        raise ValueError(f"softcap must be >= 0 (0 for none), got {softcap}")
+    return float(softcap)
+
+
+# ----------------------------------------------------------------------------------------------
+# device side: the same rule inside the kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def tanh_via_exp2(x):
+    """tanh(x) = 1 - 2 / (exp(2x) + 1): one exp2, exact at ±inf, no libdevice (the interpreter
+    runs it too)."""
+    return 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)   # 2·log2(e)
+
+
+@triton.jit
+def apply_softcap(s, softcap, HAS_SOFTCAP: tl.constexpr):
+    """softcap · tanh(s / softcap) on scaled scores ``s``; also returns ds_out/ds_in for the
+    backward (1 - tanh², or 1 when there is no cap)."""
+    if HAS_SOFTCAP:
+        t = tanh_via_exp2(s / softcap)
+        return softcap * t, 1.0 - t * t
+    return s, 1.0
+
+
+@triton.jit
+def visible(offs_m, offs_n, seqlen_k, shift, window_left, window_right,
+            HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] bool: key ``offs_n`` exists and query ``offs_m`` may see it
+    (module docstring: d = j - i - shift within [-left, right])."""
+    ok = (offs_n < seqlen_k)[None, :]
+    if HAS_LEFT or HAS_RIGHT:
+        d = offs_n[None, :] - offs_m[:, None] - shift
+        if HAS_RIGHT:
+            ok = ok & (d <= window_right)
+        if HAS_LEFT:
+            ok = ok & (d >= -window_left)
+    return ok
+
+
+@triton.jit
+def key_range(start_m, BLOCK_M: tl.constexpr, seqlen_k, shift, window_left, window_right,
+              HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """[lo, hi) of the keys that any of the queries start_m .. start_m + BLOCK_M - 1 can see.
+    The forward (and dq) loop walks only these key blocks: causal and windowed attention skip
+    the rest."""
+    lo = 0
+    hi = seqlen_k
+    if HAS_RIGHT:
+        hi = tl.minimum(hi, start_m + BLOCK_M + shift + window_right)
+    if HAS_LEFT:
+        lo = tl.maximum(lo, start_m + shift - window_left)
+    hi = tl.maximum(hi, lo)   # empty range, never negative
+    return lo, hi
+
+
+@triton.jit
+def query_range(start_n, BLOCK_N: tl.constexpr, seqlen_q, shift, window_left, window_right,
+                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """[lo, hi) of the queries that can see any of keys start_n .. start_n + BLOCK_N - 1: the
+    dk/dv loop of the backward walks only these query blocks."""
+    lo = 0
+    hi = seqlen_q
+    if HAS_RIGHT:
+        lo = tl.maximum(lo, start_n - shift - window_right)
+    if HAS_LEFT:
+        hi = tl.minimum(hi, start_n + BLOCK_N - shift + window_left)
+    hi = tl.maximum(hi, lo)
+    return lo, hi
+
+
+# ----------------------------------------------------------------------------------------------
+# references (fp64 for tests; fp32 math otherwise); also the CPU path
+# ----------------------------------------------------------------------------------------------
+
+
+def visible_mask(seqlen_q: int, seqlen_k: int, left: int, right: int, device=None,
+                 shift: int | None = None) -> torch.Tensor:
+    """[S_q, S_k] bool: the masking rule of the module docstring (shift = S_k - S_q unless given)."""
+    if shift is None:
+        shift = seqlen_k - seqlen_q
+    i = torch.arange(seqlen_q, device=device)[:, None]
+    j = torch.arange(seqlen_k, device=device)[None, :]
+    d = j - i - shift
+    ok = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    if right >= 0:
+        ok &= d <= right
+    if left >= 0:
+        ok &= d >= -left
+    return ok
+
+
+def attention_reference(q, k, v, causal: bool = False, window=(-1, -1), softcap: float = 0.0,
+                        scale: float | None = None, return_lse: bool = False, shift: int | None = None):
+    """Plain PyTorch attention with the module's semantics; ``[B, S, H, D]`` layout.
+
+    Math in float64 for float64 inputs, float32 otherwise; out in q's dtype, lse float32 (float64
+    for float64 inputs). Differentiable (autograd through the reference gives the reference
+    gradients)."""
+    left, right = normalize_window(causal, window)
+    scale = normalize_scale(scale, q.shape[-1])
+    wide = torch.float64 if q.dtype == torch.float64 else torch.float32
+    b, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    group = hq // hkv
+    qw = q.to(wide).transpose(1, 2)                                   # [B, Hq, Sq, D]
+    kw = k.to(wide).transpose(1, 2).repeat_interleave(group, dim=1)   # [B, Hq, Sk, D]
+    vw = v.to(wide).transpose(1, 2).repeat_interleave(group, dim=1)
+    s = torch.matmul(qw, kw.transpose(-1, -2)) * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    ok = visible_mask(sq, sk, left, right, device=q.device, shift=shift)
+    s = s.masked_fill(~ok, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)                                  # -inf on rows that see nothing
+    p = torch.exp(s - lse.masked_fill(torch.isinf(lse), 0.0)[..., None])   # 0 on those rows
+    out = torch.matmul(p, vw).transpose(1, 2).to(q.dtype)
+    lse = lse.to(torch.float64 if wide == torch.float64 else torch.float32)
+    return (out, lse) if return_lse else out
+
+
+def attention_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=False, window=(-1, -1),
+                               softcap=0.0, scale=None, return_lse=False):
+    """Varlen reference: packed ``[total, H, D]``, one dense reference call per sequence."""
+    outs, lses = [], []
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for i in range(len(cq) - 1):
+        qi = q[cq[i]:cq[i + 1]].unsqueeze(0)
+        ki, vi = k[ck[i]:ck[i + 1]].unsqueeze(0), v[ck[i]:ck[i + 1]].unsqueeze(0)
+        o, lse = attention_reference(qi, ki, vi, causal, window, softcap, scale, return_lse=True)
+        outs.append(o[0])
+        lses.append(lse[0])                                           # [H, S_i]
+    out = torch.cat(outs, 0) if outs else q.new_zeros(q.shape[:-1] + (v.shape[-1],))
+    lse = torch.cat(lses, 1) if lses else q.new_zeros((q.shape[1], 0), dtype=torch.float32)
+    return (out, lse) if return_lse else out
