@@ -168,7 +168,7 @@ def sweep_norm(name, dtype):
                     (lambda: torch.nn.functional.layer_norm(x, (n,), w, b, eps))
             else:
                 fn_for = lambda cfg: (lambda: nm._launch_bwd(dy, x, w, None if is_rms else mean, rstd, None, 0.0,
-                                                             is_rms, True, not is_rms, cfg)[0])
+                                                             is_rms, True, not is_rms, config=cfg)[0])
                 check = lambda out: rel_err(out, dx_ref)
                 torch_fn = None
             default = {}

@@ -365,7 +365,7 @@ def test_opcheck_custom_ops(case):
     dy = torch.randn(3, 40, device=DEVICE)
     bwd_args = (dy, (h if has_res else x).detach(), None if fwd_args[1] is None else w.detach(),
                 None if is_rms else mean, rstd, dy.clone() if has_res else None, fwd_args[5], is_rms,
-                fwd_args[1] is not None, fwd_args[2] is not None)
+                fwd_args[1] is not None, fwd_args[2] is not None, w.dtype, b.dtype)
     torch.library.opcheck(nm._norm_bwd_op.op, bwd_args)
 
 

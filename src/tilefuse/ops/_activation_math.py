@@ -23,6 +23,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .._dispatch import next_power_of_2
+
 ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu")
 
 SQRT1_2 = tl.constexpr(0.7071067811865476)          # 1/√2
@@ -164,8 +166,8 @@ def tile_config(n_rows: int, n_cols: int, tile_elems: int, config: dict | None =
     elements per program (per loop step for a reducing backward): full padded rows up to
     MAX_BLOCK_N columns and as many rows as fit, so short rows still give a program enough bytes
     in flight. ``config`` overrides any key (GPU sweeps); op files add their own keys."""
-    block_n = max(4, min(triton.next_power_of_2(max(n_cols, 1)), MAX_BLOCK_N))   # >= 4: dropout RNG
-    block_m = max(1, min(tile_elems // block_n, triton.next_power_of_2(max(n_rows, 1))))
+    block_n = max(4, min(next_power_of_2(max(n_cols, 1)), MAX_BLOCK_N))   # >= 4: dropout RNG
+    block_m = max(1, min(tile_elems // block_n, next_power_of_2(max(n_rows, 1))))
     cfg = {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": num_warps_for(block_m * block_n)}
     cfg.update(config or {})
     return cfg

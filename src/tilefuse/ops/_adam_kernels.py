@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._dispatch import cdiv, next_power_of_2
 from .._launch import fast_launch
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -233,7 +234,7 @@ def _element_size(dtype: torch.dtype) -> int:
 
 def _prep_block(n_tensors: int) -> int:
     """One program covers up to 1024 tensors; the prep launch is O(n_tensors), not O(elements)."""
-    return min(1024, triton.next_power_of_2(max(n_tensors, 1)))
+    return min(1024, next_power_of_2(max(n_tensors, 1)))
 
 
 _TABLE_CACHE_SIZE = 16
@@ -272,7 +273,7 @@ def _upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Ten
 
 def _layout_tables(device: torch.device, numels: tuple, chunk: int):
     def build():
-        chunks = [triton.cdiv(n, chunk) for n in numels]
+        chunks = [cdiv(n, chunk) for n in numels]
         first = [0] * len(numels)
         for i in range(1, len(numels)):
             first[i] = first[i - 1] + chunks[i - 1]
@@ -309,7 +310,7 @@ def launch(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params,
     coefs = torch.empty((n, N_COEFS.value), dtype=torch.float32, device=device)
     lr_on_device = isinstance(lr, torch.Tensor)
     prep_block = _prep_block(n)
-    adam_prep_kernel[(triton.cdiv(n, prep_block),)](
+    adam_prep_kernel[(cdiv(n, prep_block),)](
         state_steps, coefs, lr if lr_on_device else state_steps, 0.0 if lr_on_device else float(lr),
         _log(beta1), _log(beta2), float(weight_decay), n,
         LR_ON_DEVICE=lr_on_device, BLOCK=prep_block,

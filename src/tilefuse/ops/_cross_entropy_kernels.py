@@ -19,7 +19,7 @@ from typing import NamedTuple, Optional
 import triton
 import triton.language as tl
 
-from .._dispatch import num_sms
+from .._dispatch import next_power_of_2, num_sms
 from .._launch import fast_launch
 from ._common import LN2, LOG2E
 
@@ -284,7 +284,7 @@ def _scale_row(row_ptr, factor, n_cols, BLOCK: tl.constexpr):
 def _single_tile_config(n_cols: int) -> dict:
     """Rows up to MAX_SINGLE_TILE sit in registers (one read) at ~16 values per thread; one
     program per row, as many resident as fit."""
-    tile = triton.next_power_of_2(max(n_cols, 1))
+    tile = next_power_of_2(max(n_cols, 1))
     return {"single_tile": True, "BLOCK_V": tile, "num_warps": max(1, min(16, tile // 512)),
             "maxnreg": None, "programs_per_sm": None}
 
@@ -300,7 +300,7 @@ def _looped_config() -> dict:
 def default_config(n_cols: int) -> dict:
     """Launch config; ``programs_per_sm`` (None: one program per row) makes the grid persistent,
     for sweeps that bound the rows in flight further."""
-    if triton.next_power_of_2(max(n_cols, 1)) <= MAX_SINGLE_TILE:
+    if next_power_of_2(max(n_cols, 1)) <= MAX_SINGLE_TILE:
         return _single_tile_config(n_cols)
     return _looped_config()
 
@@ -339,7 +339,7 @@ def launch_scale_rows(x2, applied, grad_output):
     if x2.numel() == 0:
         return
     shared = grad_output.numel() == 1
-    block = min(SCALE_BLOCK, triton.next_power_of_2(n_cols))
+    block = min(SCALE_BLOCK, next_power_of_2(n_cols))
     programs = max(1, min(n_rows, num_sms(x2) * SCALE_PROGRAMS_PER_SM))
     scale_rows_kernel[(programs,)](
         x2, applied, grad_output, x2.stride(0), 0 if shared else grad_output.stride(0), n_rows, n_cols,

@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .._dispatch import cdiv
+
 THRESHOLD_BITS = 31      # keep compares the top 31 bits of a word: p is resolved to 2**-31
 NEVER_KEEP = 1 << 31     # threshold no 31-bit value reaches: p == 1 drops everything
 
@@ -122,7 +124,7 @@ def dropout_keep_reference(seed: int, n_rows: int, n_cols: int, p: float, device
     """The ``[n_rows, n_cols]`` bool keep mask the kernels generate for (seed, p), from row
     ``first_row`` on."""
     rows = torch.arange(first_row, first_row + n_rows, dtype=torch.int64, device=device)[:, None]
-    groups = torch.arange(triton.cdiv(n_cols, 4), dtype=torch.int64, device=device)[None, :]
+    groups = torch.arange(cdiv(n_cols, 4), dtype=torch.int64, device=device)[None, :]
     groups, rows = torch.broadcast_tensors(groups, rows)
     words = philox_reference(seed, groups, rows & _M32, rows >> 32, torch.zeros_like(rows))
     r = torch.stack(words, dim=-1).reshape(n_rows, -1)[:, :n_cols]

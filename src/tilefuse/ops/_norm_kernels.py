@@ -12,6 +12,8 @@ Four kernels serve both norms, with and without the fused residual add:
   one row of a ``[row programs, n_cols]`` partial buffer (summed afterwards: no atomics).
   With the whole row in the tile it computes the row dot products itself; with ``STATS_IN`` it
   reads them from ``norm_bwd_stats_kernel``.
+* ``sum_partials_kernel``: the one final reduction of those dw/db partials, cast to the weight's
+  and bias's dtypes in the same pass (one launch for both, instead of a sum and a cast each).
 * ``norm_bwd_stats_kernel``: long rows only; walks a row for mean(wdy·x̂) and mean(wdy).
 
 ``IS_RMS`` drops the mean (μ = 0, and the mean(wdy) term of dx). All math is fp32.
@@ -294,3 +296,35 @@ def norm_bwd_stats_kernel(
         acc_w += wdy
     tl.store(dot_ptr + rows, tl.sum(acc_xw, axis=1) * (1.0 / n_cols))
     tl.store(dot_ptr + n_rows + rows, tl.sum(acc_w, axis=1) * (1.0 / n_cols))
+
+
+@fast_launch
+@triton.jit
+def sum_partials_kernel(
+    dw_part_ptr,        # *fp32 [n_parts, n_cols] dw partial sums (one row per backward program)
+    db_part_ptr,        # *fp32 [n_parts, n_cols] db partial sums (read only with DB)
+    dw_ptr,             # *dw [n_cols], the weight's dtype
+    db_ptr,             # *db [n_cols], the bias's dtype
+    n_parts,            # rows of the partial buffers
+    n_cols,             # N
+    DW: tl.constexpr,       # reduce dw
+    DB: tl.constexpr,       # reduce db
+    BLOCK_P: tl.constexpr,  # partial rows per step
+    BLOCK_N: tl.constexpr,  # columns per program
+):
+    """dw[j] = Σ_p dw_part[p, j] (and db likewise), fp32 sums, one cast at the store."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < n_cols
+    acc_w = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+    acc_b = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+    for p0 in range(0, n_parts, BLOCK_P):
+        rows = p0 + tl.arange(0, BLOCK_P)
+        mask, offs = row_tile_mask_offsets(rows, cols, n_parts, n_cols, n_cols)
+        if DW:
+            acc_w += tl.load(dw_part_ptr + offs, mask=mask, other=0.0)
+        if DB:
+            acc_b += tl.load(db_part_ptr + offs, mask=mask, other=0.0)
+    if DW:
+        tl.store(dw_ptr + cols, tl.sum(acc_w, 0).to(dw_ptr.dtype.element_ty), mask=col_ok)
+    if DB:
+        tl.store(db_ptr + cols, tl.sum(acc_b, 0).to(db_ptr.dtype.element_ty), mask=col_ok)

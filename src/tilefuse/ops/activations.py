@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .._checks import check_same_device, check_same_dtype, check_shape, check_tensor
-from .._dispatch import empty, num_sms, rows_view, use_triton
+from .._dispatch import cdiv, empty, num_sms, rows_view, use_triton
 from .._launch import fast_launch
 from .._op import custom_op
 from ..registry import Inputs, OpSpec, register, tensor_bytes
@@ -160,10 +160,10 @@ REDUCE_PROGRAMS_PER_SM = 8   # backward grid: enough programs to fill the SMs, f
 
 def _bwd_row_chunks(n_rows: int, block_m: int, n_col_blocks: int, programs: int) -> tuple[int, int]:
     """(tiles per program, row chunks) so that chunks x column blocks ~= ``programs``."""
-    row_tiles = triton.cdiv(n_rows, block_m)
-    chunks = max(1, min(row_tiles, triton.cdiv(programs, n_col_blocks)))
-    tiles_per_chunk = triton.cdiv(row_tiles, chunks)
-    return tiles_per_chunk, triton.cdiv(row_tiles, tiles_per_chunk)
+    row_tiles = cdiv(n_rows, block_m)
+    chunks = max(1, min(row_tiles, cdiv(programs, n_col_blocks)))
+    tiles_per_chunk = cdiv(row_tiles, chunks)
+    return tiles_per_chunk, cdiv(row_tiles, tiles_per_chunk)
 
 
 def _dropout_args(p: float, seed: int) -> dict:
@@ -184,9 +184,9 @@ def _launch_fwd(x, bias, residual, activation: str, p: float, seed: int, config:
     res2 = rows_view(residual) if residual is not None else x2
     y = empty((n_rows, n_cols), x.dtype, x.device)
     cfg = tile_config(n_rows, n_cols, FWD_TILE_ELEMS, {"RNG_GROUPED": True, **(config or {})})
-    n_col_blocks = triton.cdiv(n_cols, cfg["BLOCK_N"])
+    n_col_blocks = cdiv(n_cols, cfg["BLOCK_N"])
     bias_arg = bias.contiguous() if bias is not None else x2
-    bias_act_fwd_kernel[(triton.cdiv(n_rows, cfg["BLOCK_M"]) * n_col_blocks,)](
+    bias_act_fwd_kernel[(cdiv(n_rows, cfg["BLOCK_M"]) * n_col_blocks,)](
         x2, bias_arg, res2, y, x2.stride(0), res2.stride(0), y.stride(0), n_rows, n_cols, n_col_blocks,
         **_dropout_args(p, seed), ACT=activation, HAS_BIAS=bias is not None,
         HAS_RESIDUAL=residual is not None, RNG_GROUPED=cfg["RNG_GROUPED"],
@@ -211,7 +211,7 @@ def _launch_bwd(dy, x, bias, activation: str, p: float, seed: int, want_dx: bool
     dx = empty((n_rows, n_cols), dy.dtype, dy.device) if want_dx else dy2
     defaults = {"RNG_GROUPED": True, "REDUCE_PROGRAMS": REDUCE_PROGRAMS_PER_SM * num_sms(dy)}
     cfg = tile_config(n_rows, n_cols, BWD_TILE_ELEMS, {**defaults, **(config or {})})
-    n_col_blocks = triton.cdiv(n_cols, cfg["BLOCK_N"])
+    n_col_blocks = cdiv(n_cols, cfg["BLOCK_N"])
     tiles_per_chunk, n_chunks = _bwd_row_chunks(n_rows, cfg["BLOCK_M"], n_col_blocks, cfg["REDUCE_PROGRAMS"])
     partials = empty((n_chunks, n_cols), torch.float32, dy.device) if want_dbias else dy2
     bias_arg = bias.contiguous() if bias is not None else dy2

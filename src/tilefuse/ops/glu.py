@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .._checks import check_same_device, check_same_dtype, check_shape, check_tensor
-from .._dispatch import empty, rows_view, use_triton
+from .._dispatch import cdiv, empty, rows_view, use_triton
 from .._launch import fast_launch
 from .._op import custom_op
 from ..registry import Inputs, OpSpec, register, tensor_bytes
@@ -129,8 +129,8 @@ def _launch_fwd(gate, up, activation: str, config: dict | None = None) -> torch.
     n_rows, n_cols = g2.shape
     y = empty((n_rows, n_cols), gate.dtype, gate.device)
     cfg = tile_config(n_rows, n_cols, FWD_TILE_ELEMS, config)
-    n_col_blocks = triton.cdiv(n_cols, cfg["BLOCK_N"])
-    glu_fwd_kernel[(triton.cdiv(n_rows, cfg["BLOCK_M"]) * n_col_blocks,)](
+    n_col_blocks = cdiv(n_cols, cfg["BLOCK_N"])
+    glu_fwd_kernel[(cdiv(n_rows, cfg["BLOCK_M"]) * n_col_blocks,)](
         g2, u2, y, g2.stride(0), u2.stride(0), y.stride(0), n_rows, n_cols, n_col_blocks,
         ACT=activation, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
     )
@@ -148,8 +148,8 @@ def _launch_bwd(dy, gate, up, activation: str, config: dict | None = None):
     g2, u2, dy2, dg2, du2 = (rows_view(t) for t in (g, u, dy, dg, du))   # dg2, du2: views, no copy
     n_rows, n_cols = g2.shape
     cfg = tile_config(n_rows, n_cols, BWD_TILE_ELEMS, config)
-    n_col_blocks = triton.cdiv(n_cols, cfg["BLOCK_N"])
-    glu_bwd_kernel[(triton.cdiv(n_rows, cfg["BLOCK_M"]) * n_col_blocks,)](
+    n_col_blocks = cdiv(n_cols, cfg["BLOCK_N"])
+    glu_bwd_kernel[(cdiv(n_rows, cfg["BLOCK_M"]) * n_col_blocks,)](
         dy2, g2, u2, dg2, du2,
         dy2.stride(0), g2.stride(0), u2.stride(0), dg2.stride(0), du2.stride(0), n_rows, n_cols, n_col_blocks,
         ACT=activation, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],

@@ -31,13 +31,14 @@ import math
 from typing import Optional
 
 import torch
-import triton
 
 from .._checks import check_same_device, check_same_dtype, check_shape, check_tensor
-from .._dispatch import empty, num_sms, rows_view, use_triton
+from .._dispatch import cdiv, empty, next_power_of_2, num_sms, rows_view, use_triton
 from .._op import custom_op
 from ..registry import Inputs, OpSpec, register, tensor_bytes
-from ._norm_kernels import norm_bwd_kernel, norm_bwd_stats_kernel, norm_fwd_kernel, norm_fwd_stats_kernel
+from ._norm_kernels import (
+    norm_bwd_kernel, norm_bwd_stats_kernel, norm_fwd_kernel, norm_fwd_stats_kernel, sum_partials_kernel,
+)
 
 MAX_FUSED_N_FWD = 16384   # padded row length kept in registers by the forward (x, w, b live)
 MAX_FUSED_N_BWD = 8192    # backward keeps x, dy, x̂, wdy and two accumulators live: a smaller tile
@@ -51,7 +52,7 @@ LOOPED_BLOCK_N = 4096     # column tile of the looped tier
 
 def _rows_per_program(block_n: int, n_rows: int, target: int) -> int:
     """Short rows share a program so each moves ~``target`` elements per step."""
-    return max(1, min(target // block_n, triton.next_power_of_2(max(n_rows, 1))))
+    return max(1, min(target // block_n, next_power_of_2(max(n_rows, 1))))
 
 
 def _fwd_rows_per_program(block_n: int, n_rows: int) -> int:
@@ -94,6 +95,12 @@ def _bwd_prefetch(num_warps: int) -> bool:
     return num_warps <= 16
 
 
+def _sum_partials_tile() -> tuple[int, int]:
+    """(BLOCK_P, BLOCK_N) of the dw/db reduction: 64 columns per program gives N/64 programs
+    (64 at N = 4096) each summing ~130-260 partial rows of fp32, a few µs."""
+    return 32, 64
+
+
 def _bwd_row_programs(n_row_blocks: int, n_col_tiles: int, sms: int, programs_per_sm: int) -> int:
     """Row programs of the persistent grid: fill the SMs, never more than there are row blocks."""
     return max(1, min(n_row_blocks, (sms * programs_per_sm) // n_col_tiles))
@@ -128,7 +135,7 @@ def _launch_fwd(x, weight, bias, residual, eps: float, offset: float, is_rms: bo
     w = weight.contiguous() if weight is not None else y
     b = bias.contiguous() if bias is not None else y
     src = x2
-    fused_n = triton.next_power_of_2(n_cols)
+    fused_n = next_power_of_2(n_cols)
     stats_in = fused_n > cfg.get("max_fused_n", MAX_FUSED_N_FWD)
     if not stats_in:
         block_n = fused_n
@@ -142,7 +149,7 @@ def _launch_fwd(x, weight, bias, residual, eps: float, offset: float, is_rms: bo
         )
         if has_res:
             src = h                     # h is written; normalize it instead of re-adding
-    grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
+    grid = (cdiv(n_rows, block_m), cdiv(n_cols, block_n))
     norm_fwd_kernel[grid](
         src, r2, w, b, y, h, mean if not is_rms else rstd, rstd,
         src.stride(0), r2.stride(0), y.stride(0), h.stride(0), n_rows, n_cols, eps, offset,
@@ -154,8 +161,8 @@ def _launch_fwd(x, weight, bias, residual, eps: float, offset: float, is_rms: bo
 
 
 def _launch_bwd(dy, x, weight, mean, rstd, dres, offset: float, is_rms: bool, need_dw: bool, need_db: bool,
-                config=None):
-    """Returns (dx, dw, db): dw/db fp32 [N] (empty when not needed).
+                dw_dtype: torch.dtype = torch.float32, db_dtype: torch.dtype = torch.float32, config=None):
+    """Returns (dx, dw, db): dw/db [N] in ``dw_dtype`` / ``db_dtype`` (empty when not needed).
 
     ``config`` overrides: ``max_fused_n``, ``BLOCK_M`` (rows per step, fused tier), ``BLOCK_N``
     (column tile, looped tier), ``num_warps``, ``programs_per_sm`` (persistent grid size),
@@ -166,13 +173,13 @@ def _launch_bwd(dy, x, weight, mean, rstd, dres, offset: float, is_rms: bool, ne
     n_rows, n_cols = x2.shape
     dx = empty((n_rows, n_cols), x.dtype, x.device)
     if dx.numel() == 0:
-        zeros = lambda need: torch.zeros((n_cols,) if need else (0,), dtype=torch.float32, device=x.device)  # noqa: E731
-        return dx.view(x.shape), zeros(need_dw), zeros(need_db)
+        zeros = lambda need, dt: torch.zeros((n_cols,) if need else (0,), dtype=dt, device=x.device)  # noqa: E731
+        return dx.view(x.shape), zeros(need_dw, dw_dtype), zeros(need_db, db_dtype)
     dr2 = rows_view(dres) if dres is not None else dy2
     w = weight.contiguous() if weight is not None else dx
     rstd1 = rstd.reshape(-1)
     mean1 = mean.reshape(-1) if mean is not None else rstd1
-    fused_n = triton.next_power_of_2(n_cols)
+    fused_n = next_power_of_2(n_cols)
     stats_in = fused_n > cfg.get("max_fused_n", MAX_FUSED_N_BWD)
     dots = dx                           # dummy unless stats_in
     if not stats_in:
@@ -186,9 +193,9 @@ def _launch_bwd(dy, x, weight, mean, rstd, dres, offset: float, is_rms: bool, ne
             IS_RMS=is_rms, HAS_W=weight is not None, BLOCK_N=block_n, num_warps=_bwd_num_warps(block_n),
         )
     num_warps = cfg.get("num_warps", _bwd_num_warps(block_m * block_n))
-    n_col_tiles = triton.cdiv(n_cols, block_n)
+    n_col_tiles = cdiv(n_cols, block_n)
     pps = cfg.get("programs_per_sm", _bwd_programs_per_sm(num_warps))
-    n_prog = _bwd_row_programs(triton.cdiv(n_rows, block_m), n_col_tiles, num_sms(x), pps)
+    n_prog = _bwd_row_programs(cdiv(n_rows, block_m), n_col_tiles, num_sms(x), pps)
     dw_part = empty((n_prog, n_cols), torch.float32, x.device) if need_dw else dx
     db_part = empty((n_prog, n_cols), torch.float32, x.device) if need_db else dx
     norm_bwd_kernel[(n_prog, n_col_tiles)](
@@ -198,8 +205,15 @@ def _launch_bwd(dy, x, weight, mean, rstd, dres, offset: float, is_rms: bool, ne
         STATS_IN=stats_in, BLOCK_M=block_m, BLOCK_N=block_n, PREFETCH=cfg.get("prefetch", _bwd_prefetch(num_warps)),
         num_warps=num_warps,
     )
-    none = lambda: torch.empty((0,), dtype=torch.float32, device=x.device)  # noqa: E731 (no aliasing outputs)
-    return dx.view(x.shape), dw_part.sum(0) if need_dw else none(), db_part.sum(0) if need_db else none()
+    dw = empty((n_cols,) if need_dw else (0,), dw_dtype, x.device)   # (0,): no aliasing outputs
+    db = empty((n_cols,) if need_db else (0,), db_dtype, x.device)
+    if need_dw or need_db:
+        block_p, block_n_sum = _sum_partials_tile()
+        sum_partials_kernel[(cdiv(n_cols, block_n_sum),)](
+            dw_part, db_part, dw if need_dw else dx, db if need_db else dx, n_prog, n_cols,
+            DW=need_dw, DB=need_db, BLOCK_P=block_p, BLOCK_N=block_n_sum, num_warps=4,
+        )
+    return dx.view(x.shape), dw, db
 
 
 # ----------------------------------------------------------------------------------------------
@@ -256,7 +270,8 @@ def _fwd_reference(x, weight, bias, residual, eps, offset, is_rms):
             mean.contiguous(), rstd.squeeze(-1).float().contiguous())
 
 
-def _bwd_reference(dy, x, weight, mean, rstd, dres, offset, is_rms, need_dw, need_db):
+def _bwd_reference(dy, x, weight, mean, rstd, dres, offset, is_rms, need_dw, need_db,
+                   dw_dtype=torch.float32, db_dtype=torch.float32):
     n = x.shape[-1]
     xw, dyw = x.float(), dy.float()
     xhat = (xw if is_rms else xw - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)
@@ -268,9 +283,9 @@ def _bwd_reference(dy, x, weight, mean, rstd, dres, offset, is_rms, need_dw, nee
     if dres is not None:
         dx = dx + dres.float()
     lead = tuple(range(x.dim() - 1))
-    dw = (dyw * xhat).sum(lead).reshape(n) if need_dw else x.new_empty((0,), dtype=torch.float32)
-    db = dyw.sum(lead).reshape(n) if need_db else x.new_empty((0,), dtype=torch.float32)
-    return dx.to(x.dtype).contiguous(), dw, db
+    dw = (dyw * xhat).sum(lead).reshape(n) if need_dw else x.new_empty((0,))
+    db = dyw.sum(lead).reshape(n) if need_db else x.new_empty((0,))
+    return dx.to(x.dtype).contiguous(), dw.to(dw_dtype), db.to(db_dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -303,17 +318,19 @@ def _(x, weight, bias, residual, eps, offset, is_rms):
 def _norm_bwd_op(
     dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor], mean: Optional[torch.Tensor],
     rstd: torch.Tensor, dres: Optional[torch.Tensor], offset: float, is_rms: bool, need_dw: bool, need_db: bool,
+    dw_dtype: torch.dtype, db_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if use_triton(x):
-        return _launch_bwd(dy, x, weight, mean, rstd, dres, offset, is_rms, need_dw, need_db)
-    return _bwd_reference(dy, x, weight, mean, rstd, dres, offset, is_rms, need_dw, need_db)
+    """(dx, dw, db); dw / db already in the weight's / bias's dtype (the cast fused into the
+    final reduction)."""
+    args = (dy, x, weight, mean, rstd, dres, offset, is_rms, need_dw, need_db, dw_dtype, db_dtype)
+    return _launch_bwd(*args) if use_triton(x) else _bwd_reference(*args)
 
 
 @_norm_bwd_op.register_fake
-def _(dy, x, weight, mean, rstd, dres, offset, is_rms, need_dw, need_db):
+def _(dy, x, weight, mean, rstd, dres, offset, is_rms, need_dw, need_db, dw_dtype, db_dtype):
     n = x.shape[-1]
-    f32 = dict(dtype=torch.float32, device=x.device)
-    return x.new_empty(x.shape), torch.empty((n,) if need_dw else (0,), **f32), torch.empty((n,) if need_db else (0,), **f32)
+    return (x.new_empty(x.shape), torch.empty((n,) if need_dw else (0,), dtype=dw_dtype, device=x.device),
+            torch.empty((n,) if need_db else (0,), dtype=db_dtype, device=x.device))
 
 
 def _setup_context(ctx, inputs, output):
@@ -332,8 +349,9 @@ def _backward(ctx, dy, dh, _dmean, _drstd):
     dy = torch.zeros_like(x) if dy is None else dy.to(x.dtype)
     dres = dh.to(x.dtype) if ctx.has_res and dh is not None else None
     dx, dw, db = _norm_bwd_op(dy, x, weight, None if ctx.is_rms else mean, rstd, dres,
-                              ctx.offset, ctx.is_rms, need_dw, need_db)
-    return (dx, dw.to(ctx.w_dtype) if need_dw else None, db.to(ctx.b_dtype) if need_db else None,
+                              ctx.offset, ctx.is_rms, need_dw, need_db,
+                              ctx.w_dtype or torch.float32, ctx.b_dtype or torch.float32)
+    return (dx, dw if need_dw else None, db if need_db else None,
             dx if ctx.has_res else None, None, None, None)
 
 

@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from .._checks import check_same_device, check_same_dtype, check_tensor
-from .._dispatch import empty, num_sms, use_triton
+from .._dispatch import cdiv, empty, next_power_of_2, num_sms, use_triton
 from .._launch import fast_launch
 from .._op import custom_op
 from ..registry import Inputs, OpSpec, register, tensor_bytes
@@ -177,14 +177,14 @@ def rope_kernel(
 
 def _block_heads(n_heads: int, block_r2: int) -> int:
     """All heads of a token in one tile while it stays <= MAX_TILE elements; more heads loop."""
-    return max(1, min(triton.next_power_of_2(max(n_heads, 1)), MAX_TILE // (2 * block_r2)))
+    return max(1, min(next_power_of_2(max(n_heads, 1)), MAX_TILE // (2 * block_r2)))
 
 
 def _tokens_per_program(token_elems: int, n_tokens: int, sms: int) -> int:
     """Short tokens (few heads, small D) share a program so it moves >= MIN_TOKEN_ELEMS, while
     the grid keeps >= 8 programs per SM to spread the bytes over every SM."""
-    tokens = min(16, triton.next_power_of_2(triton.cdiv(MIN_TOKEN_ELEMS, max(token_elems, 1))))
-    while tokens > 1 and triton.cdiv(n_tokens, tokens) < 8 * sms:
+    tokens = min(16, next_power_of_2(cdiv(MIN_TOKEN_ELEMS, max(token_elems, 1))))
+    while tokens > 1 and cdiv(n_tokens, tokens) < 8 * sms:
         tokens //= 2
     return tokens
 
@@ -220,7 +220,7 @@ def _table_view(cs: torch.Tensor, batch: int) -> torch.Tensor:
 def _launch_config(n_tokens: int, n_q_heads: int, n_k_heads: int, head_dim: int, rotary_dim: int,
                    t: torch.Tensor, config: dict | None = None) -> dict:
     """Tiles and warps for one call; ``config`` overrides keys (GPU sweeps)."""
-    block_r2 = triton.next_power_of_2(max(rotary_dim // 2, 1))
+    block_r2 = next_power_of_2(max(rotary_dim // 2, 1))
     block_hq, block_hk = _block_heads(n_q_heads, block_r2), _block_heads(n_k_heads, block_r2)
     cfg = {
         "TOKENS": _tokens_per_program((n_q_heads + n_k_heads) * head_dim, n_tokens, num_sms(t)),
@@ -249,7 +249,7 @@ def _launch(q4, k4, q_out4, k_out4, cos, sin, position_ids, interleaved, rotary_
         pos_strides = (pos.stride(0), pos.stride(1))
     else:
         pos, pos_strides = cos3, (0, 0)   # any pointer; HAS_POS=False never reads it
-    rope_kernel[(triton.cdiv(n_tokens, cfg["TOKENS"]),)](
+    rope_kernel[(cdiv(n_tokens, cfg["TOKENS"]),)](
         q4, k4, q_out4, k_out4, cos3, sin3, pos,
         n_tokens, seq_len, n_q_heads, n_k_heads, cos3.shape[1],
         q4.stride(0), q4.stride(1), q4.stride(2), k4.stride(0), k4.stride(1), k4.stride(2),
@@ -260,8 +260,8 @@ def _launch(q4, k4, q_out4, k_out4, cos, sin, position_ids, interleaved, rotary_
         HAS_POS=position_ids is not None, INTERLEAVED=interleaved, INVERSE=inverse,
         COPY_TAIL=not inplace and rotary_dim < head_dim,
         TOKENS=cfg["TOKENS"], BLOCK_HQ=cfg["BLOCK_HQ"], BLOCK_HK=cfg["BLOCK_HK"],
-        BLOCK_R2=triton.next_power_of_2(max(rotary_dim // 2, 1)),
-        BLOCK_TAIL=triton.next_power_of_2(max(head_dim - rotary_dim, 1)), num_warps=cfg["num_warps"],
+        BLOCK_R2=next_power_of_2(max(rotary_dim // 2, 1)),
+        BLOCK_TAIL=next_power_of_2(max(head_dim - rotary_dim, 1)), num_warps=cfg["num_warps"],
     )
 
 

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from .._checks import check_dim, check_tensor
-from .._dispatch import empty, rows_view, use_triton
+from .._dispatch import cdiv, empty, next_power_of_2, rows_view, use_triton
 from .._launch import fast_launch
 from .._op import custom_op
 from ..registry import Inputs, OpSpec, register, tensor_bytes
@@ -199,13 +199,13 @@ def softmax_bwd_looped_kernel(
 
 def _fused_block_n(n_cols: int) -> int:
     """The padded row: a power of two so the whole row is one register tile."""
-    return triton.next_power_of_2(max(n_cols, 1))
+    return next_power_of_2(max(n_cols, 1))
 
 
 def _rows_per_program(block_n: int, n_rows: int) -> int:
     """Short rows share a program up to ~2K elements per tile: many small programs beat few big
     ones (H200 sweeps: 1 row of 4096 or 2 rows of 1024 per program were best)."""
-    return max(1, min(2048 // block_n, triton.next_power_of_2(max(n_rows, 1))))
+    return max(1, min(2048 // block_n, next_power_of_2(max(n_rows, 1))))
 
 
 def _num_warps(tile_elems: int) -> int:
@@ -242,7 +242,7 @@ def _launch_fwd(x: torch.Tensor, log: bool, config: dict | None = None) -> torch
         return y.view(x.shape)
     cfg = _launch_config(n_rows, n_cols, FWD_MAX_FUSED_N, config)
     if not cfg["looped"]:
-        softmax_fwd_fused_kernel[(triton.cdiv(n_rows, cfg["BLOCK_M"]),)](
+        softmax_fwd_fused_kernel[(cdiv(n_rows, cfg["BLOCK_M"]),)](
             x2, y, x2.stride(0), y.stride(0), n_rows, n_cols,
             LOG=log, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
         )
@@ -262,7 +262,7 @@ def _launch_bwd(y: torch.Tensor, dy: torch.Tensor, log: bool, config: dict | Non
         return dx.view(y.shape)
     cfg = _launch_config(n_rows, n_cols, BWD_MAX_FUSED_N, config)
     if not cfg["looped"]:
-        softmax_bwd_fused_kernel[(triton.cdiv(n_rows, cfg["BLOCK_M"]),)](
+        softmax_bwd_fused_kernel[(cdiv(n_rows, cfg["BLOCK_M"]),)](
             y2, dy2, dx, y2.stride(0), dy2.stride(0), dx.stride(0), n_rows, n_cols,
             LOG=log, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
         )
