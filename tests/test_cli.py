@@ -452,3 +452,37 @@ def test_gpu_bench_quick(tmp_path, monkeypatch, capsys):
     tf = [r for r in data["rows"] if r["impl"] == "tilefuse"]
     assert all(r["status"] == "ok" and r["ms"] > 0 and r["speedup_vs_best_peer"] for r in tf)
     assert (tmp_path / "g.png").exists()
+
+
+def test_cuda_graph_column(fake_op, monkeypatch, capsys):
+    """--cuda-graph: every timed pass gets graph_ms (here from a fake graph timer), an uncapturable
+    one graph_error; the reports add the two graph columns only when present."""
+    from tilefuse.bench import runner
+
+    calls = []
+
+    def fake_graph_timer(fn, rep=100):
+        calls.append(fn)
+        if len(calls) == 2:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        fn()
+        return 0.5
+
+    monkeypatch.setattr(runner, "graph_time_ms", fake_graph_timer)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    spec = fake_op(_fake_spec(peers={"torch": lambda: (lambda x: x * 2)}))
+    settings = Settings(device="cpu", timer=_const_timer, compile=False, cuda_graph=True)
+    rows = bench_case(spec, (4, 8), torch.float32, settings, {"copy_gbps": 1.0, "matmul_tflops": 1.0})
+    assert len(calls) == 6                                    # 2 impls x 3 passes
+    graphed = [r for r in rows if r["graph_ms"] is not None]
+    assert len(graphed) == 5 and all(r["graph_ms"] == 0.5 for r in graphed)
+    assert all(r["graph_pct_of_ceiling"] == pytest.approx(2 * r["pct_of_ceiling"]) for r in graphed)
+    failed = [r for r in rows if r["graph_error"]]
+    assert len(failed) == 1 and "capturing" in failed[0]["graph_error"] and failed[0]["ms"] == 1.0
+    res = _synthetic_result()
+    res["rows"] = rows
+    md = report.to_markdown(res)
+    assert "CUDA-graph ms" in md and "0.5000" in md and "n/a" in md
+    report.print_bench(res)
+    assert "graph ms" in capsys.readouterr().out
+    assert "CUDA-graph ms" not in report.to_markdown(_synthetic_result())

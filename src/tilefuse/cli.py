@@ -226,7 +226,8 @@ def cmd_bench(args, argv: Sequence[str]) -> int:
     print(f"{dev['name']}: {dev['sms']} SMs; measuring ceilings (cached per device)...", flush=True)
     ceil = ceilings.get_ceilings(refresh=args.refresh_ceilings)
     settings = Settings(quick=args.quick, warmup_ms=args.warmup, rep_ms=args.rep, compile=not args.no_compile,
-                        seed=args.seed, device=_BENCH_DEVICE, impls=_split(args.impls) or None)
+                        seed=args.seed, device=_BENCH_DEVICE, impls=_split(args.impls) or None,
+                        cuda_graph=args.cuda_graph)
     with report.Progress("bench", enabled=not args.no_progress) as prog:
         rows, notes = run_bench(specs, dtypes, settings, ceil, progress=prog)
     result = {
@@ -284,6 +285,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--save", nargs="?", const="benchmarks/results", metavar="DIR",
                    help="write <gpu>-<date>.json/.md/.png into DIR (default benchmarks/results)")
     b.add_argument("--no-compile", action="store_true", help="leave out the torch.compile peer")
+    b.add_argument("--cuda-graph", action="store_true",
+                   help="also time every pass replayed from a CUDA graph (kernels only, no host time)")
     b.add_argument("--impls", action="append", metavar="NAMES",
                    help="only these implementations (tilefuse, torch, torch.compile, liger, ...)")
     b.add_argument("--warmup", type=int, default=None, metavar="MS", help="do_bench warmup in ms")

@@ -39,6 +39,15 @@ def time_ms(fn, warmup: int = 25, rep: int = 100) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
+def graph_time_ms(fn, rep: int = 100) -> float:
+    """Median time of ``fn()`` replayed from a CUDA graph (``triton.testing.do_bench_cudagraph``):
+    the kernels alone, with no host time between launches. Beside :func:`time_ms` it tells a
+    kernel that is slow from a call whose host side is (no L2 flush between replays)."""
+    import triton.testing
+
+    return float(triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median"))
+
+
 def host_us(fn, n: int = 300) -> float:
     """Host time per call of ``fn()`` in microseconds: a Python loop, synchronized once at the end
     (so it is max(host time, GPU time) per call; ``scripts/overhead.py`` sets the two side by side)."""

@@ -85,6 +85,14 @@ def _throughput(r: dict) -> str:
     return "-" if v is None else f"{fmt(v)} {r.get('metric', '')}"
 
 
+def _graph_cells(r: dict) -> list[str]:
+    """CUDA-graph replay time and its % of the ceiling; "n/a" when the call could not be captured."""
+    if r.get("graph_ms") is None:
+        return ["n/a" if r.get("graph_error") else "-", "-"]
+    pct = r.get("graph_pct_of_ceiling")
+    return [f"{r['graph_ms']:.4f}", "-" if pct is None else f"{pct:.1f}%"]
+
+
 def _pct(r: dict) -> str:
     v = r.get("pct_of_ceiling")
     return "-" if v is None else f"{v:.1f}%"
@@ -287,8 +295,10 @@ def ordered_rows(rows: Iterable[dict]) -> list[dict]:
 def print_bench(result: dict, file=None) -> None:
     rows = ordered_rows(result["rows"])
     styles = ["bold" if r["impl"] == "tilefuse" else ("red" if r["status"] != "ok" else None) for r in rows]
-    print_table(BENCH_HEADERS, [_bench_cells(r) for r in rows], title=bench_title(result),
-                sections=_sections(rows), styles=styles, file=file)
+    graphs = any(r.get("graph_ms") is not None or r.get("graph_error") for r in rows)
+    headers = BENCH_HEADERS[:8] + (["graph ms", "% (graph)"] if graphs else []) + BENCH_HEADERS[8:]
+    cells = [(c[:8] + (_graph_cells(r) if graphs else []) + c[8:]) for r in rows for c in [_bench_cells(r)]]
+    print_table(headers, cells, title=bench_title(result), sections=_sections(rows), styles=styles, file=file)
     for n in result.get("notes", []):
         print(f"note: {n}", file=file or sys.stdout)
 
@@ -391,15 +401,18 @@ def to_markdown(result: dict) -> str:
         op_rows = [r for r in rows if r["op"] == op]
         metrics = {r.get("metric") for r in op_rows}
         tp = metrics.pop() if len(metrics) == 1 else "throughput"
+        graphs = any(r.get("graph_ms") is not None or r.get("graph_error") for r in op_rows)
         lines += [f"## {op}", ""]
-        lines += _md_table(["shape", "dtype", "pass", "impl", "ms", tp, "% ceil", "speed-up vs best peer",
-                            "peak MiB (fwd+bwd)", "rel err", "status"], [
+        lines += _md_table(["shape", "dtype", "pass", "impl", "ms", tp, "% ceil", "speed-up vs best peer"]
+                           + (["CUDA-graph ms", "% ceil (graph)"] if graphs else [])
+                           + ["peak MiB (fwd+bwd)", "rel err", "status"], [
             [shape_str(r["shape"]), r["dtype"], r["pass"],
              f"**{r['impl']}**" if r["impl"] == "tilefuse" else r["impl"],
              "-" if r.get("ms") is None else f"{r['ms']:.4f}",
              fmt(r.get("achieved")) if tp != "throughput" else _throughput(r), _pct(r),
-             _speedup(r) if r["impl"] == "tilefuse" else "", _mem(r), fmt_err(r.get("rel_err")),
-             r["status"]] for r in op_rows])
+             _speedup(r) if r["impl"] == "tilefuse" else ""]
+            + (_graph_cells(r) if graphs else [])
+            + [_mem(r), fmt_err(r.get("rel_err")), r["status"]] for r in op_rows])
         lines.append("")
     if result.get("notes"):
         lines += ["## Notes", ""] + [f"- {n}" for n in result["notes"]] + [""]

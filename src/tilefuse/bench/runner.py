@@ -40,7 +40,7 @@ import torch
 
 from ..registry import OpSpec, as_tuple
 from ..testing import ReferenceCache, check_impl, grad_leaves, make_grad_outputs
-from .ceilings import time_ms
+from .ceilings import graph_time_ms, time_ms
 
 PASSES = ("fwd", "bwd", "fwd+bwd")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -78,6 +78,7 @@ class Settings:
     device: str = "cuda"
     timer: Callable[..., float] | None = None   # timer(fn, warmup=, rep=) -> ms; None: time_ms
     impls: Sequence[str] | None = None  # keep only these implementation names
+    cuda_graph: bool = False            # also time each pass replayed from a CUDA graph (graph_ms)
 
     def __post_init__(self):
         if self.warmup_ms is None:
@@ -261,12 +262,14 @@ def bench_case(
             "impl": impl, "status": status, "error": None, "rel_err_fwd": None, "rel_err_bwd": None,
             "rel_err": None, "tolerance": spec.tolerance.get(dtype), "ms": None, "bytes": nbytes,
             "flops": flops, "peak_mem_bytes": None, "speedup_vs_best_peer": None, "best_peer": None,
-            "speedup_vs": None,
+            "speedup_vs": None, "graph_ms": None, "graph_pct_of_ceiling": None, "graph_error": None,
         }
         row.update(throughput(nbytes, flops, None, ceilings))
         row.update(kw)
         if row["ms"] is not None:
             row.update(throughput(nbytes, flops, row["ms"], ceilings))
+        if row["graph_ms"] is not None:
+            row["graph_pct_of_ceiling"] = throughput(nbytes, flops, row["graph_ms"], ceilings)["pct_of_ceiling"]
         rows.append(row)
 
     try:
@@ -333,6 +336,8 @@ def bench_case(
                         bench = _Passes(impl.bwd_build(), inputs, settings.seed)
                         results["bwd"]["ms"] = _time_bwd(bench, timer, tw)
                     results["bwd"]["note"] = "recompiled with donated_buffer=False (for retain_graph=True)"
+            if settings.cuda_graph and bench is not None:
+                _time_graphs(bench, results, passes, settings.rep_ms)
         except Exception as exc:  # noqa: BLE001
             for p in passes:
                 if results[p]["status"] == "ok" and results[p].get("ms") is None:
@@ -367,6 +372,24 @@ def _time_bwd(bench: _Passes, timer, tw) -> float:
         return timer(bench.bwd, **tw)
     finally:
         bench.free_graph()
+
+
+def _time_graphs(bench: _Passes, results: dict, passes: list, rep_ms: int) -> None:
+    """``graph_ms`` of each timed pass: the same closure replayed from a CUDA graph (kernels
+    only, no host time). A closure that cannot be captured gets ``graph_error`` instead."""
+    closures = {"fwd": bench.fwd, "fwd+bwd": bench.fwd_bwd, "bwd": bench.bwd}
+    for p in passes:
+        if results[p].get("ms") is None:
+            continue
+        try:
+            if p == "bwd":
+                bench.build_graph()
+            results[p]["graph_ms"] = graph_time_ms(closures[p], rep=rep_ms)
+        except Exception as exc:  # noqa: BLE001
+            results[p]["graph_error"] = _err_text(exc)
+            torch.cuda.synchronize()
+        finally:
+            bench.free_graph()
 
 
 def _speedups(rows: list[dict[str, Any]]) -> None:
