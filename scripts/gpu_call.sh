@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything one device call needs, in one command (the device tool runs this from the repo root):
 #   bash scripts/gpu_call.sh "<pytest files or ''>" "<bench group>" ["<bench group>" ...]
+# env: TEST_TIMEOUT, TEST_WORKERS, SWEEP (scripts/sweep.py args), EXTRA (more commands), BENCH_ARGS, BENCH_TIMEOUT
 # Each bench group (space-separated op names) writes $OUT/bench-<n>.json; a group that runs out of
 # time loses only itself. Liger-Kernel travels as a wheel in .whl/ (carry it).
 set -uo pipefail
@@ -21,6 +22,10 @@ fi
 if [ -n "${SWEEP:-}" ]; then
   timeout "${SWEEP_TIMEOUT:-200}" python3 scripts/sweep.py $SWEEP > "$OUT/sweep.log" 2>&1
   echo "sweep exit $?"; sed -n '/^op | shape/,$p' "$OUT/sweep.log"
+fi
+if [ -n "${EXTRA:-}" ]; then   # any further commands (sweep scripts...), output in $OUT/extra.log
+  timeout "${EXTRA_TIMEOUT:-200}" bash -c "$EXTRA" > "$OUT/extra.log" 2>&1
+  echo "extra exit $?"; tail -n "${EXTRA_TAIL:-60}" "$OUT/extra.log"
 fi
 n=0
 for group in "$@"; do

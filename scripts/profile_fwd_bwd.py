@@ -1,6 +1,8 @@
 """Why does fwd+bwd cost more than fwd plus bwd? Times the three passes of one op the way the
 benchmark does, then profiles a few fwd+bwd steps (run on the GPU machine, PYTHONPATH=src)."""
 
+import cProfile
+import pstats
 import sys
 
 import torch
@@ -30,6 +32,14 @@ def case(name, fn, x, *params):
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=55))
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=55))
+    # where the host time goes, in Python terms (the GPU runs behind: no syncs inside the loop)
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(200):
+        step()
+    pr.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(pr).sort_stats("tottime").print_stats(18)
 
 
 dt = torch.bfloat16
