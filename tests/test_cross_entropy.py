@@ -61,9 +61,10 @@ OPTIONS = [
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("opts", OPTIONS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()) or "plain")
 @pytest.mark.parametrize("inplace", [False, True], ids=["buffered", "inplace"])
-def test_options_and_reductions(dtype, reduction, opts, inplace):
+@pytest.mark.parametrize("defer", [False, True], ids=["grad-in-fwd", "deferred"])
+def test_options_and_reductions(dtype, reduction, opts, inplace, defer):
     logits = (torch.randn(6, 300, device=DEVICE) * 3).to(dtype)
-    _check(logits, _targets(6, 300), inplace=inplace, reduction=reduction, **opts)
+    _check(logits, _targets(6, 300), inplace=inplace, reduction=reduction, defer_grad=defer, **opts)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
@@ -84,7 +85,8 @@ def test_matches_torch_cross_entropy(reduction, label_smoothing):
 
 @pytest.mark.parametrize("n_cols", [1, 2, 63, 64, 65, 1000])
 @pytest.mark.parametrize("inplace", [False, True], ids=["buffered", "inplace"])
-def test_looped_tier(monkeypatch, n_cols, inplace):
+@pytest.mark.parametrize("defer", [False, True], ids=["grad-in-fwd", "deferred"])
+def test_looped_tier(monkeypatch, n_cols, inplace, defer):
     """Rows walked in 64-wide tiles: V below, at, just past and far past one tile."""
     monkeypatch.setattr(kernels, "MAX_SINGLE_TILE", 32)
     monkeypatch.setattr(kernels, "LOOPED_BLOCK_V", 64)
@@ -92,8 +94,8 @@ def test_looped_tier(monkeypatch, n_cols, inplace):
     # not at V=1: there the exact gradient is 0 (or 2z·lse) and fp32 rounding of p - eps - (1 - eps)
     # is all that is left, an ill-posed relative error
     opts = dict(label_smoothing=0.1, z_loss=1e-3, softcap=4.0) if n_cols > 1 else {}
-    _check(logits, _targets(5, n_cols), inplace=inplace, **opts)
-    _check(logits, _targets(5, n_cols), inplace=inplace, reduction="none")
+    _check(logits, _targets(5, n_cols), inplace=inplace, defer_grad=defer, **opts)
+    _check(logits, _targets(5, n_cols), inplace=inplace, reduction="none", defer_grad=defer)
 
 
 @pytest.mark.parametrize("config", [
@@ -241,6 +243,41 @@ def test_repeated_backward_and_unit_grad(reduction, inplace):
         assert rel_err(g, rg) <= 1e-5
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_deferred_repeated_backward(reduction):
+    """Deferred, buffered: every backward recomputes from the saved logits, any grad_output; in
+    place: the first backward overwrites the logits, so a second one is refused, not wrong."""
+    logits = torch.randn(5, 40, device=DEVICE) * 2
+    target = _targets(5, 40)
+    x = logits.clone().requires_grad_(True)
+    ref_x = logits.double().requires_grad_(True)
+    out = cross_entropy(x, target, reduction=reduction, defer_grad=True)
+    ref = cross_entropy_reference(ref_x, target, reduction=reduction)
+    for go in (torch.ones_like(ref), torch.randn_like(ref), torch.randn_like(ref)):
+        (g,) = torch.autograd.grad(out, x, go.float(), retain_graph=True)
+        (rg,) = torch.autograd.grad(ref, ref_x, go, retain_graph=True)
+        assert rel_err(g, rg) <= 1e-5
+    y = logits.clone().requires_grad_(True)
+    leaf = y * 1.0    # a non-leaf the in-place backward may overwrite
+    out = cross_entropy(leaf, target, reduction=reduction, defer_grad=True, logits_inplace_grad=True)
+    go = torch.randn_like(ref)
+    (g,) = torch.autograd.grad(out, y, go.float(), retain_graph=True)
+    (rg,) = torch.autograd.grad(ref, ref_x, go, retain_graph=True)
+    assert rel_err(g, rg) <= 1e-5
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(out, y, go.float())
+
+
+def test_deferred_saves_row_stats_only():
+    """The deferred forward leaves the logits untouched and keeps 3 fp32 numbers per row."""
+    logits = torch.randn(7, 50, device=DEVICE) * 3
+    x = logits.clone().requires_grad_(True)
+    out = cross_entropy(x, _targets(7, 50), defer_grad=True, logits_inplace_grad=True)
+    assert torch.equal(x.detach(), logits)
+    saved = [t for t in out.grad_fn.saved_tensors if t.shape == (3, 7)]
+    assert len(saved) == 1 and saved[0].dtype == torch.float32
+
+
 def test_none_reduction_through_sum():
     """loss.sum() hands the backward an expanded (stride-0) grad_output."""
     x = torch.randn(6, 33, device=DEVICE, requires_grad=True)
@@ -257,7 +294,8 @@ def test_cpu_reference_path(monkeypatch):
     logits = torch.randn(5, 90) * 3
     for kw in ({}, dict(label_smoothing=0.1, z_loss=1e-3, softcap=4.0, reduction="none")):
         for inplace in (False, True):
-            _check(logits, _targets(5, 90).cpu(), inplace=inplace, **kw)
+            for defer in (False, True):
+                _check(logits, _targets(5, 90).cpu(), inplace=inplace, defer_grad=defer, **kw)
 
 
 def test_module_matches_torch():
@@ -309,8 +347,9 @@ def test_unchecked_bad_target_is_nan_not_a_crash():
     softcap=st.sampled_from([None, 2.0, 30.0]),
     scale=st.floats(0.1, 20.0),
     inplace=st.booleans(),
+    defer=st.booleans(),
 )
-def test_hypothesis(n_rows, n_cols, reduction, label_smoothing, z_loss, softcap, scale, inplace):
+def test_hypothesis(n_rows, n_cols, reduction, label_smoothing, z_loss, softcap, scale, inplace, defer):
     logits = torch.randn(n_rows, n_cols, device=DEVICE) * scale
     _check(logits, _targets(n_rows, n_cols), inplace=inplace, reduction=reduction,
-           label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap)
+           label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap, defer_grad=defer)

@@ -16,6 +16,8 @@ class CrossEntropyLoss(torch.nn.Module):
 
     ``logits_inplace_grad=True`` lets the op overwrite the logits with their gradient (no [T, V]
     buffer of its own); only use it where nothing reads the logits after the loss.
+    ``defer_grad=True`` computes the gradient in the backward (better when the loss is scaled or
+    accumulated before ``backward``; see :func:`tilefuse.cross_entropy`).
     Class weights (torch's ``weight``) are not supported.
     """
 
@@ -27,9 +29,11 @@ class CrossEntropyLoss(torch.nn.Module):
         z_loss: float = 0.0,
         softcap: Optional[float] = None,
         logits_inplace_grad: bool = False,
+        defer_grad: bool = False,
     ) -> None:
         super().__init__()
         check_ce_options(ignore_index, label_smoothing, z_loss, softcap, reduction)
+        self.defer_grad = defer_grad
         self.ignore_index = ignore_index
         self.reduction = reduction
         self.label_smoothing = label_smoothing
@@ -39,7 +43,8 @@ class CrossEntropyLoss(torch.nn.Module):
 
     def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:  # noqa: A002 - torch's name
         return cross_entropy(input, target, self.ignore_index, self.label_smoothing, self.z_loss, self.softcap,
-                             self.reduction, logits_inplace_grad=self.logits_inplace_grad)
+                             self.reduction, logits_inplace_grad=self.logits_inplace_grad,
+                             defer_grad=self.defer_grad)
 
     def extra_repr(self) -> str:
         return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "

@@ -1,6 +1,12 @@
 """Triton kernels of cross_entropy (and linear_cross_entropy's chunks): loss and gradient rows,
 and the in-place scaling of stored gradients by grad_output. The math is in ops/cross_entropy.py.
 
+Two ways to get the gradient: in the forward (``cross_entropy_fwd_kernel`` with WRITE_GRAD, as
+Liger does; a grad_output other than 1 then costs a scaling pass, ``scale_rows_kernel``), or
+deferred (the forward writes three fp32 statistics per row -- max m, log2 s, q = 1 - p_t -- and
+``cross_entropy_bwd_kernel`` rebuilds the gradient from them and the logits, times grad_output).
+Both walk the gradient with the same helpers (``_grad_walk``, ``_store_target_grad``).
+
 Numerics, all in fp32 whatever the logits' dtype:
 
 * differences against the row max first: p = exp2((x - m)·log2 e - log2 s), loss terms (m - x_t),
@@ -134,19 +140,60 @@ def _grad_tile(x, slope, m, log2_s, scale, z_coef, uniform, HAS_SOFTCAP: tl.cons
 
 
 @triton.jit
-def _cross_entropy_row(x_row, g_row, target, loss_ptr, scale, n_cols, ignore_index, label_smoothing, z_loss,
-                       softcap, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
-                       WRITE_GRAD: tl.constexpr, SINGLE_TILE: tl.constexpr, BLOCK_V: tl.constexpr):
-    """One row: its loss into *loss_ptr and, with WRITE_GRAD, scale·dloss/dx into g_row."""
+def _zero_row(g_row, n_cols, BLOCK_V: tl.constexpr):
+    """An ignored row's gradient."""
+    zeros = tl.zeros([BLOCK_V], dtype=g_row.dtype.element_ty)
+    for start in range(0, n_cols, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        tl.store(g_row + cols, zeros, mask=cols < n_cols)
+
+
+@triton.jit
+def _grad_walk(x_row, g_row, n_cols, m, log2_s, scale, z_coef, uniform, softcap,
+               HAS_SOFTCAP: tl.constexpr, HAS_Z_LOSS: tl.constexpr, REVERSE: tl.constexpr, BLOCK_V: tl.constexpr):
+    """scale·dloss/dx of every non-target class of a row, tile by tile (g_row may be x_row: each
+    tile is read before it is overwritten). REVERSE walks from the row's end, whose tiles a
+    preceding stats walk left in L2."""
+    last = (n_cols - 1) // BLOCK_V * BLOCK_V
+    for start in range(0, n_cols, BLOCK_V):
+        if REVERSE:
+            cols = (last - start) + tl.arange(0, BLOCK_V)
+        else:
+            cols = start + tl.arange(0, BLOCK_V)
+        x, mask, slope = _load_logits(x_row, cols, n_cols, softcap, HAS_SOFTCAP)
+        g = _grad_tile(x, slope, m, log2_s, scale, z_coef, uniform, HAS_SOFTCAP, HAS_Z_LOSS)
+        tl.store(g_row + cols, g.to(g_row.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _store_target_grad(g_row, target, in_range, q, p_t, slope_t, scale, z_coef, uniform, label_smoothing,
+                       HAS_SOFTCAP: tl.constexpr, HAS_Z_LOSS: tl.constexpr):
+    """The target's entry, rewritten once after the walk rather than picked out per element in it
+    (that compare cost registers, i.e. occupancy): p_t - eps/V - (1 - eps) = (eps - q) - eps/V,
+    free of the p_t - 1 cancellation. The barrier orders this store after the walk's store of the
+    same address."""
+    target_grad = scale * (label_smoothing - q) - uniform
+    if HAS_Z_LOSS:
+        target_grad += p_t * z_coef
+    if HAS_SOFTCAP:
+        target_grad = target_grad * slope_t
+    tl.debug_barrier()
+    tl.store(g_row + target, target_grad.to(g_row.dtype.element_ty), mask=in_range)
+
+
+@triton.jit
+def _cross_entropy_row(x_row, g_row, target, loss_ptr, stats_ptr, stats_stride, scale, n_cols, ignore_index,
+                       label_smoothing, z_loss, softcap, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+                       HAS_Z_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr, SAVE_STATS: tl.constexpr,
+                       SINGLE_TILE: tl.constexpr, BLOCK_V: tl.constexpr):
+    """One row: its loss into *loss_ptr; with WRITE_GRAD scale·dloss/dx into g_row; with
+    SAVE_STATS (m, log2 s, q) into stats_ptr[0 | 1 | 2 · stats_stride] for the deferred backward."""
     # the target as an int32 column for the per-element compares (-1: matches no column)
     t_col = tl.where((target >= 0) & (target < n_cols), target, -1).to(tl.int32)
     if target == ignore_index:
         tl.store(loss_ptr, 0.0)
         if WRITE_GRAD:
-            zeros = tl.zeros([BLOCK_V], dtype=g_row.dtype.element_ty)
-            for start in range(0, n_cols, BLOCK_V):
-                cols = start + tl.arange(0, BLOCK_V)
-                tl.store(g_row + cols, zeros, mask=cols < n_cols)
+            _zero_row(g_row, n_cols, BLOCK_V)
     else:
         if SINGLE_TILE:
             cols = tl.arange(0, BLOCK_V)
@@ -175,6 +222,10 @@ def _cross_entropy_row(x_row, g_row, target, loss_ptr, scale, n_cols, ignore_ind
         if HAS_Z_LOSS:
             loss += z_loss * lse * lse
         tl.store(loss_ptr, loss)
+        if SAVE_STATS:
+            tl.store(stats_ptr, m)
+            tl.store(stats_ptr + stats_stride, log2_s)
+            tl.store(stats_ptr + 2 * stats_stride, q)
         if WRITE_GRAD:
             z_coef = scale * (2.0 * z_loss) * lse
             uniform = scale * (label_smoothing / n_cols)
@@ -182,24 +233,10 @@ def _cross_entropy_row(x_row, g_row, target, loss_ptr, scale, n_cols, ignore_ind
                 g = _grad_tile(x, slope, m, log2_s, scale, z_coef, uniform, HAS_SOFTCAP, HAS_Z_LOSS)
                 tl.store(g_row + cols, g.to(g_row.dtype.element_ty), mask=mask)
             else:
-                # backwards over the tiles: the first walk's last tiles are the likeliest in L2
-                last = (n_cols - 1) // BLOCK_V * BLOCK_V
-                for start in range(0, n_cols, BLOCK_V):
-                    cols = (last - start) + tl.arange(0, BLOCK_V)
-                    x, mask, slope = _load_logits(x_row, cols, n_cols, softcap, HAS_SOFTCAP)
-                    g = _grad_tile(x, slope, m, log2_s, scale, z_coef, uniform, HAS_SOFTCAP, HAS_Z_LOSS)
-                    tl.store(g_row + cols, g.to(g_row.dtype.element_ty), mask=mask)
-            # the target's entry, rewritten once after the walk rather than picked out per element
-            # in it (that compare cost registers, i.e. occupancy): p_t - eps/V - (1 - eps) =
-            # (eps - q) - eps/V, free of the p_t - 1 cancellation. The barrier orders this store
-            # after the walk's store of the same address.
-            target_grad = scale * (label_smoothing - q) - uniform
-            if HAS_Z_LOSS:
-                target_grad += (e_t / s) * z_coef
-            if HAS_SOFTCAP:
-                target_grad = target_grad * slope_t
-            tl.debug_barrier()
-            tl.store(g_row + target, target_grad.to(g_row.dtype.element_ty), mask=in_range)
+                _grad_walk(x_row, g_row, n_cols, m, log2_s, scale, z_coef, uniform, softcap,
+                           HAS_SOFTCAP, HAS_Z_LOSS, True, BLOCK_V)
+            _store_target_grad(g_row, target, in_range, q, e_t / s, slope_t, scale, z_coef, uniform,
+                               label_smoothing, HAS_SOFTCAP, HAS_Z_LOSS)
 
 
 @fast_launch
@@ -210,6 +247,7 @@ def cross_entropy_fwd_kernel(
     target_ptr,         # *[n_rows] int32/int64 class ids
     loss_ptr,           # *[n_rows] fp32 loss per row before reduction (0 on ignored rows)
     scale_ptr,          # *fp32 gradient scale per row (1/n_valid for mean, grad_output rows, ...)
+    stats_ptr,          # *fp32 [3, n_rows] (m, log2 s, q) per row, written with SAVE_STATS
     logits_row_stride,  # elements between rows of logits
     grad_row_stride,    # elements between rows of grad
     scale_stride,       # 0: one scale shared by every row, 1: one per row
@@ -222,7 +260,8 @@ def cross_entropy_fwd_kernel(
     HAS_SOFTCAP: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
     HAS_Z_LOSS: tl.constexpr,
-    WRITE_GRAD: tl.constexpr,   # False: loss only (nothing needs the gradient)
+    WRITE_GRAD: tl.constexpr,   # False: loss only (nothing needs the gradient, or it is deferred)
+    SAVE_STATS: tl.constexpr,   # write the row statistics of the deferred backward
     SINGLE_TILE: tl.constexpr,  # the whole row is one register tile: read once
     BLOCK_V: tl.constexpr,      # tile of the row
 ):
@@ -234,8 +273,56 @@ def cross_entropy_fwd_kernel(
         if WRITE_GRAD:
             scale = tl.load(scale_ptr + row * scale_stride)
         _cross_entropy_row(logits_ptr + row * logits_row_stride, grad_ptr + row * grad_row_stride, target,
-                           loss_ptr + row, scale, n_cols, ignore_index, label_smoothing, z_loss, softcap,
-                           HAS_SOFTCAP, HAS_SMOOTHING, HAS_Z_LOSS, WRITE_GRAD, SINGLE_TILE, BLOCK_V)
+                           loss_ptr + row, stats_ptr + row, n_rows, scale, n_cols, ignore_index,
+                           label_smoothing, z_loss, softcap, HAS_SOFTCAP, HAS_SMOOTHING, HAS_Z_LOSS,
+                           WRITE_GRAD, SAVE_STATS, SINGLE_TILE, BLOCK_V)
+
+
+@fast_launch
+@triton.jit
+def cross_entropy_bwd_kernel(
+    logits_ptr,         # *[n_rows, n_cols] logits, unit column stride
+    grad_ptr,           # *[n_rows, n_cols] dloss/dlogits out (may be logits_ptr: in-place mode)
+    target_ptr,         # *[n_rows] int32/int64 class ids
+    stats_ptr,          # *fp32 [3, n_rows] (m, log2 s, q) from the forward
+    scale_ptr,          # *fp32 grad_output (times 1/n_valid for mean), shared or per row
+    logits_row_stride,  # elements between rows of logits
+    grad_row_stride,    # elements between rows of grad
+    scale_stride,       # 0: one scale shared by every row, 1: one per row
+    n_rows,             # rows (tokens)
+    n_cols,             # vocabulary size V
+    ignore_index,       # target value of rows that contribute nothing
+    label_smoothing,    # eps
+    z_loss,             # z
+    softcap,            # c (unused without HAS_SOFTCAP)
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_Z_LOSS: tl.constexpr,
+    BLOCK_V: tl.constexpr,      # tile of the row
+):
+    """The deferred gradient: one read of the logits and one write, grad_output applied in it."""
+    for row in range(tl.program_id(0).to(tl.int64), n_rows, tl.num_programs(0)):
+        target = tl.load(target_ptr + row).to(tl.int64)
+        x_row = logits_ptr + row * logits_row_stride
+        g_row = grad_ptr + row * grad_row_stride
+        if target == ignore_index:
+            _zero_row(g_row, n_cols, BLOCK_V)
+        else:
+            scale = tl.load(scale_ptr + row * scale_stride)
+            m = tl.load(stats_ptr + row)
+            log2_s = tl.load(stats_ptr + n_rows + row)
+            q = tl.load(stats_ptr + 2 * n_rows + row)
+            in_range = (target >= 0) & (target < n_cols)
+            slope_t = 1.0
+            if HAS_SOFTCAP:   # the target's slope, read before an in-place walk overwrites it
+                x_t = tl.load(x_row + target, mask=in_range, other=0.0).to(tl.float32)
+                _, slope_t = _softcap(x_t, softcap)
+            lse = m + log2_s * LN2
+            z_coef = scale * (2.0 * z_loss) * lse
+            uniform = scale * (label_smoothing / n_cols)
+            _grad_walk(x_row, g_row, n_cols, m, log2_s, scale, z_coef, uniform, softcap,
+                       HAS_SOFTCAP, HAS_Z_LOSS, False, BLOCK_V)
+            _store_target_grad(g_row, target, in_range, q, 1.0 - q, slope_t, scale, z_coef, uniform,
+                               label_smoothing, HAS_SOFTCAP, HAS_Z_LOSS)
 
 
 @fast_launch
@@ -310,9 +397,11 @@ def default_config(n_cols: int) -> dict:
 # ----------------------------------------------------------------------------------------------
 
 
-def launch_cross_entropy_rows(logits, target, row_scale, loss_rows, grad, opts: CEOptions, config=None):
+def launch_cross_entropy_rows(logits, target, row_scale, loss_rows, grad, opts: CEOptions, config=None,
+                              stats=None):
     """Per-row loss into ``loss_rows`` (fp32 [n]) and, unless ``grad`` is None, the gradient
-    times ``row_scale`` ([1] shared or [n]) into ``grad`` ([n, V], may be ``logits`` itself)."""
+    times ``row_scale`` ([1] shared or [n]) into ``grad`` ([n, V], may be ``logits`` itself);
+    ``stats`` (fp32 [3, n]) receives the deferred backward's row statistics."""
     n_rows, n_cols = logits.shape
     if n_rows == 0:
         return
@@ -323,13 +412,36 @@ def launch_cross_entropy_rows(logits, target, row_scale, loss_rows, grad, opts: 
     extra = {"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] else {}
     cross_entropy_fwd_kernel[(programs,)](
         logits, logits if grad is None else grad, target, loss_rows, row_scale,
+        loss_rows if stats is None else stats,
         logits.stride(0), logits.stride(0) if grad is None else grad.stride(0),
         0 if row_scale.numel() == 1 else row_scale.stride(0),
         n_rows, n_cols, opts.ignore_index,
         float(opts.label_smoothing), float(opts.z_loss), float(opts.softcap or 1.0),
         HAS_SOFTCAP=opts.softcap is not None, HAS_SMOOTHING=opts.label_smoothing > 0,
-        HAS_Z_LOSS=opts.z_loss > 0, WRITE_GRAD=grad is not None,
+        HAS_Z_LOSS=opts.z_loss > 0, WRITE_GRAD=grad is not None, SAVE_STATS=stats is not None,
         SINGLE_TILE=cfg["single_tile"], BLOCK_V=cfg["BLOCK_V"], num_warps=cfg["num_warps"], **extra,
+    )
+
+
+def _bwd_config(n_cols: int) -> dict:
+    """The deferred backward streams each row once (read logits, write grad): the forward's tile
+    and warps, no register cap (nothing is kept across tiles but four scalars)."""
+    cfg = default_config(n_cols)
+    return {"BLOCK_V": cfg["BLOCK_V"], "num_warps": cfg["num_warps"]}
+
+
+def launch_cross_entropy_bwd(logits, target, stats, row_scale, grad, opts: CEOptions, config=None):
+    """grad [n, V] (may be ``logits``) = row_scale · dloss/dlogits from the forward's ``stats``."""
+    n_rows, n_cols = logits.shape
+    if n_rows == 0:
+        return
+    cfg = {**_bwd_config(n_cols), **(config or {})}
+    cross_entropy_bwd_kernel[(n_rows,)](
+        logits, grad, target, stats, row_scale, logits.stride(0), grad.stride(0),
+        0 if row_scale.numel() == 1 else row_scale.stride(0), n_rows, n_cols, opts.ignore_index,
+        float(opts.label_smoothing), float(opts.z_loss), float(opts.softcap or 1.0),
+        HAS_SOFTCAP=opts.softcap is not None, HAS_Z_LOSS=opts.z_loss > 0,
+        BLOCK_V=cfg["BLOCK_V"], num_warps=cfg["num_warps"],
     )
 
 

@@ -12,13 +12,20 @@ with ``p = softmax(x')``. Rows whose target is ``ignore_index`` give loss 0 and 
 ``mean`` divides by max(valid rows, 1), so an all-ignored batch is 0, not NaN. The label-smoothing
 term is torch's (``F.cross_entropy(label_smoothing=eps)``), the z-loss PaLM's.
 
-The gradient is written in the same kernel as the loss (second walk over the row), as Liger does:
-into a fresh [T, V] buffer, or -- ``logits_inplace_grad=True`` -- into the logits' own storage,
-so no second [T, V] tensor ever exists. Backward only scales the stored gradient by grad_output,
-in place, and skips that pass when grad_output is exactly 1 (the ``loss.backward()`` case).
+By default the gradient is written in the same kernel as the loss (second walk over the row), as
+Liger does: into a fresh [T, V] buffer, or -- ``logits_inplace_grad=True`` -- into the logits' own
+storage, so no second [T, V] tensor ever exists. Backward only scales the stored gradient by
+grad_output, in place, and skips that pass when grad_output is exactly 1 (``loss.backward()``).
+
+``defer_grad=True`` instead saves three fp32 numbers per row (max, log2 of the exp-sum, 1 - p_t)
+and computes the gradient in the backward, grad_output applied in the same pass (in place into
+the logits with ``logits_inplace_grad``). Passes over [T, V]: grad in forward 2 (grad_output 1)
+or 4 (any other grad_output: loss scaling, gradient accumulation, reduction='none'); deferred 3.
 
 Bytes counted (ideal): forward reads the logits once and writes the gradient once (2·T·V elements,
 plus the int64 targets and the loss); backward reads and writes the stored gradient (2·T·V).
+Deferred: forward reads the logits (T·V) and writes 3·T fp32; backward reads logits and stats and
+writes the gradient (2·T·V).
 Rows up to 16K classes are read once; longer ones twice, the second walk running backwards over the
 row so it starts on the tiles the first walk touched last, still in L2. Kernels and their numerics:
 ops/_cross_entropy_kernels.py.
@@ -30,6 +37,7 @@ Out-of-range targets raise a ``ValueError`` before the launch: that check is one
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Optional
 
 import torch
@@ -39,7 +47,7 @@ from .._checks import check_same_device, check_shape, check_tensor
 from .._dispatch import empty, rows_view, use_triton
 from .._op import custom_op
 from ..registry import Inputs, OpSpec, register, tensor_bytes
-from ._cross_entropy_kernels import CEOptions, launch_cross_entropy_rows, launch_scale_rows
+from ._cross_entropy_kernels import CEOptions, launch_cross_entropy_bwd, launch_cross_entropy_rows, launch_scale_rows
 
 REDUCTIONS = ("mean", "sum", "none")
 TARGET_DTYPES = (torch.int64, torch.int32)
@@ -81,16 +89,18 @@ def softcap_reference(x: torch.Tensor, softcap: float) -> torch.Tensor:
 
 
 def cross_entropy_reference(logits, target, ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
-                            softcap=None, reduction="mean", logits_inplace_grad=False, check_targets=True):
+                            softcap=None, reduction="mean", logits_inplace_grad=False, check_targets=True,
+                            defer_grad=False):
     """fp32-or-wider torch composition; same signature as :func:`cross_entropy`."""
     x = _wide(logits) if softcap is None else softcap_reference(_wide(logits), softcap)
     return torch_cross_entropy(x, target, ignore_index, label_smoothing, z_loss, None, reduction).to(logits.dtype)
 
 
-def _cross_entropy_rows_torch(logits, target, row_scale, loss_rows, grad, opts: CEOptions):
+def _cross_entropy_rows_torch(logits, target, row_scale, loss_rows, grad, opts: CEOptions, stats=None):
     """The kernel's contract (see launch_cross_entropy_rows) in closed form, in fp32: CPU path.
     Same numerics as the kernel: -log p_t from q = 1 - p_t where p_t > 1/2, q summed over the
-    other classes."""
+    other classes. (The CPU path's deferred backward recomputes from the logits; ``stats`` gets
+    the kernel's (m, log2 s, q) all the same.)"""
     x = _wide(logits)
     if opts.softcap is not None:
         x = opts.softcap * torch.tanh(x / opts.softcap)
@@ -110,6 +120,9 @@ def _cross_entropy_rows_torch(logits, target, row_scale, loss_rows, grad, opts: 
     if opts.z_loss:
         loss = loss + opts.z_loss * lse * lse
     loss_rows.copy_(torch.where(valid, loss, 0.0))
+    if stats is not None:
+        m = x.amax(-1)
+        stats.copy_(torch.stack([m, (lse - m) / math.log(2), q]))
     if grad is None:
         return
     uniform = eps / max(n_cols, 1)
@@ -123,12 +136,21 @@ def _cross_entropy_rows_torch(logits, target, row_scale, loss_rows, grad, opts: 
     grad.copy_(g)
 
 
-def cross_entropy_rows(logits, target, row_scale, loss_rows, grad, opts: CEOptions, config=None):
+def cross_entropy_rows(logits, target, row_scale, loss_rows, grad, opts: CEOptions, config=None, stats=None):
     """Kernel on CUDA (and under the interpreter), closed-form torch otherwise. Shared with
     linear_cross_entropy, which calls it on each chunk of logits."""
     if use_triton(logits):
-        launch_cross_entropy_rows(logits, target, row_scale, loss_rows, grad, opts, config)
+        launch_cross_entropy_rows(logits, target, row_scale, loss_rows, grad, opts, config, stats)
     else:
+        _cross_entropy_rows_torch(logits, target, row_scale, loss_rows, grad, opts, stats)
+
+
+def cross_entropy_grad_rows(logits, target, stats, row_scale, grad, opts: CEOptions, config=None):
+    """The deferred backward: grad = row_scale · dloss/dlogits (grad may be logits itself)."""
+    if use_triton(logits):
+        launch_cross_entropy_bwd(logits, target, stats, row_scale, grad, opts, config)
+    else:
+        loss_rows = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
         _cross_entropy_rows_torch(logits, target, row_scale, loss_rows, grad, opts)
 
 
@@ -159,7 +181,8 @@ def reduce_loss_rows(loss_rows, scale, reduction, shape, dtype):
 # ----------------------------------------------------------------------------------------------
 
 
-def _forward_into(logits, target, grad, ignore_index, label_smoothing, z_loss, softcap, reduction, check):
+def _forward_into(logits, target, grad, ignore_index, label_smoothing, z_loss, softcap, reduction, check,
+                  stats=None):
     opts = CEOptions(ignore_index, label_smoothing, z_loss, softcap)
     x2 = rows_view(logits)
     t1 = target.reshape(-1)
@@ -171,7 +194,7 @@ def _forward_into(logits, target, grad, ignore_index, label_smoothing, z_loss, s
     else:   # sum / none: the stored gradient is unscaled, backward multiplies by grad_output
         scale = torch.ones(1, dtype=torch.float32, device=logits.device)
     g2 = None if grad is None else grad.view(x2.shape)
-    cross_entropy_rows(x2, t1, scale, loss_rows, g2, opts)
+    cross_entropy_rows(x2, t1, scale, loss_rows, g2, opts, stats=stats)
     return reduce_loss_rows(loss_rows, scale, reduction, target.shape, logits.dtype)
 
 
@@ -208,6 +231,63 @@ def _ce_fwd_inplace_op(logits: torch.Tensor, target: torch.Tensor, ignore_index:
 @_ce_fwd_inplace_op.register_fake
 def _(logits, target, ignore_index, label_smoothing, z_loss, softcap, reduction, check_targets):
     return _loss_fake(logits, target, reduction)
+
+
+@custom_op("tilefuse::cross_entropy_fwd_stats", mutates_args=())
+def _ce_fwd_stats_op(logits: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float,
+                     z_loss: float, softcap: Optional[float], reduction: str,
+                     check_targets: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, stats [3, rows] fp32): the deferred mode's forward, one read of the logits."""
+    n_rows = target.numel()
+    stats = empty((3, n_rows), torch.float32, logits.device)
+    loss = _forward_into(logits, target, None, ignore_index, label_smoothing, z_loss, softcap, reduction,
+                         check_targets, stats=stats)
+    return loss, stats
+
+
+@_ce_fwd_stats_op.register_fake
+def _(logits, target, ignore_index, label_smoothing, z_loss, softcap, reduction, check_targets):
+    return _loss_fake(logits, target, reduction), logits.new_empty((3, target.numel()), dtype=torch.float32)
+
+
+def _grad_scale(target, grad_output, ignore_index, reduction):
+    """grad_output (times 1/n_valid for 'mean') as fp32 [1] or, for 'none', [rows]."""
+    go = grad_output.reshape(-1).to(torch.float32)
+    return go * mean_scale(target.reshape(-1), ignore_index) if reduction == "mean" else go.contiguous()
+
+
+def _grad_into(grad, logits, target, stats, grad_output, ignore_index, label_smoothing, z_loss, softcap,
+               reduction):
+    x2 = rows_view(logits)
+    cross_entropy_grad_rows(x2, target.reshape(-1), stats, _grad_scale(target, grad_output, ignore_index, reduction),
+                            grad.view(x2.shape), CEOptions(ignore_index, label_smoothing, z_loss, softcap))
+
+
+@custom_op("tilefuse::cross_entropy_bwd", mutates_args=())
+def _ce_bwd_op(logits: torch.Tensor, target: torch.Tensor, stats: torch.Tensor, grad_output: torch.Tensor,
+               ignore_index: int, label_smoothing: float, z_loss: float, softcap: Optional[float],
+               reduction: str) -> torch.Tensor:
+    grad = empty(logits.shape, logits.dtype, logits.device)
+    _grad_into(grad, logits, target, stats, grad_output, ignore_index, label_smoothing, z_loss, softcap, reduction)
+    return grad
+
+
+@_ce_bwd_op.register_fake
+def _(logits, target, stats, grad_output, ignore_index, label_smoothing, z_loss, softcap, reduction):
+    return torch.empty_like(logits)
+
+
+@custom_op("tilefuse::cross_entropy_bwd_inplace", mutates_args=("logits",))
+def _ce_bwd_inplace_op(logits: torch.Tensor, target: torch.Tensor, stats: torch.Tensor, grad_output: torch.Tensor,
+                       ignore_index: int, label_smoothing: float, z_loss: float, softcap: Optional[float],
+                       reduction: str) -> None:
+    """As cross_entropy_bwd, the gradient overwriting ``logits`` (contiguous)."""
+    _grad_into(logits, logits, target, stats, grad_output, ignore_index, label_smoothing, z_loss, softcap, reduction)
+
+
+@_ce_bwd_inplace_op.register_fake
+def _(logits, target, stats, grad_output, ignore_index, label_smoothing, z_loss, softcap, reduction):
+    return None
 
 
 @custom_op("tilefuse::scale_saved_grads_", mutates_args=("grads", "applied"))
@@ -252,8 +332,14 @@ class _CrossEntropyFunction(torch.autograd.Function):
     # and register_autograd only takes functional ops; the kernels still run as custom ops
     @staticmethod
     def forward(ctx, logits, target, ignore_index, label_smoothing, z_loss, softcap, reduction, write_grad,
-                inplace, check):
+                inplace, check, defer):
         args = (ignore_index, label_smoothing, z_loss, softcap, reduction)
+        ctx.deferred = write_grad and defer
+        if ctx.deferred:
+            loss, stats = _ce_fwd_stats_op(logits, target, *args, check)
+            ctx.args, ctx.inplace = args, inplace
+            ctx.save_for_backward(logits, target, stats)
+            return loss
         if write_grad and inplace:
             loss = _ce_fwd_inplace_op(logits, target, *args, check)
             grad = logits.detach()
@@ -266,9 +352,16 @@ class _CrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
+        nones = (None,) * 10
+        if ctx.deferred:
+            logits, target, stats = ctx.saved_tensors
+            if ctx.inplace:   # logits become their gradient (a second backward then raises: version)
+                _ce_bwd_inplace_op(logits, target, stats, grad_loss, *ctx.args)
+                return (logits.detach(),) + nones
+            return (_ce_bwd_op(logits, target, stats, grad_loss, *ctx.args),) + nones
         grad, applied = ctx.saved_tensors
         scale_saved_grads_([grad], applied, grad_loss)
-        return grad, None, None, None, None, None, None, None, None, None
+        return (grad,) + nones
 
 
 # ----------------------------------------------------------------------------------------------
@@ -305,6 +398,7 @@ def cross_entropy(
     reduction: str = "mean",
     logits_inplace_grad: bool = False,
     check_targets: bool = True,
+    defer_grad: bool = False,
 ) -> torch.Tensor:
     """``F.cross_entropy(logits, target)`` over the last dim of ``logits [..., V]`` (``target
     [...]`` int64/int32), plus ``z_loss`` (z·lse² per valid row) and ``softcap`` (logits →
@@ -315,6 +409,11 @@ def cross_entropy(
     for backward -- autograd raises if something did), so the op needs no [T, V] buffer of its own;
     with False a [T, V] gradient buffer is allocated here, as torch's backward would.
     ``check_targets`` costs one host sync; False skips it (a bad target then gives a NaN loss).
+
+    ``defer_grad=True`` computes the gradient in the backward instead (module docstring): 3 passes
+    over the logits instead of 2 when grad_output is exactly 1, but instead of 4 when it is not
+    (loss scaling, gradient accumulation, ``reduction='none'``); with ``logits_inplace_grad`` the
+    backward overwrites the logits.
     """
     check_tensor("logits", logits, min_dim=1)
     check_target(target, logits.shape[:-1], logits, "logits")
@@ -325,7 +424,7 @@ def cross_entropy(
     inplace = bool(logits_inplace_grad) and logits.is_contiguous()
     return _CrossEntropyFunction.apply(logits, target, ignore_index, float(label_smoothing), float(z_loss),
                                        None if softcap is None else float(softcap), reduction, write_grad,
-                                       inplace, bool(check_targets))
+                                       inplace, bool(check_targets), bool(defer_grad))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -349,6 +448,20 @@ def _make_inputs(shape, dtype, device):
     return Inputs((logits, random_targets(n_rows, n_cols, device)), {"logits_inplace_grad": True}, grad_args=(0,))
 
 
+def _make_deferred_inputs(shape, dtype, device):
+    inputs = _make_inputs(shape, dtype, device)
+    inputs.kwargs["defer_grad"] = True
+    return inputs
+
+
+def _deferred_bytes(shape, dtype, pass_):
+    n_rows, _ = shape
+    if pass_ == "fwd":   # logits + targets read, loss and 3 fp32 stats per row written
+        return tensor_bytes(shape, dtype) + n_rows * (8 + 12) + tensor_bytes((), dtype)
+    # logits, targets, stats, grad_output read + gradient written
+    return 2 * tensor_bytes(shape, dtype) + n_rows * (8 + 12) + tensor_bytes((), dtype)
+
+
 def _bytes(shape, dtype, pass_):
     n_rows, _ = shape
     if pass_ == "fwd":   # logits read + gradient written + int64 targets read + loss written
@@ -359,7 +472,7 @@ def _bytes(shape, dtype, pass_):
 
 def _torch_peer():
     def eager_cross_entropy(logits, target, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None,
-                            reduction="mean", logits_inplace_grad=False, check_targets=True):
+                            reduction="mean", logits_inplace_grad=False, check_targets=True, defer_grad=False):
         return torch_cross_entropy(logits, target, ignore_index, label_smoothing, z_loss, softcap, reduction)
     return eager_cross_entropy
 
@@ -371,7 +484,7 @@ def _liger_peer():
         return None
 
     def liger(logits, target, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None,
-              reduction="mean", logits_inplace_grad=False, check_targets=True):
+              reduction="mean", logits_inplace_grad=False, check_targets=True, defer_grad=False):
         # Liger always writes the gradient into logits; it takes [T, V] rows only
         loss = liger_cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
                                    ignore_index=ignore_index, label_smoothing=label_smoothing,
@@ -392,4 +505,18 @@ register(OpSpec(
     bench_shapes=[(8192, 128256)],
     peers={"torch": _torch_peer, "liger": _liger_peer},
     description="cross-entropy over the last dim (gradient computed in the forward)",
+))
+
+register(OpSpec(
+    name="cross_entropy_deferred",
+    split_passes=False,
+    fn=cross_entropy,
+    reference=cross_entropy_reference,
+    make_inputs=_make_deferred_inputs,
+    bytes_fn=_deferred_bytes,
+    test_shapes=[(1, 7), (5, 33), (3, 4097), (2, 17000)],
+    gpu_test_shapes=[(8192, 128256), (37, 32000)],
+    bench_shapes=[(8192, 128256)],
+    peers={"torch": _torch_peer, "liger": _liger_peer},
+    description="cross_entropy(defer_grad=True): gradient computed in the backward from saved row stats",
 ))
