@@ -1,0 +1,443 @@
+"""Attention decode against a KV cache: split-KV flash-decoding, GQA-packed, paged, in-place append.
+
+    out[b, i, h] = Σ_j softmax_j(s[i, j]) · v[b, j, h // G],   s[i, j] = scale · q[b, i, h] · k[b, j, h // G]
+
+for the ``S_q`` (1..16) new queries of each batch row against its ``seqlen_k`` cached keys, with
+the masking rule, softcap and lse of ``_attention_common`` and ``shift = seqlen_k - S_q`` per
+row (the new queries sit at the bottom right: causal query ``i`` sees keys ``j <= seqlen_k -
+S_q + i``). G = H_q / H_kv.
+
+Cache layouts (flash_attn_with_kvcache's): contiguous ``[B, L_max, H_kv, D]``, or paged
+``[num_pages, page_size, H_kv, D]`` with ``block_table`` int32 ``[B, max_pages]`` (key ``j`` of
+row ``b`` lives in page ``block_table[b, j // page_size]``, slot ``j % page_size``).
+``cache_seqlens`` int32 ``[B]``: valid keys per row *before* the append. With ``k_new``/``v_new``
+``[B, S_q, H_kv, D]`` those are written IN PLACE into slots ``cache_seqlens[b] .. + S_q - 1``
+and attended to, so ``seqlen_k = cache_seqlens + S_q``; ``cache_seqlens`` itself is NOT
+incremented (flash-attn's convention: the caller advances it). The caller guarantees room:
+``cache_seqlens[b] + S_q <= capacity``; larger values are clamped to the capacity inside the
+kernels (never an out-of-bounds access) and give unspecified results.
+
+Kernels. (1) ``kv_append_kernel`` (only with k_new): one program per new token. (2)
+``decode_split_kernel``: grid ``(B · H_kv · query blocks, splits)``; a program takes all ``G·S_q``
+(query head, query) pairs of its kv head as the M rows of one tile (GQA packing: a KV tile is
+read once per group, not G times), walks its share of the row's visible key range in BLOCK_N
+tiles with an exp2 online softmax, and writes fp32 partial out + lse; with one split it writes
+the final out directly. (3) ``decode_combine_kernel`` merges the splits by their lse:
+``out = Σ_s e^{lse_s - lse} out_s``, ``lse = log Σ_s e^{lse_s}``.
+
+CUDA-graph capturable: the split count and every buffer come from shapes only (B, H_kv, the
+cache capacity, SM count), never from ``cache_seqlens`` values; the key range of a row is split
+on the device, and a program whose share is empty writes an empty partial (lse -inf) at once.
+
+Bytes counted (registry): K and V cache bytes actually read ``2·B·L·H_kv·D·elem`` + q + out
+(+ k_new, v_new read and written into the cache when appended). No backward (inference op).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Optional
+
+import torch
+
+from .._checks import check_same_device, check_same_dtype, check_shape, check_tensor
+from .._dispatch import cdiv, empty, next_power_of_2, num_sms, use_triton
+from .._op import custom_op
+from ..registry import Inputs, OpSpec, register, tensor_bytes
+from ._attention_common import (
+    attention_reference, normalize_scale, normalize_softcap, normalize_window, visible_mask,
+)
+from ._attention_decode_kernels import decode_combine_kernel, decode_split_kernel, kv_append_kernel
+
+MAX_QUERIES = 16          # S_q limit: the new tokens of one decode step (speculative decoding)
+MAX_HEAD_DIM = 256
+PAGE_MULTIPLE = 16
+MAX_SPLITS = 128
+
+# ----------------------------------------------------------------------------------------------
+# launch heuristics (shapes only: the op stays CUDA-graph capturable)
+# ----------------------------------------------------------------------------------------------
+
+
+def _key_block(block_d: int, elem_size: int) -> int:
+    """Keys per tile: 128 while a K+V tile pair is <= 64 KiB (3 stages fit the 227 KiB of an
+    H100/H200 SM), else 64, or 32 for fp32 at D = 256."""
+    return max(32, min(128, 65536 // (2 * block_d * elem_size)))
+
+
+def _query_block(rows: int, block_d: int) -> int:
+    """Packed rows per tile: all G·S_q rows when they fit, >= 16 (tl.dot's minimum), and the
+    fp32 accumulator BLOCK_M·BLOCK_D <= 8192 (64 registers a thread at 4 warps)."""
+    return max(16, min(next_power_of_2(rows), 8192 // block_d))
+
+
+def _num_splits(programs: int, key_tiles: int, sms: int) -> int:
+    """flash-attn's num_splits_heuristic: no split when the (row, kv head, query block) programs
+    already fill 80 % of the SMs; else the fewest splits whose last wave is >= 85 % as full as
+    the best split count's, at most one split per key tile and MAX_SPLITS."""
+    if programs >= 0.8 * sms or key_tiles <= 1:
+        return 1
+    candidates = range(1, min(MAX_SPLITS, sms, key_tiles) + 1)
+
+    def efficiency(s):
+        waves = math.ceil(programs * s / sms)
+        return programs * s / (waves * sms)
+
+    best = max(efficiency(s) for s in candidates)
+    return next(s for s in candidates if efficiency(s) >= 0.85 * best)
+
+
+def _launch_config(q: torch.Tensor, capacity: int, n_kv_heads: int, num_splits: int,
+                   config: dict | None = None) -> dict:
+    """BLOCK_M/N/D, query blocks, splits, warps, stages; ``config`` overrides any of them
+    (the bench script sweeps them)."""
+    batch, s_q, h_q, d = q.shape
+    rows = (h_q // n_kv_heads) * s_q
+    block_d = max(16, next_power_of_2(d))
+    cfg = {"BLOCK_D": block_d, "BLOCK_M": _query_block(rows, block_d),
+           "BLOCK_N": _key_block(block_d, q.element_size()), "num_warps": 4, "num_stages": 3}
+    cfg.update(config or {})
+    cfg["M_BLOCKS"] = cdiv(rows, cfg["BLOCK_M"])
+    programs = batch * n_kv_heads * cfg["M_BLOCKS"]
+    if num_splits <= 0:
+        num_splits = _num_splits(programs, cdiv(capacity, cfg["BLOCK_N"]), num_sms(q))
+    cfg["splits"] = max(1, min(num_splits, MAX_SPLITS))
+    return cfg
+
+
+# ----------------------------------------------------------------------------------------------
+# launchers (inputs validated by the public function)
+# ----------------------------------------------------------------------------------------------
+
+
+def _unit_last(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _capacity(k_cache: torch.Tensor, block_table: torch.Tensor | None) -> int:
+    return block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
+
+
+def _launch_append(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table) -> None:
+    batch, s_q, h_kv, d = k_new.shape
+    if batch * s_q == 0:
+        return
+    k_new, v_new = _unit_last(k_new), _unit_last(v_new)
+    paged = block_table is not None
+    bt = block_table.contiguous() if paged else cache_seqlens
+    block_d = max(16, next_power_of_2(d))
+    kv_append_kernel[(batch * s_q,)](
+        k_new, v_new, k_cache, v_cache, cache_seqlens.contiguous(), bt,
+        *k_new.stride()[:3], *v_new.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
+        bt.stride(0) if paged else 0, _capacity(k_cache, block_table), h_kv, d,
+        S_Q=s_q, PAGED=paged, PAGE_SIZE=k_cache.shape[1] if paged else 1,
+        BLOCK_H=max(1, min(next_power_of_2(h_kv), 4096 // block_d)), BLOCK_D=block_d,
+    )
+
+
+def _launch_decode(q, k_cache, v_cache, cache_seqlens, block_table, n_new: int, left: int, right: int,
+                   softcap: float, scale: float, num_splits: int, config: dict | None = None):
+    """(out [B, S_q, H_q, D], lse fp32 [B, H_q, S_q])."""
+    batch, s_q, h_q, d = q.shape
+    h_kv = k_cache.shape[2]
+    out = empty(q.shape, q.dtype, q.device)
+    lse = empty((batch, h_q, s_q), torch.float32, q.device)
+    if out.numel() == 0:
+        return out, lse
+    q = _unit_last(q)
+    paged = block_table is not None
+    bt = block_table.contiguous() if paged else cache_seqlens
+    capacity = _capacity(k_cache, block_table)
+    cfg = _launch_config(q, capacity, h_kv, num_splits, config)
+    splits, group = cfg["splits"], h_q // h_kv
+    if splits == 1:
+        part_out, part_lse = out, lse
+        o_strides = (out.stride(0), 0, out.stride(1), out.stride(2))
+        l_strides = (lse.stride(0), 0, lse.stride(1), lse.stride(2))
+    else:   # fp32 partials, sized from shapes: B · splits · S_q · H_q · (D + 1) floats
+        part_out = torch.empty((batch, splits, s_q, h_q, d), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((batch, splits, h_q, s_q), dtype=torch.float32, device=q.device)
+        o_strides, l_strides = part_out.stride()[:4], part_lse.stride()
+    decode_split_kernel[(batch * h_kv * cfg["M_BLOCKS"], splits)](
+        q, k_cache, v_cache, cache_seqlens.contiguous(), bt, part_out, part_lse,
+        *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], bt.stride(0) if paged else 0,
+        *o_strides, *l_strides, capacity, h_kv, d, scale, softcap, left, right,
+        S_Q=s_q, GROUP=group, N_NEW=n_new, M_BLOCKS=cfg["M_BLOCKS"],
+        Q_SPAN=cdiv(cfg["BLOCK_M"], group) + 1, PAGED=paged,
+        PAGE_SIZE=k_cache.shape[1] if paged else 1, HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0,
+        HAS_SOFTCAP=softcap > 0, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if splits > 1:
+        decode_combine_kernel[(batch * s_q * h_q,)](
+            part_out, part_lse, out, lse, *part_out.stride()[:4], *part_lse.stride()[:3],
+            *out.stride()[:3], lse.stride(0), lse.stride(1), splits, h_q, d,
+            S_Q=s_q, BLOCK_S=next_power_of_2(splits), CHUNK_S=16, BLOCK_D=cfg["BLOCK_D"], num_warps=4,
+        )
+    return out, lse
+
+
+# ----------------------------------------------------------------------------------------------
+# references (fp64 for tests; fp32 math otherwise); also the CPU path
+# ----------------------------------------------------------------------------------------------
+
+
+def _row_keys(cache: torch.Tensor, block_table: torch.Tensor | None, b: int, n: int) -> torch.Tensor:
+    """The first ``n`` cached keys (or values) of batch row ``b``: ``[n, H_kv, D]``."""
+    if block_table is None:
+        return cache[b, :n]
+    page_size = cache.shape[1]
+    pages = block_table[b, :cdiv(n, page_size)].long()
+    return cache[pages].reshape(-1, *cache.shape[2:])[:n]
+
+
+def _append_reference(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table) -> None:
+    """The append, in place, slot by slot (as kv_append_kernel: slots past the capacity skipped)."""
+    page_size = k_cache.shape[1] if block_table is not None else 1
+    capacity = _capacity(k_cache, block_table)
+    for b, n in enumerate(cache_seqlens.tolist()):
+        for t in range(k_new.shape[1]):
+            pos = n + t
+            if not 0 <= pos < capacity:
+                continue
+            page, slot = (int(block_table[b, pos // page_size]), pos % page_size) if block_table is not None else (b, pos)
+            k_cache[page, slot] = k_new[b, t]
+            v_cache[page, slot] = v_new[b, t]
+
+
+def _decode_reference(q, k_cache, v_cache, cache_seqlens, block_table, n_new, left, right, softcap, scale):
+    """(out, lse) by attention_reference per batch row on its ``seqlen_k`` keys, shift
+    ``seqlen_k - S_q``; the cache already holds the appended keys."""
+    batch, s_q, h_q, d = q.shape
+    wide = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.full((batch, h_q, s_q), float("-inf"), dtype=wide, device=q.device)
+    capacity = _capacity(k_cache, block_table)
+    for b, n in enumerate(cache_seqlens.tolist()):
+        seqlen_k = min(n + n_new, capacity)
+        k = _row_keys(k_cache, block_table, b, seqlen_k)[None]
+        v = _row_keys(v_cache, block_table, b, seqlen_k)[None]
+        o, l = attention_reference(q[b:b + 1], k, v, False, (left, right), softcap, scale, return_lse=True,
+                                   shift=seqlen_k - s_q)
+        out[b], lse[b] = o[0], l[0].to(wide)
+    return out, lse
+
+
+def attention_decode_reference(q, k_cache, v_cache, cache_seqlens, block_table=None, k_new=None, v_new=None,
+                               causal=True, window=(-1, -1), softcap=0.0, scale=None, return_lse=False,
+                               num_splits=None):
+    """:func:`attention_decode` in plain PyTorch (fp64 for fp64 inputs), leaving the cache as it
+    is: the appended keys are taken from ``k_new``/``v_new`` (copies of the cache are updated)."""
+    left, right = normalize_window(causal, window)
+    scale = normalize_scale(scale, q.shape[-1])
+    n_new = 0
+    if k_new is not None:
+        k_cache, v_cache = k_cache.clone(), v_cache.clone()
+        _append_reference(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table)
+        n_new = q.shape[1]
+    out, lse = _decode_reference(q, k_cache, v_cache, cache_seqlens, block_table, n_new, left, right,
+                                 normalize_softcap(softcap), scale)
+    return (out, lse) if return_lse else out
+
+
+# ----------------------------------------------------------------------------------------------
+# custom ops (no autograd: an inference op)
+# ----------------------------------------------------------------------------------------------
+
+
+@custom_op("tilefuse::kv_cache_append", mutates_args=("k_cache", "v_cache"))
+def _append_op(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+               cache_seqlens: torch.Tensor, block_table: Optional[torch.Tensor]) -> None:
+    if use_triton(k_cache):
+        _launch_append(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table)
+    else:
+        _append_reference(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table)
+
+
+@_append_op.register_fake
+def _(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table):
+    return None
+
+
+@custom_op("tilefuse::attention_decode", mutates_args=())
+def _decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
+               block_table: Optional[torch.Tensor], n_new: int, window_left: int, window_right: int,
+               softcap: float, scale: float, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse); ``n_new`` keys were appended (seqlen_k = cache_seqlens + n_new); num_splits 0: auto."""
+    if use_triton(q):
+        return _launch_decode(q, k_cache, v_cache, cache_seqlens, block_table, n_new, window_left,
+                              window_right, softcap, scale, num_splits)
+    out, lse = _decode_reference(q, k_cache, v_cache, cache_seqlens, block_table, n_new, window_left,
+                                 window_right, softcap, scale)
+    return out.contiguous(), lse.float().contiguous()
+
+
+@_decode_op.register_fake
+def _(q, k_cache, v_cache, cache_seqlens, block_table, n_new, window_left, window_right, softcap, scale, num_splits):
+    b, s_q, h_q, _ = q.shape
+    return torch.empty_like(q), q.new_empty((b, h_q, s_q), dtype=torch.float32)
+
+
+# ----------------------------------------------------------------------------------------------
+# public API
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_inputs(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, num_splits) -> None:
+    check_tensor("q", q)
+    if q.dim() != 4:
+        raise ValueError(f"q must be [B, S_q, H_q, D], got shape {tuple(q.shape)}")
+    batch, s_q, h_q, d = q.shape
+    if not 1 <= s_q <= MAX_QUERIES:
+        raise ValueError(f"q: S_q (dim 1) must be in 1..{MAX_QUERIES} for decode, got {s_q}; use attention()")
+    if d % 8 or not 8 <= d <= MAX_HEAD_DIM:
+        raise ValueError(f"q: head dim must be a multiple of 8 in 8..{MAX_HEAD_DIM}, got {d}")
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        check_tensor(name, c)
+        if c.dim() != 4:
+            raise ValueError(f"{name} must be [B, L_max, H_kv, D] or paged [num_pages, page_size, H_kv, D], "
+                             f"got shape {tuple(c.shape)}")
+        if c.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension (stride {c.stride()})")
+    check_shape("v_cache", v_cache, k_cache.shape, "k_cache's shape")
+    check_same_dtype(q=q, k_cache=k_cache, v_cache=v_cache)
+    h_kv = k_cache.shape[2]
+    if k_cache.shape[3] != d:
+        raise ValueError(f"k_cache: head dim {k_cache.shape[3]} differs from q's {d}")
+    if h_kv == 0 or h_q % h_kv:
+        raise ValueError(f"q's {h_q} heads must be a multiple of k_cache's {h_kv} kv heads (dim 2)")
+    check_tensor("cache_seqlens", cache_seqlens, dtypes=(torch.int32,))
+    check_shape("cache_seqlens", cache_seqlens, (batch,), "one int32 length per batch row of q")
+    if block_table is None:
+        if k_cache.shape[0] != batch:
+            raise ValueError(f"k_cache: batch {k_cache.shape[0]} differs from q's {batch} "
+                             "(pass block_table for a paged cache)")
+    else:
+        check_tensor("block_table", block_table, dtypes=(torch.int32,))
+        if block_table.dim() != 2 or block_table.shape[0] != batch:
+            raise ValueError(f"block_table must be [B={batch}, max_pages], got shape {tuple(block_table.shape)}")
+        page_size = k_cache.shape[1]
+        if page_size < PAGE_MULTIPLE or page_size % PAGE_MULTIPLE:
+            raise ValueError(f"k_cache: page_size (dim 1 of a paged cache) must be a positive multiple of "
+                             f"{PAGE_MULTIPLE}, got {page_size}")
+    if (k_new is None) != (v_new is None):
+        raise ValueError("k_new and v_new must be given together")
+    if k_new is not None:
+        for name, t in (("k_new", k_new), ("v_new", v_new)):
+            check_tensor(name, t)
+            check_shape(name, t, (batch, s_q, h_kv, d), "[B, S_q, H_kv, D]")
+        check_same_dtype(q=q, k_new=k_new, v_new=v_new)
+    check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens,
+                      block_table=block_table, k_new=k_new, v_new=v_new)
+    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1):
+        raise ValueError(f"num_splits must be None (auto) or an int >= 1, got {num_splits!r}")
+
+
+def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
+                     block_table: torch.Tensor | None = None, k_new: torch.Tensor | None = None,
+                     v_new: torch.Tensor | None = None, causal: bool = True, window=(-1, -1), softcap: float = 0.0,
+                     scale: float | None = None, return_lse: bool = False, num_splits: int | None = None):
+    """Decode attention of ``q [B, S_q, H_q, D]`` (S_q 1..16) against a KV cache (module docstring).
+
+    ``k_new``/``v_new`` ``[B, S_q, H_kv, D]`` are written into the cache IN PLACE at slots
+    ``cache_seqlens[b] ..`` and attended to; ``cache_seqlens`` is not incremented. Masking as
+    ``tilefuse.attention`` with the queries bottom-right aligned (causal by default). Returns
+    out ``[B, S_q, H_q, D]``, and lse fp32 ``[B, H_q, S_q]`` with ``return_lse``. ``num_splits``:
+    key-range splits per (row, kv head); None picks from shapes. No gradient (inference op)."""
+    _check_inputs(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, num_splits)
+    left, right = normalize_window(causal, window)
+    softcap = normalize_softcap(softcap)
+    scale = normalize_scale(scale, q.shape[-1])
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    n_new = 0
+    if k_new is not None:
+        _append_op(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table)
+        n_new = q.shape[1]
+    out, lse = _decode_op(q, k_cache, v_cache, cache_seqlens, block_table, n_new, left, right, softcap, scale,
+                          num_splits or 0)
+    return (out, lse) if return_lse else out
+
+
+# ----------------------------------------------------------------------------------------------
+# registry: shape = (B, S_q, H_q, H_kv, L, D); a contiguous cache of L slots, all valid
+# (cache_seqlens = L, no append): the bench's decode step reads the whole cache
+# ----------------------------------------------------------------------------------------------
+
+
+def _make_inputs(shape, dtype, device):
+    batch, s_q, h_q, h_kv, length, d = shape
+    q = torch.randn(batch, s_q, h_q, d, device=device).to(dtype)
+    k_cache = torch.randn(batch, length, h_kv, d, device=device).to(dtype)
+    v_cache = torch.randn(batch, length, h_kv, d, device=device).to(dtype)
+    cache_seqlens = torch.full((batch,), length, dtype=torch.int32, device=device)
+    return Inputs((q, k_cache, v_cache, cache_seqlens))
+
+
+def _bytes(shape, dtype, pass_):
+    batch, s_q, h_q, h_kv, length, d = shape
+    # K and V cache read once (GQA packing: once per kv head, not per query head) + q read + out written
+    return tensor_bytes((2, batch, length, h_kv, d), dtype) + 2 * tensor_bytes((batch, s_q, h_q, d), dtype)
+
+
+def _sdpa_on_slices(backend):
+    """A peer with attention_decode's signature: torch SDPA (``enable_gqa``, q's dtype) on each
+    row's contiguous cache slice ``[:seqlen_k]`` (one batched call when all rows have the same
+    length), after the same in-place append; ``backend`` None = SDPA's own choice."""
+
+    def run(q, k_cache, v_cache, cache_seqlens, block_table=None, k_new=None, v_new=None, causal=True,
+            window=(-1, -1), softcap=0.0, scale=None, return_lse=False, num_splits=None):
+        import torch.nn.functional as F
+        from torch.nn.attention import sdpa_kernel
+
+        if softcap or return_lse:
+            raise NotImplementedError("torch SDPA has no softcap and returns no lse")
+        left, right = normalize_window(causal, window)
+        s_q = q.shape[1]
+        if k_new is not None:
+            _append_op(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table)
+        lengths = [n + (s_q if k_new is not None else 0) for n in cache_seqlens.tolist()]
+
+        def attend(rows, n):
+            if block_table is None:
+                k, v = k_cache[rows, :n], v_cache[rows, :n]
+            else:
+                k = torch.stack([_row_keys(k_cache, block_table, b, n) for b in range(rows.start, rows.stop)])
+                v = torch.stack([_row_keys(v_cache, block_table, b, n) for b in range(rows.start, rows.stop)])
+            mask = None    # only when some query cannot see every key (causal decode of 1 query: none)
+            if left >= 0 or 0 <= right < s_q - 1:
+                mask = visible_mask(s_q, n, left, right, device=q.device)
+            with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
+                o = F.scaled_dot_product_attention(q[rows].transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                   attn_mask=mask, scale=scale, enable_gqa=True)
+            return o.transpose(1, 2)
+
+        if len(set(lengths)) <= 1:
+            return attend(slice(0, q.shape[0]), lengths[0] if lengths else 0)
+        return torch.cat([attend(slice(b, b + 1), n) for b, n in enumerate(lengths)])
+
+    return run
+
+
+def _torch_peer():
+    """The reference peer: SDPA's math backend (PyTorch's plain same-dtype attention)."""
+    from torch.nn.attention import SDPBackend
+    return _sdpa_on_slices(SDPBackend.MATH)
+
+
+register(OpSpec(
+    name="attention_decode",
+    fn=attention_decode,
+    reference=attention_decode_reference,
+    make_inputs=_make_inputs,
+    bytes_fn=_bytes,
+    test_shapes=[(1, 1, 4, 1, 37, 32), (2, 3, 4, 2, 50, 16), (3, 1, 6, 3, 20, 8), (2, 16, 2, 2, 64, 64)],
+    gpu_test_shapes=[(16, 1, 32, 8, 8192, 128), (2, 4, 32, 4, 5000, 128), (1, 16, 64, 8, 3000, 256),
+                     (1, 1, 32, 8, 131072, 128)],
+    bench_shapes=[(16, 1, 32, 8, 8192, 128), (1, 1, 32, 8, 32768, 128), (1, 1, 32, 8, 131072, 128)],
+    peers={"torch": _torch_peer, "sdpa": lambda: _sdpa_on_slices(None)},
+    has_backward=False,
+    description="decode attention on a KV cache: split-KV, GQA-packed, paged, in-place append",
+))
