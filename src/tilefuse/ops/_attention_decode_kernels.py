@@ -15,8 +15,7 @@ import triton.language as tl
 from .._launch import fast_launch
 from ._attention_common import apply_softcap, key_range, visible
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+from ._common import LN2, LOG2E
 
 
 
