@@ -7,6 +7,7 @@ kernels through the interpreter when ``TRITON_INTERPRET=1`` is set (see ``tilefu
 from . import optim
 from .ops.activations import bias_act
 from .ops.adamw import adam_step, adamw_step
+from .ops.attention import attention, attention_varlen
 from .ops.attention_decode import attention_decode
 from .ops.cross_entropy import cross_entropy
 from .ops.glu import geglu, swiglu
@@ -19,4 +20,4 @@ __version__ = "0.1.0"
 
 __all__ = ["softmax", "log_softmax", "layer_norm", "rms_norm", "bias_act", "swiglu", "geglu", "rope", "rope_cos_sin_table",
            "adam_step", "adamw_step", "optim",
-           "cross_entropy", "linear_cross_entropy", "attention_decode"]
+           "cross_entropy", "linear_cross_entropy", "attention", "attention_varlen", "attention_decode"]

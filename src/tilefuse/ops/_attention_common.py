@@ -90,10 +90,16 @@ def tanh_via_exp2(x):
 def apply_softcap(s, softcap, HAS_SOFTCAP: tl.constexpr):
     """softcap · tanh(s / softcap) on scaled scores ``s``; also returns ds_out/ds_in for the
     backward (1 - tanh², or 1 when there is no cap)."""
+    # one return statement: the compiler (not the interpreter) rejects returns whose types differ
+    # across constexpr branches ((tensor, tensor) vs (tensor, float))
     if HAS_SOFTCAP:
         t = tanh_via_exp2(s / softcap)
-        return softcap * t, 1.0 - t * t
-    return s, 1.0
+        capped = softcap * t
+        dcap = 1.0 - t * t
+    else:
+        capped = s
+        dcap = 1.0
+    return capped, dcap
 
 
 @triton.jit

@@ -1,0 +1,129 @@
+"""Attention backward sweep on the GPU: a few launch configs of the dq/dk/dv kernels, each checked
+and timed, next to SDPA's FlashAttention-2 and cuDNN backward measured in the same run.
+
+    python scripts/attention_bwd_sweep.py [--d 64 128] [--s 1024 4096 16384] [--configs A B]
+
+bf16, B·S = 16k, H = 16. FLOPs (FlashAttention's convention): backward = 2.5 × 4·B·S²·H·D, × 0.5
+causal. out and lse come from SDPA's flash forward (aten._scaled_dot_product_flash_attention),
+once per shape; only the backward call is timed (triton.testing.do_bench, median). Errors: max
+abs difference of dq/dk/dv from SDPA-flash's gradients, next to cuDNN's own difference from them
+(the noise floor). A config that fails to compile prints an error row; the sweep stops adding
+configs once ~160 s have passed so it stays inside one 3-minute device call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+import triton.testing
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from tilefuse.ops._attention_bwd import launch_attention_backward
+
+# per D: name -> launch config overrides ({} = the defaults: TMA loads, dkdv_config / dq_config).
+# dk/dv kernel: BLOCK_M1 queries per step, BLOCK_N1 keys per program; dq kernel: BLOCK_M2
+# queries per program, BLOCK_N2 keys per step. All spill <= ~150 B in ptxas -v (sm_90a).
+CONFIGS = {
+    64: {
+        "A": {},
+        "A-ptr": {"use_tma": False},
+        "B": dict(BLOCK_M1=32, BLOCK_N1=128, num_warps=8, num_stages=3,
+                  BLOCK_M2=128, BLOCK_N2=32, num_warps_dq=4, num_stages_dq=3),
+        "C": dict(BLOCK_M1=32, BLOCK_N1=64, num_warps=4, num_stages=3,
+                  BLOCK_M2=64, BLOCK_N2=64, num_warps_dq=4, num_stages_dq=3),
+    },
+    128: {
+        "A": {},
+        "A-ptr": {"use_tma": False},
+        "B": dict(BLOCK_M1=32, BLOCK_N1=128, num_warps=8, num_stages=2,
+                  BLOCK_M2=128, BLOCK_N2=32, num_warps_dq=8, num_stages_dq=3),
+        "C": dict(BLOCK_M1=16, BLOCK_N1=128, num_warps=8, num_stages=3,
+                  BLOCK_M2=64, BLOCK_N2=64, num_warps_dq=8, num_stages_dq=2),
+    },
+}
+TIME_BUDGET_S = 160
+
+
+def bwd_flops(b, s, h, d, causal):
+    return 2.5 * 4 * b * s * s * h * d * (0.5 if causal else 1.0)
+
+
+def sdpa_grads_and_ms(backend, q, k, v, do, causal):
+    """(dq, dk, dv) of SDPA with one backend forced, and its backward's median ms."""
+    with sdpa_kernel(backend):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        grads = torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
+        ms = triton.testing.do_bench(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True),
+                                     return_mode="median")
+    return grads, ms
+
+
+def max_err(grads, refs):
+    return max((g.float() - r.float()).abs().max().item() for g, r in zip(grads, refs))
+
+
+def run_shape(d, s, causal, names, started, rows):
+    b, h = 16384 // s, 16
+    scale = d ** -0.5
+    q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    do = torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16)
+    flops = bwd_flops(b, s, h, d, causal)
+    flash, flash_ms = sdpa_grads_and_ms(SDPBackend.FLASH_ATTENTION, q, k, v, do, causal)
+    try:
+        cudnn, cudnn_ms = sdpa_grads_and_ms(SDPBackend.CUDNN_ATTENTION, q, k, v, do, causal)
+        noise = max_err(cudnn, flash)
+    except RuntimeError as exc:   # cuDNN SDPA unavailable in this build
+        print(f"cuDNN: {str(exc)[:120]}")
+        cudnn_ms, noise = float("nan"), float("nan")
+    with torch.no_grad():
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
+    # the flash-attn layout [B, S, H, D], contiguous (tilefuse.attention's own)
+    qs, ks, vs, dos, outs = (t.detach().transpose(1, 2).contiguous() for t in (q, k, v, do, out))
+    flash_bshd = [g.transpose(1, 2) for g in flash]
+    tf = lambda ms: flops / ms / 1e9   # noqa: E731 - TFLOP/s from ms
+    for name in names:
+        label = f"D={d:<3} S={s:<5} {'causal' if causal else 'full  '} {name}"
+        if time.time() - started > TIME_BUDGET_S:
+            rows.append(f"{label} | skipped (time budget)")
+            continue
+        cfg = CONFIGS[d][name]
+        fn = lambda: launch_attention_backward(   # noqa: E731
+            dos, qs, ks, vs, outs, lse, scale=scale, window_right=0 if causal else None, config=cfg)
+        try:
+            err = max_err(fn(), flash_bshd)
+            ms = triton.testing.do_bench(fn, return_mode="median")
+        except Exception as exc:  # noqa: BLE001 - a config that fails to compile is an error row
+            rows.append(f"{label} | ERROR {type(exc).__name__}: {str(exc)[:150]}")
+            print(rows[-1], flush=True)
+            continue
+        flag = "" if err <= 4 * noise + 2e-2 or noise != noise else "  WRONG?"
+        rows.append(f"{label} | err {err:.3g} (cudnn {noise:.3g}){flag} | {ms * 1e3:8.0f} us {tf(ms):6.0f} TF/s"
+                    f" | flash {tf(flash_ms):5.0f} cudnn {tf(cudnn_ms):5.0f} | x{flash_ms / ms:.2f} flash"
+                    f" x{cudnn_ms / ms:.2f} cudnn")
+        print(rows[-1], flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--d", type=int, nargs="+", default=[128, 64])   # D=128 first: the headline
+    ap.add_argument("--s", type=int, nargs="+", default=[1024, 4096, 16384])
+    ap.add_argument("--configs", nargs="+", default=None, help="config names (default: all)")
+    args = ap.parse_args()
+    print(torch.cuda.get_device_name(), torch.__version__, triton.__version__)
+    started, rows = time.time(), []
+    for d in args.d:
+        names = args.configs or list(CONFIGS[d])
+        for causal in (False, True):
+            for s in args.s:
+                run_shape(d, s, causal, names, started, rows)
+    print("\nshape / config | max abs err vs SDPA-flash grads | time, TFLOP/s | SDPA TFLOP/s | speed-up")
+    for r in rows:
+        print(r)
+    print(f"total {time.time() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,373 @@
+"""FlashAttention forward kernel (dense and varlen) and its launcher.
+
+Masking rule, softcap, lse convention and layouts: ``_attention_common``'s docstring. Per
+(batch, query head, block of BLOCK_M queries), one program runs the online softmax over the key
+blocks the block can see (FlashAttention-2), in the log2 domain::
+
+    s2[i, j] = log2(e) · s[i, j]                      (scale·log2(e) folded into one multiply)
+    m_i      = max_j s2[i, j]            (running)
+    l_i      = Σ_j exp2(s2[i, j] - m_i)  (running, rescaled by exp2(m_old - m_new))
+    acc_i    = Σ_j exp2(s2[i, j] - m_i) · v_j
+    out_i    = acc_i / l_i               (normalized once, after the loop)
+    lse_i    = ln(2) · (m_i + log2(l_i)) (-inf, and out_i = 0, for a row that sees no key)
+
+Key blocks are walked in three ranges: masked blocks on the window's left edge, the unmasked
+interior (every key exists and is visible to every query of the block: no mask arithmetic at
+all), and masked blocks on the right edge (the causal diagonal, the window's right edge and the
+sequence tail). Blocks outside ``key_range`` are never touched, so causal and windowed
+attention do proportionally less work.
+
+Loads go through one of three paths (``LOAD`` constexpr):
+
+* ``"desc_bhsd"``: host TMA descriptors over the ``[B, S, H, D]`` memory viewed as
+  ``[B, H, S, D]`` (permuted strides) with ``[1, 1, BLOCK, BLOCK_D]`` blocks: exact per-batch
+  bounds and zero fill past S and D from the hardware, a plain 2-D tile after dropping the unit
+  dims. The default for dense inputs whose pointer and strides are 16-byte aligned.
+* ``"desc_bshd"``: the same over the natural ``[B, S, H, D]`` order with ``[1, BLOCK, 1,
+  BLOCK_D]`` blocks (kept for the sweep: which of the two Triton lowers better).
+* ``"ptr"``: masked pointer loads with int64 offsets; varlen (per-sequence bounds come from
+  ``cu_seqlens``) and unaligned inputs.
+
+D that is not a power of two is padded to BLOCK_D inside the kernel (masked / zero-filled loads:
+zero columns change neither q·k nor the output columns that are stored).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from .._dispatch import empty
+from .._launch import fast_launch
+from ._attention_common import key_range, tanh_via_exp2, visible
+
+LOG2E = 1.4426950408889634
+LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
+LOAD_MODES = ("ptr", "desc_bhsd", "desc_bshd")
+DEFAULT_DENSE_LOAD = "desc_bhsd"    # switch to "desc_bshd" / "ptr" here if a GPU run says so
+
+# ----------------------------------------------------------------------------------------------
+# kernel
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _load_rows(src, b, h, start, base, row_stride, n_rows,
+               HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr, LOAD: tl.constexpr):
+    """[ROWS, BLOCK_D] tile of rows start .. start + ROWS - 1 of head h (zeros past n_rows / D)."""
+    if LOAD == "desc_bhsd":
+        x = src.load([b, h, start, 0]).reshape([ROWS, BLOCK_D])
+    elif LOAD == "desc_bshd":
+        x = src.load([b, start, h, 0]).reshape([ROWS, BLOCK_D])
+    else:
+        rows = start + tl.arange(0, ROWS)
+        cols = tl.arange(0, BLOCK_D)
+        offs = base + rows.to(tl.int64)[:, None] * row_stride + cols[None, :]
+        x = tl.load(src + offs, mask=(rows < n_rows)[:, None] & (cols < HEAD_DIM)[None, :], other=0.0)
+    return x
+
+
+@triton.jit
+def _attend_key_blocks(acc, l_i, m_i, q_tile, k, v, start, end, b, hk, k_base, v_base,
+                       stride_ks, stride_vs, seqlen_k, offs_m, shift, score_scale, softcap_log2,
+                       window_left, window_right,
+                       HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                       MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                       HAS_SOFTCAP: tl.constexpr, LOAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                       WARP_SPECIALIZE: tl.constexpr):
+    """Online-softmax update over key blocks start, start + BLOCK_N, .. < end (module docstring).
+    MASKED=False: the caller guarantees every key of these blocks is visible to every query."""
+    for start_n in tl.range(start, end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+        k_tile = _load_rows(k, b, hk, start_n, k_base, stride_ks, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, LOAD)
+        qk = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION)
+        if HAS_SOFTCAP:   # s2 = log2(e)·softcap·tanh(scale·qk / softcap)
+            s2 = tanh_via_exp2(qk * score_scale) * softcap_log2
+        else:             # s2 = log2(e)·scale·qk
+            s2 = qk * score_scale
+        if MASKED:
+            ok = visible(offs_m, start_n + tl.arange(0, BLOCK_N), seqlen_k, shift, window_left,
+                         window_right, HAS_LEFT, HAS_RIGHT)
+            s2 = tl.where(ok, s2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s2, 1))
+            # a row with no visible key so far keeps m = -inf; subtract 0 there (exp2(-inf) = 0, not NaN)
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s2, 1))
+            m_use = m_new
+        p = tl.exp2(s2 - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_tile = _load_rows(v, b, hk, start_n, v_base, stride_vs, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, LOAD)
+        acc = tl.dot(p.to(v_tile.dtype), v_tile, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _unmasked_key_blocks(start_m, lo, seqlen_k, shift, window_left, window_right,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """(lo_aligned, full_lo, full_hi): key blocks [full_lo, full_hi) (multiples of BLOCK_N) whose
+    keys all exist and are visible to all queries start_m .. start_m + BLOCK_M - 1, i.e.
+    min d >= -left and max d <= right over the block (d = j - i - shift). Empty: both lo_aligned."""
+    lo_aligned = (lo // BLOCK_N) * BLOCK_N
+    full_lo = lo_aligned
+    if HAS_LEFT:   # start_n - (start_m + BLOCK_M - 1) - shift >= -left
+        first = tl.maximum(start_m + BLOCK_M - 1 + shift - window_left, 0)
+        full_lo = tl.maximum(full_lo, tl.cdiv(first, BLOCK_N) * BLOCK_N)
+    end = seqlen_k
+    if HAS_RIGHT:  # start_n + BLOCK_N - 1 - start_m - shift <= right
+        end = tl.minimum(end, start_m + shift + window_right + 1)
+    full_hi = (tl.maximum(end, 0) // BLOCK_N) * BLOCK_N
+    empty_range = full_hi <= full_lo
+    return lo_aligned, tl.where(empty_range, lo_aligned, full_lo), tl.where(empty_range, lo_aligned, full_hi)
+
+
+@fast_launch
+@triton.jit
+def attention_fwd_kernel(
+    q,                  # *q [B, S_q, H_q, D] (varlen [total_q, H_q, D]), or a TMA descriptor of it
+    k,                  # *k [B, S_k, H_kv, D] (varlen [total_k, H_kv, D]), or a descriptor
+    v,                  # *v, as k
+    out,                # *out [B, S_q, H_q, D] (varlen [total_q, H_q, D]), q's dtype, or a descriptor
+    lse_ptr,            # *lse float32 [B, H_q, S_q] (varlen [H_q, total_q])
+    cu_seqlens_q_ptr,   # *int32 [B + 1] query offsets (varlen; unused otherwise)
+    cu_seqlens_k_ptr,   # *int32 [B + 1] key offsets (varlen; unused otherwise)
+    stride_qb, stride_qs, stride_qh,   # q strides in elements (batch 0 for varlen); D stride is 1
+    stride_kb, stride_ks, stride_kh,   # k strides
+    stride_vb, stride_vs, stride_vh,   # v strides
+    stride_ob, stride_os, stride_oh,   # out strides
+    stride_lb, stride_lh,              # lse strides (batch, head); unit stride along queries
+    seqlen_q,           # S_q (dense; varlen reads each sequence's from cu_seqlens_q)
+    seqlen_k,           # S_k (dense; varlen from cu_seqlens_k)
+    n_heads_q,          # H_q
+    group_size,         # H_q // H_kv: query heads sharing one key/value head
+    score_scale,        # scale·log2(e), or scale / softcap with softcap
+    softcap_log2,       # softcap·log2(e) (unused without softcap)
+    window_left,        # keys visible down to d >= -window_left (HAS_LEFT)
+    window_right,       # keys visible up to d <= window_right (HAS_RIGHT; may be negative)
+    HEAD_DIM: tl.constexpr,        # D
+    BLOCK_D: tl.constexpr,         # D padded to a power of two >= 16
+    BLOCK_M: tl.constexpr,         # queries per program
+    BLOCK_N: tl.constexpr,         # keys per inner step
+    HAS_LEFT: tl.constexpr,        # a left window bound exists
+    HAS_RIGHT: tl.constexpr,       # a right bound exists (causal is right = 0)
+    HAS_SOFTCAP: tl.constexpr,     # softcap > 0
+    IS_VARLEN: tl.constexpr,       # packed sequences with cu_seqlens
+    LOAD: tl.constexpr,            # "ptr", "desc_bhsd" or "desc_bshd" (module docstring)
+    DOT_PRECISION: tl.constexpr,   # "ieee" for fp32 inputs (no tf32), None otherwise
+    REVERSE_M: tl.constexpr,       # heavy (late, causal) query blocks first: shorter tail
+    WARP_SPECIALIZE: tl.constexpr,  # hook for tl.range(warp_specialize=...) on the interior loop
+):
+    pid_m = tl.program_id(0)
+    if REVERSE_M:
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    pid_bh = tl.program_id(1)
+    b = pid_bh // n_heads_q
+    h = pid_bh % n_heads_q
+    hk = h // group_size
+    if IS_VARLEN:
+        row0_q = tl.load(cu_seqlens_q_ptr + b)
+        seqlen_q = tl.load(cu_seqlens_q_ptr + b + 1) - row0_q
+        row0_k = tl.load(cu_seqlens_k_ptr + b)
+        seqlen_k = tl.load(cu_seqlens_k_ptr + b + 1) - row0_k
+    else:
+        row0_q = 0
+        row0_k = 0
+    start_m = pid_m * BLOCK_M
+    if start_m >= seqlen_q:   # varlen: the grid covers max_seqlen_q
+        return
+    shift = seqlen_k - seqlen_q
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    b64 = b.to(tl.int64)
+    q_base = b64 * stride_qb + tl.cast(row0_q, tl.int64) * stride_qs + h.to(tl.int64) * stride_qh
+    k_base = b64 * stride_kb + tl.cast(row0_k, tl.int64) * stride_ks + hk.to(tl.int64) * stride_kh
+    v_base = b64 * stride_vb + tl.cast(row0_k, tl.int64) * stride_vs + hk.to(tl.int64) * stride_vh
+
+    q_tile = _load_rows(q, b, h, start_m, q_base, stride_qs, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, LOAD)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    lo, hi = key_range(start_m, BLOCK_M, seqlen_k, shift, window_left, window_right, HAS_LEFT, HAS_RIGHT)
+    lo_aligned, full_lo, full_hi = _unmasked_key_blocks(start_m, lo, seqlen_k, shift, window_left,
+                                                        window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    # left edge of a window (masked), interior (unmasked), right edge / diagonal / tail (masked)
+    acc, l_i, m_i = _attend_key_blocks(
+        acc, l_i, m_i, q_tile, k, v, lo_aligned, full_lo, b, hk, k_base, v_base, stride_ks, stride_vs,
+        seqlen_k, offs_m, shift, score_scale, softcap_log2, window_left, window_right,
+        HEAD_DIM, BLOCK_N, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, LOAD, DOT_PRECISION, False)
+    acc, l_i, m_i = _attend_key_blocks(
+        acc, l_i, m_i, q_tile, k, v, full_lo, full_hi, b, hk, k_base, v_base, stride_ks, stride_vs,
+        seqlen_k, offs_m, shift, score_scale, softcap_log2, window_left, window_right,
+        HEAD_DIM, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, LOAD, DOT_PRECISION,
+        WARP_SPECIALIZE)
+    acc, l_i, m_i = _attend_key_blocks(
+        acc, l_i, m_i, q_tile, k, v, full_hi, hi, b, hk, k_base, v_base, stride_ks, stride_vs,
+        seqlen_k, offs_m, shift, score_scale, softcap_log2, window_left, window_right,
+        HEAD_DIM, BLOCK_N, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, LOAD, DOT_PRECISION, False)
+
+    # deferred normalization; rows that saw no key: l = 0 -> out 0, lse = -inf (m = -inf)
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    o = (acc / l_safe[:, None]).to(q_tile.dtype)
+    lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
+    lse_offs = b64 * stride_lb + h.to(tl.int64) * stride_lh + tl.cast(row0_q, tl.int64) + offs_m
+    tl.store(lse_ptr + lse_offs, lse, mask=offs_m < seqlen_q)
+    if LOAD == "desc_bhsd":
+        out.store([b, h, start_m, 0], o.reshape([1, 1, BLOCK_M, BLOCK_D]))
+    elif LOAD == "desc_bshd":
+        out.store([b, start_m, h, 0], o.reshape([1, BLOCK_M, 1, BLOCK_D]))
+    else:
+        cols = tl.arange(0, BLOCK_D)
+        o_base = b64 * stride_ob + tl.cast(row0_q, tl.int64) * stride_os + h.to(tl.int64) * stride_oh
+        o_offs = o_base + offs_m.to(tl.int64)[:, None] * stride_os + cols[None, :]
+        tl.store(out + o_offs, o, mask=(offs_m < seqlen_q)[:, None] & (cols < HEAD_DIM)[None, :])
+
+
+# ----------------------------------------------------------------------------------------------
+# launch heuristics
+# ----------------------------------------------------------------------------------------------
+
+
+def head_block(head_dim: int) -> int:
+    """D padded to a power of two, at least 16 (tl.dot's smallest K)."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def fwd_tile_config(block_d: int, dtype: torch.dtype, on_gpu: bool) -> dict:
+    """BLOCK_M, BLOCK_N, num_warps, num_stages for one head-dim block (H100/H200 first guesses;
+    scripts/attention_sweep.py measures the alternatives)."""
+    if not on_gpu:      # interpreter: small tiles so tiny test shapes still cross block edges
+        return {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+    if dtype == torch.float32:   # 4-byte tiles: half the rows for the same shared memory
+        return {"BLOCK_M": 64, "BLOCK_N": 64 if block_d <= 128 else 32, "num_warps": 4, "num_stages": 2}
+    if block_d <= 64:    # two warpgroups of 64 rows; K/V tiles small enough for 3 stages
+        return {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
+    if block_d <= 128:   # q 32 KB + 2 stages x (k, v) 64 KB: fits 227 KB with room for layout copies
+        return {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2}
+    return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}   # D 256: 64 KB q tile
+
+
+def _desc_strides(t: torch.Tensor) -> list[int]:
+    """t's strides with size-1 dims given a 16-byte one (their coordinate is always 0, but TMA
+    still checks the stride's alignment; torch leaves arbitrary strides on size-1 dims)."""
+    unit = 16 // t.element_size()
+    return [s if n > 1 else unit for n, s in zip(t.shape, t.stride())]
+
+
+def descriptors_fit(*tensors: torch.Tensor) -> bool:
+    """Every tensor non-empty, 16-byte aligned, with 16-byte aligned strides (TMA's rules)."""
+    for t in tensors:
+        if t.numel() == 0 or t.data_ptr() % 16 or t.stride(-1) != 1:
+            return False
+        if any((s * t.element_size()) % 16 for s in _desc_strides(t)[:-1]):
+            return False
+    return True
+
+
+def _descriptor(t: torch.Tensor, load: str, rows: int, block_d: int) -> TensorDescriptor:
+    """TMA descriptor of a [B, S, H, D] tensor for LOAD mode ``load`` (module docstring)."""
+    sb, ss, sh, _ = _desc_strides(t)
+    b, s, h, d = t.shape
+    if load == "desc_bhsd":
+        return TensorDescriptor(t, [b, h, s, d], [sb, sh, ss, 1], [1, 1, rows, block_d])
+    return TensorDescriptor(t, [b, s, h, d], [sb, ss, sh, 1], [1, rows, 1, block_d])
+
+
+# ----------------------------------------------------------------------------------------------
+# launcher (inputs already validated by the public function)
+# ----------------------------------------------------------------------------------------------
+
+
+def attention_forward(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                      max_seqlen_k=None, *, scale: float, window_left: Optional[int] = None,
+                      window_right: Optional[int] = None, softcap: float = 0.0,
+                      config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse). Dense: q [B, S_q, H_q, D], k/v [B, S_k, H_kv, D], lse [B, H_q, S_q]. Varlen
+    (cu_seqlens given): packed [total, H, D], lse [H_q, total_q]. Window bounds: None for
+    unbounded, any int otherwise (a negative right bound is allowed: the SDPA wrapper's top-left
+    causal). ``config`` overrides fwd_tile_config's keys and may set LOAD and WARP_SPECIALIZE."""
+    varlen = cu_seqlens_q is not None
+    head_dim = q.shape[-1]
+    block_d = head_block(head_dim)
+    on_gpu = q.device.type == "cuda"
+    cfg = dict(fwd_tile_config(block_d, q.dtype, on_gpu))
+    cfg["LOAD"] = "ptr" if varlen else DEFAULT_DENSE_LOAD
+    cfg["WARP_SPECIALIZE"] = False
+    cfg.update(config or {})
+    if cfg["LOAD"] not in LOAD_MODES or (varlen and cfg["LOAD"] != "ptr"):
+        raise ValueError(f"config LOAD={cfg['LOAD']!r}: one of {LOAD_MODES}; varlen takes 'ptr' only")
+
+    out = empty(q.shape, q.dtype, q.device)
+    if varlen:
+        batch, n_heads_q, total_q = cu_seqlens_q.shape[0] - 1, q.shape[1], q.shape[0]
+        n_heads_kv = k.shape[1]
+        lse = empty((n_heads_q, total_q), torch.float32, q.device)
+        seqlen_q, seqlen_k = max_seqlen_q, max_seqlen_k
+        keys_exist = k.shape[0] > 0
+        lse_strides = (0, lse.stride(0))
+        # packed tensors as [1, total, H, D] with batch stride 0 (sequences start at cu_seqlens
+        # rows), so dense and varlen share the stride arguments
+        q4, k4, v4, o4 = (t.unsqueeze(0).as_strided((1,) + t.shape, (0,) + t.stride()) for t in (q, k, v, out))
+    else:
+        batch, seqlen_q, n_heads_q, _ = q.shape
+        seqlen_k, n_heads_kv = k.shape[1], k.shape[2]
+        lse = empty((batch, n_heads_q, seqlen_q), torch.float32, q.device)
+        keys_exist = seqlen_k > 0
+        lse_strides = (lse.stride(0), lse.stride(1))
+        q4, k4, v4, o4 = q, k, v, out
+    if out.numel() == 0 and lse.numel() == 0:
+        return out, lse
+    if not keys_exist:    # no key anywhere: every row sees nothing (out 0, lse -inf)
+        return out.zero_(), lse.fill_(float("-inf"))
+    if cfg["LOAD"] != "ptr" and not descriptors_fit(q, k, v, out):
+        cfg["LOAD"] = "ptr"
+
+    load = cfg["LOAD"]
+    block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    if load == "ptr":
+        q_arg, k_arg, v_arg, o_arg = q4, k4, v4, o4
+    else:
+        q_arg, o_arg = (_descriptor(t, load, block_m, block_d) for t in (q, out))
+        k_arg, v_arg = (_descriptor(t, load, block_n, block_d) for t in (k, v))
+    has_softcap = softcap > 0
+    score_scale = scale / softcap if has_softcap else scale * LOG2E
+    cu_q = cu_seqlens_q if varlen else lse     # any pointer: never read when not varlen
+    cu_k = cu_seqlens_k if varlen else lse
+    grid = (triton.cdiv(seqlen_q, block_m), batch * n_heads_q)
+    if grid[0] == 0 or grid[1] == 0:
+        return out, lse
+    # descriptors are not plain launch arguments for fast_launch's cache: a callable grid takes
+    # Triton's own launch path (host cost ~20 us, against milliseconds of kernel at these sizes)
+    launch_grid = grid if load == "ptr" else (lambda meta: grid)
+    attention_fwd_kernel[launch_grid](
+        q_arg, k_arg, v_arg, o_arg, lse, cu_q, cu_k,
+        q4.stride(0), q4.stride(1), q4.stride(2),
+        k4.stride(0), k4.stride(1), k4.stride(2),
+        v4.stride(0), v4.stride(1), v4.stride(2),
+        o4.stride(0), o4.stride(1), o4.stride(2),
+        lse_strides[0], lse_strides[1],
+        seqlen_q, seqlen_k, n_heads_q, n_heads_q // n_heads_kv,
+        score_scale, softcap * LOG2E,
+        window_left if window_left is not None else 0,
+        window_right if window_right is not None else 0,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
+        HAS_LEFT=window_left is not None, HAS_RIGHT=window_right is not None,
+        HAS_SOFTCAP=has_softcap, IS_VARLEN=varlen, LOAD=load,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
+        REVERSE_M=window_right is not None, WARP_SPECIALIZE=cfg["WARP_SPECIALIZE"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return out, lse
+
+
+def attention_flops(batch: int, seqlen_q: int, seqlen_k: int, n_heads_q: int, head_dim: int,
+                    causal: bool) -> int:
+    """FlashAttention's convention: 4·B·S_q·S_k·H·D (two matmuls), halved for causal with S_q == S_k."""
+    flops = 4 * batch * seqlen_q * seqlen_k * n_heads_q * head_dim
+    return flops // 2 if causal and seqlen_q == seqlen_k else flops
+

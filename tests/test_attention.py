@@ -1,0 +1,334 @@
+"""attention / attention_varlen forward and the SDPA wrapper, beyond the registry sweep.
+
+Rule (flash-attn's): the kernel's max abs error vs the fp64 reference is at most twice the error
+PyTorch makes in the same dtype (plain matmul / softmax in that dtype) plus a small atol; fp32
+runs by relative error norm. Cases: MHA/GQA/MQA, causal with S_q != S_k both ways, windows,
+softcap, custom scale, padded head dims, lengths off the tile, S_q = 1, empties, varlen with
+sequences of length 0 and 1, every load path of the kernel, the SDPA wrapper (top-left causal),
+torch.compile, the CPU reference path and bad input. Gradients end to end when the backward
+module is present (its own tests are tests/test_attention_bwd.py).
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import CPU_DTYPES, DEVICE, HAS_CUDA
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tilefuse.nn.functional import scaled_dot_product_attention
+from tilefuse.ops import attention as attention_module   # registers the ops
+from tilefuse.ops._attention_common import attention_reference, attention_varlen_reference, visible_mask
+from tilefuse.ops._attention_fwd_kernels import LOAD_MODES, attention_forward
+from tilefuse.ops.attention import attention, attention_varlen
+from tilefuse.testing import rel_err
+
+DTYPES = CPU_DTYPES + ((torch.bfloat16,) if HAS_CUDA else ())
+ATOL = {torch.float16: 1e-3, torch.bfloat16: 8e-3}
+
+
+def _rand(shape, dtype, grad=False):
+    return torch.randn(shape, device=DEVICE).to(dtype).requires_grad_(grad)
+
+
+def _torch_same_dtype(q, k, v, causal, window, softcap, scale):
+    """(out, lse) by plain PyTorch ops in q's dtype: the baseline error of the flash-attn rule."""
+    left, right = attention_module.normalize_window(causal, window)
+    scale = attention_module.normalize_scale(scale, q.shape[-1])
+    group = q.shape[2] // k.shape[2]
+    qt = q.transpose(1, 2)
+    kt, vt = (t.transpose(1, 2).repeat_interleave(group, 1) for t in (k, v))
+    s = (qt @ kt.transpose(-1, -2)) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    ok = visible_mask(q.shape[1], k.shape[1], left, right, device=q.device)
+    s = s.masked_fill(~ok, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.softmax(s, -1).nan_to_num(0.0)
+    return (p @ vt).transpose(1, 2), lse
+
+
+def _max_err(x, ref):
+    fin = torch.isfinite(ref)
+    assert torch.equal(torch.isinf(x), torch.isinf(ref)), "-inf rows differ"
+    return (x.double()[fin] - ref.double()[fin]).abs().max().item() if fin.any() else 0.0
+
+
+def _check_dense(q, k, v, causal=False, window=(-1, -1), softcap=0.0, scale=None, config=None):
+    kw = dict(causal=causal, window=window, softcap=softcap, scale=scale)
+    if config is None:
+        out, lse = attention(q, k, v, return_lse=True, **kw)
+    else:   # a specific launch config of the kernel (load path, tiles)
+        left, right = attention_module._bounds(causal, window)
+        out, lse = attention_forward(q, k, v, scale=attention_module.normalize_scale(scale, q.shape[-1]),
+                                     window_left=left, window_right=right, softcap=softcap, config=config)
+    ref, ref_lse = attention_reference(q.double(), k.double(), v.double(), return_lse=True, **kw)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == torch.float32
+    if q.dtype == torch.float32:
+        assert rel_err(out, ref) <= 1e-5 and rel_err(lse, ref_lse) <= 1e-5
+        return
+    base_out, base_lse = _torch_same_dtype(q, k, v, causal, window, softcap, scale)
+    assert _max_err(out, ref) <= 2 * _max_err(base_out, ref) + ATOL[q.dtype]
+    assert _max_err(lse, ref_lse) <= 2 * _max_err(base_lse.float(), ref_lse) + ATOL[q.dtype]
+
+
+# (B, S_q, S_k, H_q, H_kv, D, causal, window, softcap, scale)
+CASES = [
+    (2, 19, 19, 2, 2, 32, False, (-1, -1), 0.0, None),      # MHA
+    (1, 23, 37, 4, 2, 24, True, (-1, -1), 0.0, None),       # GQA, causal S_q < S_k
+    (1, 37, 23, 3, 1, 40, True, (-1, -1), 0.0, None),       # MQA, causal S_q > S_k: rows see nothing
+    (1, 33, 33, 2, 1, 64, False, (5, -1), 0.0, None),       # left window only
+    (1, 30, 41, 2, 2, 16, False, (-1, 4), 0.0, None),       # right window only
+    (2, 35, 28, 2, 2, 8, True, (6, 3), 0.0, None),          # both (causal tightens right to 0)
+    (1, 29, 29, 2, 2, 32, True, (-1, -1), 3.0, None),       # softcap
+    (1, 17, 40, 2, 1, 48, False, (-1, -1), 0.0, 0.37),      # custom scale, D padded to 64
+    (2, 1, 21, 2, 2, 32, True, (-1, -1), 0.0, None),        # S_q = 1 (decode-like)
+    (1, 48, 48, 2, 2, 32, True, (-1, -1), 0.0, None),       # lengths a multiple of the tile
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c[:6])) + f"-c{int(c[6])}-w{c[7]}-s{c[8]}")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dense_matches_reference(case, dtype):
+    b, s_q, s_k, h_q, h_kv, d, causal, window, softcap, scale = case
+    q, k, v = _rand((b, s_q, h_q, d), dtype), _rand((b, s_k, h_kv, d), dtype), _rand((b, s_k, h_kv, d), dtype)
+    _check_dense(q, k, v, causal, window, softcap, scale)
+
+
+@pytest.mark.parametrize("load", LOAD_MODES)
+def test_every_load_path(load):
+    q = _rand((2, 21, 4, 40), torch.float32)
+    k, v = _rand((2, 34, 2, 40), torch.float32), _rand((2, 34, 2, 40), torch.float32)
+    _check_dense(q, k, v, causal=True, config={"LOAD": load})
+    _check_dense(q, k, v, window=(7, 2), softcap=2.0, config={"LOAD": load, "BLOCK_M": 32, "BLOCK_N": 16})
+
+
+def test_strided_inputs():
+    """q, k, v as views into one packed qkv tensor, and [B, H, S, D] tensors transposed."""
+    qkv = _rand((2, 25, 3, 4, 32), torch.float32)
+    _check_dense(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], causal=True)
+    q, k, v = (_rand((2, 4, 25, 32), torch.float32).transpose(1, 2) for _ in range(3))
+    _check_dense(q, k, v)
+    _check_dense(q[..., :24], k[..., :24], v[..., :24], config={"LOAD": "desc_bhsd"})   # rows not 16-B aligned
+
+
+@settings(max_examples=8, deadline=None)
+@given(s_q=st.integers(1, 40), s_k=st.integers(1, 40), group=st.sampled_from([1, 2]), d=st.sampled_from([8, 24, 32]),
+       causal=st.booleans(), left=st.integers(-1, 12), right=st.integers(-1, 12), softcap=st.sampled_from([0.0, 4.0]))
+def test_random_shapes(s_q, s_k, group, d, causal, left, right, softcap):
+    q = _rand((1, s_q, 2 * group, d), torch.float32)
+    k, v = _rand((1, s_k, 2, d), torch.float32), _rand((1, s_k, 2, d), torch.float32)
+    _check_dense(q, k, v, causal, (left, right), softcap)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (4, 2))])
+def test_varlen_matches_reference(dtype, causal, window):
+    lens_q, lens_k = [17, 0, 1, 9, 33, 1], [20, 5, 0, 1, 33, 1]
+    cu_q = torch.tensor([0] + torch.tensor(lens_q).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0] + torch.tensor(lens_k).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    q = _rand((sum(lens_q), 4, 24), dtype)
+    k, v = _rand((sum(lens_k), 2, 24), dtype), _rand((sum(lens_k), 2, 24), dtype)
+    out, lse = attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal, window=window,
+                                return_lse=True)
+    ref, ref_lse = attention_varlen_reference(q.double(), k.double(), v.double(), cu_q, cu_k, causal=causal,
+                                              window=window, return_lse=True)
+    assert out.shape == q.shape and lse.shape == (4, sum(lens_q))
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    assert rel_err(out, ref) <= tol and rel_err(lse, ref_lse) <= 1e-5
+    # a sequence equals the dense op on it alone (the 4th: 9 queries, 1 key at rows 25..25)
+    dense = attention(q[18:27][None], k[25:26][None], v[25:26][None], causal=causal, window=window)
+    assert rel_err(out[18:27], dense[0]) <= tol
+
+
+@pytest.mark.parametrize("s_q,s_k,h_q,h_kv", [(19, 19, 2, 2), (29, 13, 4, 2), (13, 29, 4, 1), (1, 9, 2, 2)])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_sdpa_wrapper(s_q, s_k, h_q, h_kv, is_causal):
+    """Top-left causal as torch's SDPA, GQA via enable_gqa, [B, H, S, D] in and out."""
+    q = _rand((2, h_q, s_q, 32), torch.float32)
+    k, v = _rand((2, h_kv, s_k, 32), torch.float32), _rand((2, h_kv, s_k, 32), torch.float32)
+    gqa = h_q != h_kv
+    out = scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=gqa, scale=0.2)
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=is_causal,
+                                         enable_gqa=gqa, scale=0.2)
+    assert out.shape == ref.shape and rel_err(out, ref) <= 1e-5
+
+
+def test_sdpa_wrapper_fallbacks():
+    """attn_mask, dropout and unsupported head dims run torch's SDPA (the same numbers)."""
+    q, k, v = (_rand((1, 2, 9, 32), torch.float32) for _ in range(3))
+    mask = torch.rand(9, 9, device=DEVICE) > 0.3
+    assert torch.equal(scaled_dot_product_attention(q, k, v, attn_mask=mask),
+                       F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+    q12, k12, v12 = (_rand((1, 2, 9, 12), torch.float32) for _ in range(3))
+    assert torch.equal(scaled_dot_product_attention(q12, k12, v12), F.scaled_dot_product_attention(q12, k12, v12))
+    torch.manual_seed(3)
+    a = scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+    torch.manual_seed(3)
+    assert torch.equal(a, F.scaled_dot_product_attention(q, k, v, dropout_p=0.5))
+    k1, v1 = k[:, :1], v[:, :1]             # 2 query heads, 1 kv head, no enable_gqa: torch broadcasts
+    assert torch.equal(scaled_dot_product_attention(q, k1, v1), F.scaled_dot_product_attention(q, k1, v1))
+    k3 = _rand((1, 3, 9, 32), torch.float32)
+    with pytest.raises(RuntimeError):       # head counts that do not match: torch's own error
+        scaled_dot_product_attention(q, k3, k3)
+
+
+def test_empty():
+    f32 = torch.float32
+    assert attention(_rand((0, 5, 2, 16), f32), _rand((0, 7, 2, 16), f32), _rand((0, 7, 2, 16), f32)).shape == (0, 5, 2, 16)
+    out, lse = attention(_rand((2, 0, 2, 16), f32), _rand((2, 7, 2, 16), f32), _rand((2, 7, 2, 16), f32), return_lse=True)
+    assert out.shape == (2, 0, 2, 16) and lse.shape == (2, 2, 0)
+    out, lse = attention(_rand((2, 3, 2, 16), f32), _rand((2, 0, 1, 16), f32), _rand((2, 0, 1, 16), f32), return_lse=True)
+    assert torch.equal(out, torch.zeros_like(out)) and bool((lse == float("-inf")).all())
+    cu = torch.zeros(4, dtype=torch.int32, device=DEVICE)
+    out, lse = attention_varlen(_rand((0, 2, 16), f32), _rand((0, 2, 16), f32), _rand((0, 2, 16), f32), cu, cu, 0, 0,
+                                return_lse=True)
+    assert out.shape == (0, 2, 16) and lse.shape == (2, 0)
+
+
+def test_lse_has_no_gradient():
+    q, k, v = (_rand((1, 5, 2, 16), torch.float32, grad=True) for _ in range(3))
+    out, lse = attention(q, k, v, return_lse=True)
+    assert out.requires_grad and not lse.requires_grad
+
+
+def test_compile_fullgraph():
+    q, k, v = (_rand((1, 13, 2, 16), torch.float32) for _ in range(3))
+    fn = torch.compile(lambda a, b, c: attention(a, b, c, causal=True, window=(5, -1)) * 2, fullgraph=True,
+                       backend="aot_eager")
+    assert rel_err(fn(q, k, v), attention(q, k, v, causal=True, window=(5, -1)) * 2) == 0.0
+
+
+def test_cpu_reference_path(monkeypatch):
+    """Without the interpreter CPU tensors take the reference path, internal bounds included."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    q, k, v = torch.randn(1, 3, 11, 16), torch.randn(1, 3, 7, 16), torch.randn(1, 3, 7, 16)
+    for causal in (False, True):
+        ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        assert rel_err(scaled_dot_product_attention(q, k, v, is_causal=causal), ref) <= 1e-5
+        ref = F.scaled_dot_product_attention(q[:, :, :5], k, v, is_causal=causal)
+        assert rel_err(scaled_dot_product_attention(q[:, :, :5], k, v, is_causal=causal), ref) <= 1e-5
+
+
+def test_bad_input():
+    f32 = torch.float32
+    q, k, v = _rand((1, 4, 4, 16), f32), _rand((1, 4, 2, 16), f32), _rand((1, 4, 2, 16), f32)
+    with pytest.raises(ValueError, match="multiple of k's"):
+        attention(_rand((1, 4, 3, 16), f32), k, v)
+    with pytest.raises(ValueError, match="head dim"):
+        attention(*(_rand((1, 4, 2, 264), f32) for _ in range(3)))
+    with pytest.raises(ValueError, match="head dim"):
+        attention(*(_rand((1, 4, 2, 12), f32) for _ in range(3)))
+    with pytest.raises(TypeError, match="q has dtype"):
+        attention(q.double(), k, v)
+    with pytest.raises(TypeError, match="k has dtype"):
+        attention(q, k.half(), v)
+    with pytest.raises(TypeError, match="window"):
+        attention(q, k, v, window=(1.5, 2))
+    with pytest.raises(TypeError, match="window"):
+        attention(q, k, v, window=4)
+    with pytest.raises(ValueError, match="window"):
+        attention(q, k, v, window=(-2, 0))
+    with pytest.raises(TypeError, match="causal"):
+        attention(q, k, v, causal=1)
+    with pytest.raises(ValueError, match="softcap"):
+        attention(q, k, v, softcap=-1.0)
+    with pytest.raises(ValueError, match="v has shape"):
+        attention(q, k, v[:, :3])
+    with pytest.raises(ValueError, match="4-D"):
+        attention(q[0], k[0], v[0])
+    with pytest.raises(ValueError, match="is on meta"):
+        attention(q, k.to("meta"), v)
+    qp, kp, vp = q[0], k[0], v[0]
+    cu = torch.tensor([0, 2, 4], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(TypeError, match="cu_seqlens_q"):
+        attention_varlen(qp, kp, vp, cu.long(), cu, 2, 2)
+    with pytest.raises(ValueError, match="cu_seqlens_k has 2 entries"):
+        attention_varlen(qp, kp, vp, cu, cu[:2], 2, 2)
+    with pytest.raises(ValueError, match="1-D"):
+        attention_varlen(qp, kp, vp, cu[None], cu[None], 2, 2)
+    with pytest.raises(ValueError, match="cu_seqlens_q is on meta"):
+        attention_varlen(qp, kp, vp, cu.to("meta"), cu, 2, 2)
+    with pytest.raises(TypeError, match="max_seqlen_q"):
+        attention_varlen(qp, kp, vp, cu, cu, 2.0, 2)
+    with pytest.raises(TypeError, match="window"):
+        attention_varlen(qp, kp, vp, cu, cu, 2, 2, window=(None, 1))
+    with pytest.raises(ValueError, match="3-D"):
+        attention_varlen(q, k, v, cu, cu, 2, 2)
+
+
+# ---- end to end with the backward (skipped while its module is missing) ----------------------
+
+
+@pytest.mark.parametrize("causal,window,softcap", [(True, (-1, -1), 0.0), (False, (5, 3), 2.0)])
+def test_autograd_dense(causal, window, softcap):
+    pytest.importorskip("tilefuse.ops._attention_bwd")
+    q = _rand((2, 19, 4, 24), torch.float32, grad=True)
+    k, v = _rand((2, 26, 2, 24), torch.float32, grad=True), _rand((2, 26, 2, 24), torch.float32, grad=True)
+    kw = dict(causal=causal, window=window, softcap=softcap)
+    out = attention(q, k, v, **kw)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
+    ref_grads = torch.autograd.grad(attention_reference(*leaves, **kw), leaves, dout.double())
+    for g, r in zip(grads, ref_grads):
+        assert rel_err(g, r) <= 1e-5
+
+
+def test_autograd_varlen_and_sdpa():
+    pytest.importorskip("tilefuse.ops._attention_bwd")
+    lens = [9, 0, 1, 14]
+    cu = torch.tensor([0, 9, 9, 10, 24], dtype=torch.int32, device=DEVICE)
+    q, k, v = (_rand((sum(lens), 2, 16), torch.float32, grad=True) for _ in range(3))
+    out = attention_varlen(q, k, v, cu, cu, 14, 14, causal=True)
+    dout = torch.randn_like(out)
+    leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
+    ref = attention_varlen_reference(*leaves, cu, cu, causal=True)
+    for g, r in zip(torch.autograd.grad(out, (q, k, v), dout), torch.autograd.grad(ref, leaves, dout.double())):
+        assert rel_err(g, r) <= 1e-5
+    qs = _rand((1, 2, 11, 16), torch.float32, grad=True)
+    ks, vs = _rand((1, 2, 7, 16), torch.float32, grad=True), _rand((1, 2, 7, 16), torch.float32, grad=True)
+    out = scaled_dot_product_attention(qs, ks, vs, is_causal=True)
+    leaves = [t.detach().double().requires_grad_(True) for t in (qs, ks, vs)]
+    ref = F.scaled_dot_product_attention(*leaves, is_causal=True)
+    dout = torch.randn_like(out)
+    for g, r in zip(torch.autograd.grad(out, (qs, ks, vs), dout), torch.autograd.grad(ref, leaves, dout.double())):
+        assert rel_err(g, r) <= 1e-5
+
+
+# ---- GPU: bf16, large and odd shapes, every load path and tile config ----------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [32, 64, 96, 128, 256, 136])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_large(d, causal, dtype):
+    q, k, v = _rand((2, 1000, 8, d), dtype), _rand((2, 1531, 2, d), dtype), _rand((2, 1531, 2, d), dtype)
+    _check_dense(q, k, v, causal=causal)
+    _check_dense(q[:, :777], k[:, :777], v[:, :777], causal=causal, window=(300, 17), softcap=30.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("load", LOAD_MODES)
+@pytest.mark.parametrize("tiles", [(128, 128, 8, 2), (128, 64, 8, 3), (64, 64, 4, 2)])
+def test_gpu_configs(load, tiles):
+    bm, bn, w, s = tiles
+    q, k, v = (_rand((2, 2048, 4, 128), torch.bfloat16) for _ in range(3))
+    cfg = {"LOAD": load, "BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s}
+    _check_dense(q, k, v, config=cfg)
+    _check_dense(q, k, v, causal=True, config=cfg)
+
+
+@pytest.mark.gpu
+def test_gpu_varlen_fp32_and_sdpa():
+    lens = [1000, 0, 1, 517, 2048]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    for dtype, tol in ((torch.bfloat16, 1e-2), (torch.float32, 1e-5)):
+        q, k, v = (_rand((sum(lens), 8, 128), dtype) for _ in range(3))
+        out = attention_varlen(q, k, v, cu, cu, 2048, 2048, causal=True)
+        assert rel_err(out, attention_varlen_reference(q.double(), k.double(), v.double(), cu, cu, causal=True)) <= tol
+    q, k, v = (_rand((2, 16, 1024, 128), torch.bfloat16) for _ in range(3))
+    assert rel_err(scaled_dot_product_attention(q, k, v, is_causal=True),
+                   F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True)) <= 1e-2
