@@ -14,8 +14,9 @@ fi
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv,noheader
 tests=$1; shift
 if [ -n "$tests" ]; then
-  # 8 workers: the GPU tests spend most of their time compiling kernels on the CPU
-  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -rfE -p no:cacheprovider -n "${TEST_WORKERS:-8}" \
+  # 8 workers: the GPU tests spend most of their time compiling kernels on the CPU; SIGINT at the
+  # time limit so pytest still prints its summary of the failures so far
+  timeout -s INT -k 30 "${TEST_TIMEOUT:-240}" python3 -m pytest -q -rfE -p no:cacheprovider -n "${TEST_WORKERS:-8}" \
     --timeout=180 $tests > "$OUT/gpu-tests.log" 2>&1
   echo "pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu-tests.log" | cut -c1-300 | tail -40
 fi

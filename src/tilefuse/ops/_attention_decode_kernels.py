@@ -25,10 +25,15 @@ def _cache_slots(keys, b, block_table_ptr, stride_bt, key_ok, PAGED: tl.constexp
     """(page, slot) int64 of keys ``keys`` of batch row ``b``: through the page table when paged
     (one page id load per key; the keys of one page hit the same cached id), else (b, keys).
     A slot's elements start at ``page · stride_page + slot · stride_slot``."""
+    # one return of one type on both branches (Triton's compiler rejects branch-dependent types)
     if PAGED:
         page = tl.load(block_table_ptr + b.to(tl.int64) * stride_bt + keys // PAGE_SIZE, mask=key_ok, other=0)
-        return page.to(tl.int64), (keys % PAGE_SIZE).to(tl.int64)
-    return b.to(tl.int64), keys.to(tl.int64)
+        page = page.to(tl.int64)
+        slot = (keys % PAGE_SIZE).to(tl.int64)
+    else:
+        page = tl.zeros_like(keys).to(tl.int64) + b.to(tl.int64)
+        slot = keys.to(tl.int64)
+    return page, slot
 
 
 @fast_launch

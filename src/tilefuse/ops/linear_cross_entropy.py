@@ -13,8 +13,8 @@ overwrites the buffer with dlogits (already scaled by 1/n_valid for ``mean``); t
 gradients are computed during the forward, as Liger's fused linear cross-entropy does, and the
 backward only scales them by grad_output in place (nothing at all when it is 1).
 
-Memory beyond the inputs and the gradients themselves: the [C, V] chunk buffer (<= 512 MiB:
-2048 tokens of a 128256 vocab in bf16) plus O(T + V) fp32 vectors.
+Memory beyond the inputs and the gradients themselves: the [C, V] chunk buffer (<= 128 MiB:
+512 tokens of a 128256 vocab in bf16) plus O(T + V) fp32 vectors.
 
 Precision: ``grad_weight`` lives in the weight's dtype. Each chunk's GEMM accumulates in fp32,
 and the running sum over chunks is rounded to the weight's dtype once per chunk (4 roundings at
@@ -55,7 +55,11 @@ from .cross_entropy import (
     torch_cross_entropy,
 )
 
-CHUNK_LOGITS_BYTES = 512 * 2**20   # the [C, V] logits buffer: the op's only large extra allocation
+# the [C, V] logits buffer, the op's only large extra allocation. H100, T=8192 H=4096 V=128256
+# bf16 fwd+bwd (scripts/lce_chunk_sweep.py): 512 MiB 41.2 ms / 1.53 GiB extra, 256 MiB 41.4 / 1.29,
+# 128 MiB 47.3 / 1.16 (eager 51.2 / 11.7): smaller chunks re-read and re-write the [V, H]
+# grad_weight accumulator more often. 128 MiB is the largest within the 1.2 GiB budget.
+CHUNK_LOGITS_BYTES = 128 * 2**20
 
 
 # ----------------------------------------------------------------------------------------------
@@ -65,7 +69,7 @@ CHUNK_LOGITS_BYTES = 512 * 2**20   # the [C, V] logits buffer: the op's only lar
 
 def _chunk_tokens(n_tokens: int, vocab: int, elem_size: int, budget: int | None = None) -> int:
     """Tokens per chunk: the chunk's logits fit ``budget`` (CHUNK_LOGITS_BYTES); multiples of 256
-    keep the GEMMs' M dimension tile-aligned (2048 tokens at V=128256 bf16: 4 full chunks at T=8192)."""
+    keep the GEMMs' M dimension tile-aligned (512 tokens at V=128256 bf16: 16 full chunks at T=8192)."""
     rows = max(1, (budget or CHUNK_LOGITS_BYTES) // max(1, vocab * elem_size))
     if rows >= 256:
         rows = rows // 256 * 256
@@ -336,7 +340,7 @@ register(OpSpec(
     bytes_fn=_bytes,
     flops_fn=_flops,
     test_shapes=[(4, 16, 50), (9, 32, 130), (1, 8, 7)],
-    # (4096, 2048, 128256): two chunks; (5000, 1024, 151936): 1536-token chunks, a ragged last one
+    # (4096, 2048, 128256): eight 512-token chunks; (5000, 1024, 151936): 256-token chunks, a ragged last one
     gpu_test_shapes=[(37, 4096, 32000), (4096, 2048, 128256), (5000, 1024, 151936)],
     bench_shapes=[(8192, 4096, 128256)],
     peers={"torch": _torch_peer, "liger": _liger_peer},
