@@ -169,19 +169,32 @@ def visible_mask(seqlen_q: int, seqlen_k: int, left: int, right: int, device=Non
     return ok
 
 
+# score matrices above this many elements go through the query-chunked reference (O(S) memory)
+REFERENCE_CHUNK_ABOVE = 2**27
+
+
 def attention_reference(q, k, v, causal: bool = False, window=(-1, -1), softcap: float = 0.0,
-                        scale: float | None = None, return_lse: bool = False, shift: int | None = None):
+                        scale: float | None = None, return_lse: bool = False, shift: int | None = None,
+                        chunk_rows: int | None = None):
     """Plain PyTorch attention with the module's semantics; ``[B, S, H, D]`` layout.
 
     Math in float64 for float64 inputs, float32 otherwise; out in q's dtype, lse float32 (float64
     for float64 inputs). Differentiable (autograd through the reference gives the reference
-    gradients)."""
+    gradients). Score matrices over REFERENCE_CHUNK_ABOVE elements (the benchmark's S = 16k),
+    or any with ``chunk_rows``, are computed ``chunk_rows`` queries at a time by
+    :class:`_ChunkedAttention`, whose backward recomputes each chunk (same math, O(S) memory)."""
     left, right = normalize_window(causal, window)
     scale = normalize_scale(scale, q.shape[-1])
     wide = torch.float64 if q.dtype == torch.float64 else torch.float32
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     group = hq // hkv
+    if chunk_rows is not None or b * hq * sq * sk > REFERENCE_CHUNK_ABOVE:
+        rows = chunk_rows or max(1, REFERENCE_CHUNK_ABOVE // (4 * b * hq * max(sk, 1)))
+        out, lse = _ChunkedAttention.apply(q.to(wide), k.to(wide), v.to(wide), left, right, float(softcap),
+                                           scale, sk - sq if shift is None else shift, rows)
+        out = out.to(q.dtype)
+        return (out, lse.detach()) if return_lse else out
     qw = q.to(wide).transpose(1, 2)                                   # [B, Hq, Sq, D]
     kw = k.to(wide).transpose(1, 2).repeat_interleave(group, dim=1)   # [B, Hq, Sk, D]
     vw = v.to(wide).transpose(1, 2).repeat_interleave(group, dim=1)
@@ -211,3 +224,66 @@ def attention_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=False
     out = torch.cat(outs, 0) if outs else q.new_zeros(q.shape[:-1] + (v.shape[-1],))
     lse = torch.cat(lses, 1) if lses else q.new_zeros((q.shape[1], 0), dtype=torch.float32)
     return (out, lse) if return_lse else out
+
+
+def _chunk_scores(qc, k, i0, left, right, softcap, scale, shift):
+    """Scores of queries i0.. (qc [B, H, C, D]) against all keys, masked; and tanh for softcap."""
+    s = torch.matmul(qc, k.transpose(-1, -2)) * scale
+    t = None
+    if softcap > 0:
+        t = torch.tanh(s / softcap)
+        s = softcap * t
+    sk = k.shape[-2]
+    ok = visible_mask(qc.shape[-2], sk, left, right, device=qc.device, shift=shift + i0)   # row i0 + i
+    return s.masked_fill(~ok, float("-inf")), t
+
+
+class _ChunkedAttention(torch.autograd.Function):
+    """The reference by query chunks: forward keeps out and lse only; backward recomputes each
+    chunk's probabilities P = exp(S - lse) and applies dS = P ∘ (dO·Vᵀ - rowsum(dO ∘ O)),
+    dQ = scale·dS'·K, dK = scale·dS'ᵀ·Q, dV = Pᵀ·dO (dS' = dS ∘ (1 - tanh²) with softcap),
+    dK / dV summed over each GQA group. Inputs [B, S, H, D] in the math dtype."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, left, right, softcap, scale, shift, rows):
+        group = q.shape[2] // k.shape[2]
+        qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
+        kh, vh = kh.repeat_interleave(group, 1), vh.repeat_interleave(group, 1)
+        outs, lses = [], []
+        for i0 in range(0, q.shape[1], rows):
+            s, _ = _chunk_scores(qh[:, :, i0:i0 + rows], kh, i0, left, right, softcap, scale, shift)
+            lse = torch.logsumexp(s, -1)
+            outs.append(torch.matmul(torch.exp(s - lse.masked_fill(torch.isinf(lse), 0.0)[..., None]), vh))
+            lses.append(lse)
+        out = torch.cat(outs, 2).transpose(1, 2) if outs else q.new_zeros(q.shape[:-1] + (v.shape[-1],))
+        lse = torch.cat(lses, 2) if lses else q.new_zeros((q.shape[0], q.shape[2], 0))
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (left, right, softcap, scale, shift, rows, group)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        left, right, softcap, scale, shift, rows, group = ctx.args
+        qh, oh, doh = (t.transpose(1, 2) for t in (q, out, dout))
+        kh = k.transpose(1, 2).repeat_interleave(group, 1)
+        vh = v.transpose(1, 2).repeat_interleave(group, 1)
+        dq = torch.zeros_like(qh)
+        dk, dv = torch.zeros_like(kh), torch.zeros_like(vh)
+        for i0 in range(0, q.shape[1], rows):
+            sl = slice(i0, i0 + rows)
+            s, t = _chunk_scores(qh[:, :, sl], kh, i0, left, right, softcap, scale, shift)
+            lse_c = lse[:, :, sl]
+            p = torch.exp(s - lse_c.masked_fill(torch.isinf(lse_c), 0.0)[..., None])
+            dp = torch.matmul(doh[:, :, sl], vh.transpose(-1, -2))
+            ds = p * (dp - (doh[:, :, sl] * oh[:, :, sl]).sum(-1, keepdim=True))
+            if t is not None:
+                ds = ds * (1 - t * t)
+            dq[:, :, sl] = torch.matmul(ds, kh) * scale
+            dk += torch.matmul(ds.transpose(-1, -2), qh[:, :, sl]) * scale
+            dv += torch.matmul(p.transpose(-1, -2), doh[:, :, sl])
+        b, hq, sk, d = dk.shape
+        dk = dk.view(b, hq // group, group, sk, d).sum(2)
+        dv = dv.view(b, hq // group, group, sk, dv.shape[-1]).sum(2)
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), None, None, None, None, None, None
