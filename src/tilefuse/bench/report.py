@@ -496,6 +496,13 @@ def plot(result: dict, path: str | Path) -> Path | None:
 # ----------------------------------------------------------------------------------------------
 
 
+def _shape_list(shapes: Sequence, most: int = 3) -> str:
+    """The first ``most`` shapes and a count of the rest: a long list would squeeze the byte and
+    FLOP columns out of the table."""
+    shown = " ".join(shape_str(x) for x in shapes[:most])
+    return (shown + (f" (+{len(shapes) - most})" if len(shapes) > most else "")) or "-"
+
+
 def list_ops(specs: Sequence, dtype, file=None) -> None:
     """Registered ops with their bench shapes and the byte / FLOP formulas at the first shape."""
     from .runner import dtype_name, pass_cost
@@ -506,7 +513,7 @@ def list_ops(specs: Sequence, dtype, file=None) -> None:
     for s in specs:
         shapes = [tuple(x) for x in s.bench_shapes]
         cells = [s.name, "yes" if s.has_backward else "no", ",".join(dtype_name(d) for d in s.dtypes),
-                 " ".join(shape_str(x) for x in shapes) or "-"]
+                 _shape_list(shapes)]
         if shapes:
             sh = shapes[0]
             bf, ff = pass_cost(s, sh, dtype, "fwd")

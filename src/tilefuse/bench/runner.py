@@ -384,12 +384,29 @@ def _time_graphs(bench: _Passes, results: dict, passes: list, rep_ms: int) -> No
         try:
             if p == "bwd":
                 bench.build_graph()
+            _no_host_sync(closures[p])
             results[p]["graph_ms"] = graph_time_ms(closures[p], rep=rep_ms)
         except Exception as exc:  # noqa: BLE001
             results[p]["graph_error"] = _err_text(exc)
             torch.cuda.synchronize()
         finally:
             bench.free_graph()
+
+
+def _no_host_sync(fn: Callable) -> None:
+    """Run ``fn`` once with CUDA sync debugging set to raise: a call that synchronizes with the
+    host (``.item()``, a data-dependent check) cannot be captured, and a capture that fails
+    half-way leaves torch's CUDA RNG unusable for the rest of the process."""
+    if not torch.cuda.is_available():
+        return
+    prev = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+    except RuntimeError as exc:
+        raise RuntimeError(f"synchronizes with the host, not capturable: {exc}") from None
+    finally:
+        torch.cuda.set_sync_debug_mode(prev)
 
 
 def _speedups(rows: list[dict[str, Any]]) -> None:
