@@ -39,7 +39,10 @@ def _check(logits, target, dtype=None, inplace=False, grad_output=None, **kw):
     out = cross_entropy(x, target, logits_inplace_grad=inplace, **kw)
     ref = cross_entropy_reference(ref_x, target, **kw)
     assert out.shape == ref.shape and out.dtype == dtype
-    assert rel_err(out, ref) <= TOL[dtype], (rel_err(out, ref), kw)
+    # an exactly-zero loss (V = 1: every class is the target) leaves only rounding: a GPU gave
+    # -1.2e-8 there, an infinite relative error; an absolute floor of 1e-6 covers that case only
+    near_zero = float((out.double() - ref).abs().max()) <= 1e-6 and float(ref.abs().max()) <= 1e-6
+    assert rel_err(out, ref) <= TOL[dtype] or near_zero, (rel_err(out, ref), kw)
     go = torch.randn_like(ref) if grad_output is None else grad_output
     (g,) = torch.autograd.grad(out, x, go.to(out.dtype))
     (rg,) = torch.autograd.grad(ref, ref_x, go.double())
