@@ -26,20 +26,29 @@ from tilefuse.ops._attention_bwd import launch_attention_backward
 # per D: name -> launch config overrides ({} = the defaults: TMA loads, dkdv_config / dq_config).
 # dk/dv kernel: BLOCK_M1 queries per step, BLOCK_N1 keys per program; dq kernel: BLOCK_M2
 # queries per program, BLOCK_N2 keys per step. All spill <= ~150 B in ptxas -v (sm_90a).
+# "-split": the same tiles with split_loops (mask-free blocks in a loop with no mask code, then the
+# masked edge blocks in a second loop); without a window the dk/dv kernel compiles to the same
+# code either way (it masks nothing), so the "full" rows measure the dq kernel's split only.
 CONFIGS = {
     64: {
         "A": {},
         "A-ptr": {"use_tma": False},
+        "A-ptr-split": {"use_tma": False, "split_loops": True},
         "B": dict(BLOCK_M1=32, BLOCK_N1=128, num_warps=8, num_stages=3,
                   BLOCK_M2=128, BLOCK_N2=32, num_warps_dq=4, num_stages_dq=3),
+        "B-split": dict(BLOCK_M1=32, BLOCK_N1=128, num_warps=8, num_stages=3,
+                        BLOCK_M2=128, BLOCK_N2=32, num_warps_dq=4, num_stages_dq=3, split_loops=True),
         "C": dict(BLOCK_M1=32, BLOCK_N1=64, num_warps=4, num_stages=3,
                   BLOCK_M2=64, BLOCK_N2=64, num_warps_dq=4, num_stages_dq=3),
     },
     128: {
         "A": {},
         "A-ptr": {"use_tma": False},
+        "A-ptr-split": {"use_tma": False, "split_loops": True},
         "B": dict(BLOCK_M1=32, BLOCK_N1=128, num_warps=8, num_stages=2,
                   BLOCK_M2=128, BLOCK_N2=32, num_warps_dq=8, num_stages_dq=3),
+        "B-split": dict(BLOCK_M1=32, BLOCK_N1=128, num_warps=8, num_stages=2,
+                        BLOCK_M2=128, BLOCK_N2=32, num_warps_dq=8, num_stages_dq=3, split_loops=True),
         "C": dict(BLOCK_M1=16, BLOCK_N1=128, num_warps=8, num_stages=3,
                   BLOCK_M2=64, BLOCK_N2=64, num_warps_dq=8, num_stages_dq=2),
     },

@@ -9,6 +9,9 @@ Windows in the kernel interface are arbitrary ints (None = unbounded). A referen
 (l, r) >= -1 and its own ``shift`` s0 equals the kernel's bottom-right rule with
     right = r + (s0 - shift),  left = l - (s0 - shift),     shift = S_k - S_q,
 which is how the tests reach negative windows (e.g. SDPA's top-left causal: s0 = 0).
+
+Every correctness case runs in both loop forms of the kernels (``split``: launch config key
+split_loops, mask-free blocks and masked edge blocks in separate loops; the default walks one loop).
 """
 
 import math
@@ -24,6 +27,12 @@ from tilefuse.ops._attention_common import attention_reference, attention_varlen
 from tilefuse.testing import rel_err
 
 SMALL = dict(BLOCK_M1=16, BLOCK_N1=16, BLOCK_M2=16, BLOCK_N2=16)   # several blocks at tiny S
+SPLIT = [pytest.param(False, id="one_loop"), pytest.param(True, id="split_loops")]
+
+
+def _loops(config, split):
+    """``config`` with the kernels' loop form chosen (split_loops)."""
+    return dict(config or {}, split_loops=split)
 
 
 def _fp32_close(g, r):
@@ -98,35 +107,47 @@ CASES = {   # (b, sq, sk, hq, hkv, d, window, softcap, scale)
 }
 
 
+@pytest.mark.parametrize("split", SPLIT)
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_matches_reference(case, dtype):
+def test_matches_reference(case, dtype, split):
     b, sq, sk, hq, hkv, d, window, softcap, scale = CASES[case]
-    _check(b, sq, sk, hq, hkv, d, dtype, window=window, softcap=softcap, scale=scale, config=SMALL)
+    _check(b, sq, sk, hq, hkv, d, dtype, window=window, softcap=softcap, scale=scale,
+           config=_loops(SMALL, split))
 
 
-def test_default_config_and_strided_inputs():
-    _check(2, 21, 30, 4, 2, 40, torch.float32, window=(-1, 0))
-    _check(2, 21, 30, 4, 2, 24, torch.float32, window=(5, 2), softcap=3.0, config=SMALL, layout="bhsd")
+@pytest.mark.parametrize("split", SPLIT)
+def test_default_config_and_strided_inputs(split):
+    _check(2, 21, 30, 4, 2, 40, torch.float32, window=(-1, 0), config=_loops(None, split))
+    _check(2, 21, 30, 4, 2, 24, torch.float32, window=(5, 2), softcap=3.0, config=_loops(SMALL, split),
+           layout="bhsd")
+
+
+def test_split_loops_edges_on_both_sides():
+    """A window narrower than the tiles on both sides: left-edge and right-edge masked blocks
+    around a mask-free run, in every dk/dv and dq program (the split masked loop's index map)."""
+    for window in ((20, 20), (30, 3), (3, 30)):
+        _check(1, 64, 64, 2, 1, 16, torch.float32, window=window, config=_loops(SMALL, True))
 
 
 @settings(max_examples=25, deadline=None)
 @given(sq=st.integers(1, 40), sk=st.integers(1, 40), hkv=st.sampled_from([1, 2]),
        group=st.sampled_from([1, 3]), d=st.sampled_from([8, 24]), left=st.integers(-1, 20),
        right=st.integers(-1, 20), s0=st.integers(-30, 30), softcap=st.sampled_from([0.0, 2.0]),
-       block=st.sampled_from([16, 32]))
-def test_random_windows(sq, sk, hkv, group, d, left, right, s0, softcap, block):
+       block=st.sampled_from([16, 32]), split=st.booleans())
+def test_random_windows(sq, sk, hkv, group, d, left, right, s0, softcap, block, split):
     """Arbitrary (also negative) kernel windows, through the reference's own shift."""
-    cfg = dict(BLOCK_M1=block, BLOCK_N1=48 - block, BLOCK_M2=48 - block, BLOCK_N2=block)
+    cfg = dict(BLOCK_M1=block, BLOCK_N1=48 - block, BLOCK_M2=48 - block, BLOCK_N2=block, split_loops=split)
     _check(1, sq, sk, hkv * group, hkv, d, torch.float32, window=(left, right), s0=s0,
            softcap=softcap, config=cfg)
 
 
-def test_top_left_causal_and_fully_masked_rows():
+@pytest.mark.parametrize("split", SPLIT)
+def test_top_left_causal_and_fully_masked_rows(split):
     """SDPA's causal (top-left, s0 = 0) with S_q < S_k: the kernel's right window is -16.
     Bottom-right causal with S_q > S_k: the first 16 rows see nothing: dq exactly 0, no NaN."""
-    _check(1, 24, 40, 2, 2, 24, torch.float32, window=(-1, 0), s0=0, config=SMALL)
-    dq, _, _ = _check(1, 40, 24, 2, 2, 24, torch.float32, window=(-1, 0), config=SMALL)
+    _check(1, 24, 40, 2, 2, 24, torch.float32, window=(-1, 0), s0=0, config=_loops(SMALL, split))
+    dq, _, _ = _check(1, 40, 24, 2, 2, 24, torch.float32, window=(-1, 0), config=_loops(SMALL, split))
     assert torch.equal(dq[:, :16], torch.zeros_like(dq[:, :16]))    # bottom-right: first 16 rows blind
 
 
@@ -160,17 +181,19 @@ def _varlen_case(lens_q, lens_k, hq, hkv, d, causal, dtype=torch.float32, config
     return run, refs
 
 
+@pytest.mark.parametrize("split", SPLIT)
 @pytest.mark.parametrize("causal", [False, True])
-def test_varlen_lengths_0_and_1(causal):
-    run, refs = _varlen_case([0, 1, 17, 5, 30], [3, 0, 20, 1, 26], 4, 2, 24, causal)
+def test_varlen_lengths_0_and_1(causal, split):
+    run, refs = _varlen_case([0, 1, 17, 5, 30], [3, 0, 20, 1, 26], 4, 2, 24, causal, config=_loops(SMALL, split))
     for name, g, r in zip(("dq", "dk", "dv"), run(), refs):
         assert _fp32_close(g, r), (name, rel_err(g, r))
 
 
-def test_tma_descriptors():
+@pytest.mark.parametrize("split", SPLIT)
+def test_tma_descriptors(split):
     """The use_tma path (inner-loop tiles through tensor descriptors: their zero fill replaces the
     row / column masks) on padded D, strided and varlen inputs."""
-    tma = dict(SMALL, use_tma=True)
+    tma = dict(SMALL, use_tma=True, split_loops=split)
     _check(2, 37, 50, 4, 2, 24, torch.float32, window=(-1, 0), config=tma)
     _check(2, 21, 30, 4, 2, 40, torch.float16, window=(5, 2), softcap=3.0, config=tma, layout="bhsd")
     run, refs = _varlen_case([0, 1, 17, 5, 30], [3, 0, 20, 1, 26], 4, 2, 24, True, config=tma)
@@ -180,6 +203,9 @@ def test_tma_descriptors():
 
 def test_deterministic_bitwise():
     run, _ = _varlen_case([9, 33], [20, 31], 6, 2, 16, True, config=None)
+    first, second = run(), run()
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    run, _ = _varlen_case([9, 33], [20, 31], 6, 2, 16, True, config=_loops(SMALL, True))
     first, second = run(), run()
     assert all(torch.equal(a, b) for a, b in zip(first, second))
     torch.manual_seed(0)
@@ -215,18 +241,28 @@ def test_gpu_varlen_bf16(causal):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("split", SPLIT)
 @pytest.mark.parametrize("use_tma", [True, False])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("window", [(-1, -1), (-1, 0)])
-def test_gpu_load_paths(use_tma, d, window):
-    """Both load paths with their own default tiles (TMA is the default on sm_90+)."""
-    cfg = {"use_tma": use_tma}
+def test_gpu_load_paths(use_tma, d, window, split):
+    """Both load paths with their own default tiles (TMA is the default on sm_90+), both loop forms."""
+    cfg = {"use_tma": use_tma, "split_loops": split}
     _check(2, 777, 1000, 8, 2, d, torch.bfloat16, window=window, config=cfg)
     _check(1, 300, 300, 4, 4, d, torch.bfloat16, window=window, config=cfg, layout="bhsd")
     run, refs = _varlen_case([0, 1, 300, 517], [5, 0, 400, 517], 8, 2, d, window == (-1, 0),
                              dtype=torch.bfloat16, config=cfg)
     for name, g, r in zip(("dq", "dk", "dv"), run(), refs):
         assert rel_err(g, r) <= 2e-2, (name, rel_err(g, r))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("window", [(200, 10), (-1, 0)])
+def test_gpu_split_loops_windows(d, window):
+    """split_loops with the default tiles: sliding window (edges on both sides) and causal + softcap."""
+    _check(2, 777, 1000, 8, 2, d, torch.bfloat16, window=window, softcap=30.0 if window == (-1, 0) else 0.0,
+           config={"split_loops": True})
 
 
 @pytest.mark.gpu

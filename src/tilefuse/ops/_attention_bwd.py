@@ -17,7 +17,9 @@ its GQA group, so dk/dv are summed in registers: no atomics) and the dq kernel (
 reproducible, ``deterministic`` only documents that.
 
 Masking costs only on boundary blocks: each loop knows its mask-free run of blocks (every (query,
-key) pair visible) and applies visible() only outside it, through a uniform branch. Padded query rows
+key) pair visible) and applies visible() only outside it, through a uniform branch in one loop, or
+(SPLIT_LOOPS) in a second loop over the edge blocks after a mask-free loop with no mask code;
+both walk the same per-block body (_dkdv_block, _dq_block). Padded query rows
 (past the sequence) carry lse = +inf, so they give P = 0 exactly without a mask; padded key rows of
 the dk/dv kernel only touch dk/dv rows that are never stored; the dq kernel masks its last partial
 key block (a zero-padded key has s = 0, whose exp may overflow against a very negative lse).
@@ -41,6 +43,9 @@ from .._launch import fast_launch
 from ._attention_common import apply_softcap, key_range, query_range, visible
 
 LOG2E = tl.constexpr(1.4426950408889634)   # exp(x) = exp2(x · log2(e))
+# SPLIT_LOOPS default (launch config key "split_loops"): off until the H100 sweep's B-split /
+# A-ptr-split rows (scripts/attention_bwd_sweep.py) say the split loops are faster
+DEFAULT_SPLIT_LOOPS = False
 
 
 # ----------------------------------------------------------------------------------------------
@@ -173,44 +178,68 @@ def attention_bwd_preprocess_kernel(
 
 
 @triton.jit
+def _dkdv_block(dk, dv, k, v, q_src, do_src, stat_base, stride_qs, stride_dos, start_m, offs_n, mask_block,
+                seqlen_q, shift, window_left, window_right, scale, softcap, lse2_ptr, delta_ptr,
+                MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                USE_TMA: tl.constexpr):
+    """dk, dv [BLOCK_N, D_PAD] += the share of queries start_m .. start_m + BLOCK_M - 1; scores
+    transposed ([keys, queries]) so both products land in the key-major accumulators. MASKED
+    compiles visible() in; ``mask_block`` (uniform) says whether this block applies it: a runtime
+    flag in the single loop, the constant True in the split masked loop (folded away)."""
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    q = _load_rows(q_src, start_m, seqlen_q, stride_qs, BLOCK_M, HEAD_DIM, D_PAD, USE_TMA)
+    do = _load_rows(do_src, start_m, seqlen_q, stride_dos, BLOCK_M, HEAD_DIM, D_PAD, USE_TMA)
+    in_seq = offs_m < seqlen_q
+    lse2 = tl.load(lse2_ptr + stat_base + offs_m, mask=in_seq, other=float("inf"))
+    delta = tl.load(delta_ptr + stat_base + offs_m, mask=in_seq, other=0.0)
+    qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)                     # [N, M]
+    if HAS_SOFTCAP:
+        s_t, dcap_t = apply_softcap(qk_t * scale, softcap, HAS_SOFTCAP)
+        p_t = tl.exp2(s_t * LOG2E - lse2[None, :])
+    else:
+        p_t = tl.exp2(qk_t * (scale * LOG2E) - lse2[None, :])
+    if MASKED:
+        if mask_block:
+            # visible() of the transposed tile: swap the roles of queries and keys, which
+            # mirrors d = j - i - shift to -d, i.e. shift -> -shift and left <-> right
+            p_t = tl.where(visible(offs_n, offs_m, seqlen_q, -shift, window_right, window_left,
+                                   HAS_RIGHT, HAS_LEFT), p_t, 0.0)
+    dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
+    dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+    ds_t = p_t * (dp_t - delta[None, :])
+    if HAS_SOFTCAP:
+        ds_t = ds_t * dcap_t
+    dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)
+    return dk, dv
+
+
+@triton.jit
 def _dkdv_loop(dk, dv, k, v, q_src, do_src, stat_base, stride_qs, stride_dos, first_m, n_blocks,
                first_free, end_free, start_n, seqlen_q, shift, window_left, window_right, scale,
                softcap, lse2_ptr, delta_ptr,
-               MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-               HAS_SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
-               USE_TMA: tl.constexpr):
-    """Accumulate dk, dv [BLOCK_N, D_PAD] over ``n_blocks`` query blocks from ``first_m``; scores
-    transposed ([keys, queries]) so both products land in the key-major accumulators. With MASK
-    (a window), blocks outside [first_free, end_free) apply visible(): a uniform branch in one
-    loop (separate masked / mask-free loops spilled 5x more registers in ptxas -v on sm_90a)."""
+               MASK: tl.constexpr, SPLIT_LOOPS: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+               HAS_SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+               D_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
+    """Accumulate dk, dv over ``n_blocks`` query blocks from ``first_m``. With MASK (a window),
+    blocks outside [first_free, end_free) apply visible(): by default in one loop through a
+    uniform branch (split loops spilled 5x more registers in ptxas -v on sm_90a when last
+    counted); with SPLIT_LOOPS the mask-free run first, in a loop with no mask code, then the
+    edge blocks in a masked loop (not compiled at all without a window)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    for i in range(n_blocks):
-        start_m = first_m + i * BLOCK_M
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        q = _load_rows(q_src, start_m, seqlen_q, stride_qs, BLOCK_M, HEAD_DIM, D_PAD, USE_TMA)
-        do = _load_rows(do_src, start_m, seqlen_q, stride_dos, BLOCK_M, HEAD_DIM, D_PAD, USE_TMA)
-        in_seq = offs_m < seqlen_q
-        lse2 = tl.load(lse2_ptr + stat_base + offs_m, mask=in_seq, other=float("inf"))
-        delta = tl.load(delta_ptr + stat_base + offs_m, mask=in_seq, other=0.0)
-        qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)                 # [N, M]
-        if HAS_SOFTCAP:
-            s_t, dcap_t = apply_softcap(qk_t * scale, softcap, HAS_SOFTCAP)
-            p_t = tl.exp2(s_t * LOG2E - lse2[None, :])
-        else:
-            p_t = tl.exp2(qk_t * (scale * LOG2E) - lse2[None, :])
-        if MASK:
-            if (i < first_free) | (i >= end_free):
-                # visible() of the transposed tile: swap the roles of queries and keys, which
-                # mirrors d = j - i - shift to -d, i.e. shift -> -shift and left <-> right
-                p_t = tl.where(visible(offs_n, offs_m, seqlen_q, -shift, window_right, window_left,
-                                       HAS_RIGHT, HAS_LEFT), p_t, 0.0)
-        dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
-        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-        ds_t = p_t * (dp_t - delta[None, :])
-        if HAS_SOFTCAP:
-            ds_t = ds_t * dcap_t
-        dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)
+    walk_lo, walk_hi = (first_free, end_free) if SPLIT_LOOPS else (0, n_blocks)   # the (mask-free) first loop
+    for i in range(walk_lo, walk_hi):
+        dk, dv = _dkdv_block(dk, dv, k, v, q_src, do_src, stat_base, stride_qs, stride_dos, first_m + i * BLOCK_M,
+                             offs_n, (i < first_free) | (i >= end_free), seqlen_q, shift, window_left,
+                             window_right, scale, softcap, lse2_ptr, delta_ptr, MASK and not SPLIT_LOOPS,
+                             HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, BLOCK_M, HEAD_DIM, D_PAD, DOT_PRECISION, USE_TMA)
+    if SPLIT_LOOPS and MASK:
+        for j in range(first_free + n_blocks - end_free):
+            i = tl.where(j < first_free, j, j + (end_free - first_free))   # left edge, then right edge
+            dk, dv = _dkdv_block(dk, dv, k, v, q_src, do_src, stat_base, stride_qs, stride_dos,
+                                 first_m + i * BLOCK_M, offs_n, True, seqlen_q, shift, window_left, window_right,
+                                 scale, softcap, lse2_ptr, delta_ptr, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+                                 BLOCK_M, HEAD_DIM, D_PAD, DOT_PRECISION, USE_TMA)
     return dk, dv
 
 
@@ -243,6 +272,7 @@ def attention_bwd_dkdv_kernel(
     BLOCK_N: tl.constexpr,                   # keys per program (dk/dv rows kept in registers)
     DOT_PRECISION: tl.constexpr,             # "ieee" for fp32 inputs (no tf32)
     USE_TMA: tl.constexpr,                   # inner-loop tiles through TMA descriptors
+    SPLIT_LOOPS: tl.constexpr,               # mask-free and masked blocks in separate loops
 ):
     pid_n = tl.program_id(0)
     h_kv = tl.program_id(1)
@@ -282,9 +312,9 @@ def attention_bwd_dkdv_kernel(
         stat_base = h * n_stat_rows + stat_row0
         dk, dv = _dkdv_loop(dk, dv, k, v, q_src, do_src, stat_base, stride_qs, stride_dos, lo, n_blocks,
                             first_free, end_free, start_n, seqlen_q, shift, window_left, window_right,
-                            scale, softcap, lse2_ptr, delta_ptr, HAS_LEFT or HAS_RIGHT, HAS_LEFT,
-                            HAS_RIGHT, HAS_SOFTCAP, BLOCK_M, BLOCK_N, HEAD_DIM, D_PAD, DOT_PRECISION,
-                            USE_TMA)
+                            scale, softcap, lse2_ptr, delta_ptr, HAS_LEFT or HAS_RIGHT, SPLIT_LOOPS,
+                            HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, BLOCK_M, BLOCK_N, HEAD_DIM, D_PAD,
+                            DOT_PRECISION, USE_TMA)
     _store_tile(dk_ptr + b64 * stride_dkb + h_kv.to(tl.int64) * stride_dkh + k_row * stride_dks,
                 dk * scale, n_keys, stride_dks, BLOCK_N, HEAD_DIM, D_PAD)
     _store_tile(dv_ptr + b64 * stride_dvb + h_kv.to(tl.int64) * stride_dvh + k_row * stride_dvs,
@@ -292,32 +322,55 @@ def attention_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _dq_loop(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, first_n, n_blocks,
-             first_free, end_free, offs_m, seqlen_k, shift, window_left, window_right, scale, softcap,
-             HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-             BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-             DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
-    """Accumulate dq [BLOCK_M, D_PAD] (unscaled) over ``n_blocks`` key blocks from ``first_n``;
-    blocks outside [first_free, end_free) apply visible() (as _dkdv_loop)."""
-    for i in range(n_blocks):
-        start_n = first_n + i * BLOCK_N
-        k = _load_rows(k_src, start_n, seqlen_k, stride_ks, BLOCK_N, HEAD_DIM, D_PAD, USE_TMA)
-        v = _load_rows(v_src, start_n, seqlen_k, stride_vs, BLOCK_N, HEAD_DIM, D_PAD, USE_TMA)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)                   # [M, N]
-        if HAS_SOFTCAP:
-            s, dcap = apply_softcap(qk * scale, softcap, HAS_SOFTCAP)
-            p = tl.exp2(s * LOG2E - lse2[:, None])
-        else:
-            p = tl.exp2(qk * (scale * LOG2E) - lse2[:, None])
-        if (i < first_free) | (i >= end_free):
+def _dq_block(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, start_n, mask_block, offs_m,
+              seqlen_k, shift, window_left, window_right, scale, softcap,
+              MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+              BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
+              USE_TMA: tl.constexpr):
+    """dq [BLOCK_M, D_PAD] (unscaled) += the share of keys start_n .. start_n + BLOCK_N - 1;
+    MASKED / ``mask_block`` as in _dkdv_block."""
+    k = _load_rows(k_src, start_n, seqlen_k, stride_ks, BLOCK_N, HEAD_DIM, D_PAD, USE_TMA)
+    v = _load_rows(v_src, start_n, seqlen_k, stride_vs, BLOCK_N, HEAD_DIM, D_PAD, USE_TMA)
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)                       # [M, N]
+    if HAS_SOFTCAP:
+        s, dcap = apply_softcap(qk * scale, softcap, HAS_SOFTCAP)
+        p = tl.exp2(s * LOG2E - lse2[:, None])
+    else:
+        p = tl.exp2(qk * (scale * LOG2E) - lse2[:, None])
+    if MASKED:
+        if mask_block:
             offs_n = start_n + tl.arange(0, BLOCK_N)
             p = tl.where(visible(offs_m, offs_n, seqlen_k, shift, window_left, window_right,
                                  HAS_LEFT, HAS_RIGHT), p, 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-        ds = p * (dp - delta[:, None])
-        if HAS_SOFTCAP:
-            ds = ds * dcap
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
+    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+    ds = p * (dp - delta[:, None])
+    if HAS_SOFTCAP:
+        ds = ds * dcap
+    dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
+    return dq
+
+
+@triton.jit
+def _dq_loop(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, first_n, n_blocks,
+             first_free, end_free, offs_m, seqlen_k, shift, window_left, window_right, scale, softcap,
+             SPLIT_LOOPS: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+             BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
+             USE_TMA: tl.constexpr):
+    """Accumulate dq over ``n_blocks`` key blocks from ``first_n``; blocks outside [first_free,
+    end_free) apply visible() (always compiled in: the last key block may be partial), in one
+    loop or, with SPLIT_LOOPS, the mask-free run then the edge blocks (as _dkdv_loop)."""
+    walk_lo, walk_hi = (first_free, end_free) if SPLIT_LOOPS else (0, n_blocks)   # the (mask-free) first loop
+    for i in range(walk_lo, walk_hi):
+        dq = _dq_block(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, first_n + i * BLOCK_N,
+                       (i < first_free) | (i >= end_free), offs_m, seqlen_k, shift, window_left, window_right,
+                       scale, softcap, not SPLIT_LOOPS, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, BLOCK_N, HEAD_DIM,
+                       D_PAD, DOT_PRECISION, USE_TMA)
+    if SPLIT_LOOPS:
+        for j in range(first_free + n_blocks - end_free):
+            i = tl.where(j < first_free, j, j + (end_free - first_free))   # left edge, then right edge
+            dq = _dq_block(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, first_n + i * BLOCK_N,
+                           True, offs_m, seqlen_k, shift, window_left, window_right, scale, softcap, True,
+                           HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, BLOCK_N, HEAD_DIM, D_PAD, DOT_PRECISION, USE_TMA)
     return dq
 
 
@@ -348,6 +401,7 @@ def attention_bwd_dq_kernel(
     BLOCK_N: tl.constexpr,                   # keys per inner step
     DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr,
+    SPLIT_LOOPS: tl.constexpr,               # as in the dk/dv kernel
 ):
     # last query blocks first: under a causal mask they walk the most key blocks
     pid_m = n_q_blocks - 1 - tl.program_id(0)
@@ -391,8 +445,8 @@ def attention_bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     dq = _dq_loop(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, lo, n_blocks,
                   first_free, end_free, offs_m, seqlen_k, shift, window_left, window_right, scale,
-                  softcap, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, BLOCK_N, HEAD_DIM, D_PAD, DOT_PRECISION,
-                  USE_TMA)
+                  softcap, SPLIT_LOOPS, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, BLOCK_N, HEAD_DIM, D_PAD,
+                  DOT_PRECISION, USE_TMA)
     _store_tile(dq_ptr + b64 * stride_dqb + h64 * stride_dqh + q_row * stride_dqs,
                 dq * scale, n_rows, stride_dqs, BLOCK_M, HEAD_DIM, D_PAD)
 
@@ -504,7 +558,8 @@ def launch_attention_backward(
 ):
     """:func:`attention_backward` with an optional launch ``config`` overriding the keys of
     :func:`dkdv_config` / :func:`dq_config` (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps,
-    num_stages for the dk/dv kernel, num_warps_dq, num_stages_dq) -- tests and the sweep."""
+    num_stages for the dk/dv kernel, num_warps_dq, num_stages_dq; use_tma; split_loops: the
+    SPLIT_LOOPS variant of both kernels) -- tests and the sweep."""
     varlen = cu_seqlens_q is not None
     q, k, v, do, out = (_unit_last_dim(t) for t in (q, k, v, do, out))
     head_dim = q.shape[-1]
@@ -539,8 +594,9 @@ def launch_attention_backward(
     cfg = {**dkdv_config(d_pad, q.dtype, use_tma), **dq_config(d_pad, q.dtype, use_tma), **(config or {})}
     bound = max_seqlen_q + max_seqlen_k + 1
     wl, wr = _clamp_window(window_left, bound), _clamp_window(window_right, bound)
-    flags = dict(USE_TMA=use_tma, HAS_LEFT=window_left is not None, HAS_RIGHT=window_right is not None,
-                 HAS_SOFTCAP=softcap > 0, IS_VARLEN=varlen, HEAD_DIM=head_dim, D_PAD=d_pad,
+    flags = dict(USE_TMA=use_tma, SPLIT_LOOPS=bool(cfg.get("split_loops", DEFAULT_SPLIT_LOOPS)),
+                 HAS_LEFT=window_left is not None, HAS_RIGHT=window_right is not None, HAS_SOFTCAP=softcap > 0,
+                 IS_VARLEN=varlen, HEAD_DIM=head_dim, D_PAD=d_pad,
                  DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
 
     delta = empty((h_q, n_stat_rows), torch.float32, q.device)
