@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .._dispatch import empty
+from .._dispatch import cdiv, empty, next_power_of_2
 from .._launch import fast_launch
 from ._attention_common import key_range, tanh_via_exp2, visible
 
@@ -238,7 +238,7 @@ def attention_fwd_kernel(
 
 def head_block(head_dim: int) -> int:
     """D padded to a power of two, at least 16 (tl.dot's smallest K)."""
-    return max(16, triton.next_power_of_2(head_dim))
+    return max(16, next_power_of_2(head_dim))
 
 
 def fwd_tile_config(block_d: int, dtype: torch.dtype, on_gpu: bool, masked: bool = False) -> dict:
@@ -344,7 +344,7 @@ def attention_forward(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_
     score_scale = scale / softcap if has_softcap else scale * LOG2E
     cu_q = cu_seqlens_q if varlen else lse     # any pointer: never read when not varlen
     cu_k = cu_seqlens_k if varlen else lse
-    grid = (triton.cdiv(seqlen_q, block_m), batch * n_heads_q)
+    grid = (cdiv(seqlen_q, block_m), batch * n_heads_q)
     if grid[0] == 0 or grid[1] == 0:
         return out, lse
     # descriptors are not plain launch arguments for fast_launch's cache: a callable grid takes
