@@ -12,12 +12,16 @@ from .ops.attention_decode import attention_decode
 from .ops.cross_entropy import cross_entropy
 from .ops.glu import geglu, swiglu
 from .ops.linear_cross_entropy import linear_cross_entropy
+from .ops.matmul import matmul
 from .ops.norms import layer_norm, rms_norm
+from .ops.quant import QuantizedWeight, dequantize_weight, quant_linear, quantize_weight
 from .ops.rope import rope, rope_cos_sin_table
 from .ops.softmax import log_softmax, softmax
+from .quantization import QuantLinear, quantize
 
 __version__ = "0.1.0"
 
 __all__ = ["softmax", "log_softmax", "layer_norm", "rms_norm", "bias_act", "swiglu", "geglu", "rope", "rope_cos_sin_table",
            "adam_step", "adamw_step", "optim",
-           "cross_entropy", "linear_cross_entropy", "attention", "attention_varlen", "attention_decode"]
+           "cross_entropy", "linear_cross_entropy", "attention", "attention_varlen", "attention_decode",
+           "matmul", "quantize_weight", "dequantize_weight", "quant_linear", "QuantizedWeight", "quantize", "QuantLinear"]

@@ -90,3 +90,14 @@ def _hooks_active() -> bool:
 def fast_launch(fn):
     """Decorator for launched kernels: ``@fast_launch`` above ``@triton.jit``."""
     return FastKernel(fn)
+
+
+def _tma_scratch(size: int, alignment: int, stream):
+    """Triton's allocator hook: global memory for tensor descriptors built inside kernels."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def use_device_descriptors() -> None:
+    """Install the allocator that in-kernel ``tl.make_tensor_descriptor`` needs (process-wide in
+    Triton 3.6; every kernel of this package that builds descriptors shares this one)."""
+    triton.set_allocator(_tma_scratch)

@@ -37,6 +37,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from .._launch import use_device_descriptors
 from .._dispatch import cdiv, empty
 from ._attention_bwd_kernels import attention_bwd_dkdv_kernel, attention_bwd_dq_kernel, attention_bwd_preprocess_kernel
 from ._attention_fwd_kernels import head_block
@@ -92,10 +93,6 @@ def tma_eligible(*tensors: torch.Tensor) -> bool:
     return all(t.data_ptr() % 16 == 0 and all((st * t.element_size()) % 16 == 0 for st in t.stride()[:-1])
                for t in tensors)
 
-
-def _tma_scratch(size: int, alignment: int, stream):
-    """Triton's allocator hook: global memory for the descriptors built inside the kernels."""
-    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 def preprocess_block(d_pad: int) -> int:
@@ -179,7 +176,7 @@ def launch_attention_backward(
     elif use_tma and q.device.type == "cuda":
         use_tma = tma_eligible(q, k, v, do)   # asked for, but not possible here: pointer loads
     if use_tma:
-        triton.set_allocator(_tma_scratch)
+        use_device_descriptors()
     cfg = {**dkdv_config(d_pad, q.dtype, use_tma), **dq_config(d_pad, q.dtype, use_tma), **(config or {})}
     bound = max_seqlen_q + max_seqlen_k + 1
     wl, wr = _clamp_window(window_left, bound), _clamp_window(window_right, bound)

@@ -1,0 +1,322 @@
+"""Kernels and launch heuristics of ``tilefuse.matmul``.
+
+    out = act(a @ b + bias) + residual        a [M, K], b [K, N], bias [N], residual [M, N]
+
+* ``matmul_kernel``: a persistent GEMM (grid = min(#SMs, tiles); each program walks tiles
+  ``pid, pid + grid, ...``) in grouped tile order (GROUP_M row tiles sweep the columns together,
+  so the B panel they share stays in L2), fp32 accumulation, software pipelining through
+  ``num_stages``, and the epilogue in registers: bias, activation (``_activation_math``), residual,
+  and optionally the pre-activation ``a @ b + bias`` stored for the backward. Operands come
+  through pointer loads (any strides; rows past M / columns past N clamped to row 0 / column 0
+  so only the K tail is masked) or, with ``USE_TMA``, through device-side tensor descriptors
+  (Hopper; unit stride on a's K and on b's K or N axis, 16-byte aligned; zero fill past the edges).
+* ``act_grad_kernel``: dz = dy · act'(pre), the one elementwise step of the backward; the two
+  backward GEMMs (dz @ bᵀ, aᵀ @ dz) run on ``matmul_kernel`` through transposed views.
+
+Launch configs are a small declared table (:data:`CONFIGS`) and one named choice function,
+:func:`choose_config`; no runtime autotuning. Any key can be overridden (``config=``) for sweeps.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .._dispatch import cdiv, empty, next_power_of_2, num_sms, rows_view
+from .._launch import fast_launch, use_device_descriptors
+from ._activation_math import BWD_TILE_ELEMS, activation_fwd, activation_fwd_bwd, tile_config, tile_rows_cols
+from ._common import row_tile_mask_offsets
+
+# ----------------------------------------------------------------------------------------------
+# kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of ``tile_id`` in grouped order: consecutive tiles walk GROUP_M
+    row tiles down one column tile, then the next column, so concurrently running programs share
+    B columns (and A rows) in L2."""
+    tiles_per_group = GROUP_M * num_pid_n
+    group = tile_id // tiles_per_group
+    first_m = group * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    in_group = tile_id % tiles_per_group
+    return first_m + in_group % group_rows, in_group // group_rows
+
+
+@fast_launch
+@triton.jit
+def matmul_kernel(
+    a_ptr,              # *A [M, K], any strides (unit K stride with USE_TMA)
+    b_ptr,              # *B [K, N], any strides (unit K or N stride with USE_TMA)
+    c_ptr,              # *out [M, N], output dtype
+    bias_ptr,           # *bias [N], contiguous (ignored unless HAS_BIAS)
+    residual_ptr,       # *residual [M, N], output dtype (ignored unless HAS_RESIDUAL)
+    preact_ptr,         # *pre-activation a @ b + bias [M, N], output dtype (ignored unless SAVE_PREACT)
+    M,                  # rows of A and out
+    N,                  # columns of B and out
+    K,                  # the reduced dimension (0: out is the epilogue alone)
+    stride_am,          # elements between rows of A
+    stride_ak,          # elements between columns of A
+    stride_bk,          # elements between rows of B
+    stride_bn,          # elements between columns of B
+    stride_cm,          # elements between rows of out
+    stride_cn,          # elements between columns of out
+    stride_rm,          # elements between rows of residual
+    stride_rn,          # elements between columns of residual
+    stride_pm,          # elements between rows of preact
+    stride_pn,          # elements between columns of preact
+    HAS_BIAS: tl.constexpr,         # add bias[N] before the activation
+    ACT: tl.constexpr,              # one of _activation_math.ACTIVATIONS ("none": identity)
+    HAS_RESIDUAL: tl.constexpr,     # add residual[M, N] after the activation
+    SAVE_PREACT: tl.constexpr,      # also store a @ b + bias (the backward's act' input)
+    BLOCK_M: tl.constexpr,          # tile rows (>= 16: tl.dot's minimum)
+    BLOCK_N: tl.constexpr,          # tile columns (>= 16)
+    BLOCK_K: tl.constexpr,          # K per step (>= 16)
+    GROUP_M: tl.constexpr,          # row tiles per group of the tile order
+    NUM_PROGRAMS: tl.constexpr,     # the persistent grid size (stride of the tile loop)
+    EVEN_K: tl.constexpr,           # K % BLOCK_K == 0: pointer loads without a mask
+    USE_TMA: tl.constexpr,          # operands through tensor descriptors instead of pointers
+    B_K_CONTIGUOUS: tl.constexpr,   # (TMA) B has unit K stride (a transposed weight w.t())
+    FLATTEN: tl.constexpr,          # tl.range(flatten=...) of the tile loop (pipelines across tiles)
+    DOT_PRECISION: tl.constexpr,    # "ieee" for fp32 operands (as torch without TF32)
+):
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    ks = tl.arange(0, BLOCK_K)
+    if USE_TMA:
+        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_am, 1],
+                                           block_shape=[BLOCK_M, BLOCK_K])
+        if B_K_CONTIGUOUS:      # B = Wᵀ with W [N, K] row-major: read W tiles, transpose in registers
+            b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[stride_bn, 1],
+                                               block_shape=[BLOCK_N, BLOCK_K])
+        else:
+            b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[stride_bk, 1],
+                                               block_shape=[BLOCK_K, BLOCK_N])
+    for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=FLATTEN):
+        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if USE_TMA:
+            for ki in range(k_tiles):
+                a = a_desc.load([off_m, ki * BLOCK_K])
+                if B_K_CONTIGUOUS:
+                    b = tl.trans(b_desc.load([off_n, ki * BLOCK_K]))
+                else:
+                    b = b_desc.load([ki * BLOCK_K, off_n])
+                acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        else:
+            # clamped rows/columns read row 0 / column 0: valid memory, never stored
+            rows = off_m + tl.arange(0, BLOCK_M)
+            cols = off_n + tl.arange(0, BLOCK_N)
+            rows = tl.where(rows < M, rows, 0).to(tl.int64)
+            cols = tl.where(cols < N, cols, 0).to(tl.int64)
+            a_ptrs = a_ptr + rows[:, None] * stride_am + ks[None, :] * stride_ak
+            b_ptrs = b_ptr + ks[:, None] * stride_bk + cols[None, :] * stride_bn
+            for ki in range(k_tiles):
+                if EVEN_K:
+                    a = tl.load(a_ptrs)
+                    b = tl.load(b_ptrs)
+                else:
+                    k_left = K - ki * BLOCK_K
+                    a = tl.load(a_ptrs, mask=ks[None, :] < k_left, other=0.0)
+                    b = tl.load(b_ptrs, mask=ks[:, None] < k_left, other=0.0)
+                acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+                a_ptrs += BLOCK_K * stride_ak
+                b_ptrs += BLOCK_K * stride_bk
+
+        # epilogue: z = acc + bias; [preact = z]; out = act(z) + residual
+        rows_c = (off_m + tl.arange(0, BLOCK_M)).to(tl.int64)
+        cols_c = (off_n + tl.arange(0, BLOCK_N)).to(tl.int64)
+        row_ok = rows_c < M
+        col_ok = cols_c < N
+        mask = row_ok[:, None] & col_ok[None, :]
+        z = acc
+        if HAS_BIAS:
+            z += tl.load(bias_ptr + cols_c, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if SAVE_PREACT:
+            tl.store(preact_ptr + rows_c[:, None] * stride_pm + cols_c[None, :] * stride_pn,
+                     z.to(preact_ptr.dtype.element_ty), mask=mask)
+        y = activation_fwd(z, ACT)
+        if HAS_RESIDUAL:
+            res = tl.load(residual_ptr + rows_c[:, None] * stride_rm + cols_c[None, :] * stride_rn,
+                          mask=mask, other=0.0)
+            y += res.to(tl.float32)
+        tl.store(c_ptr + rows_c[:, None] * stride_cm + cols_c[None, :] * stride_cn,
+                 y.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@fast_launch
+@triton.jit
+def act_grad_kernel(
+    dy_ptr,             # *grad of out [n_rows, n_cols], unit column stride
+    pre_ptr,            # *saved pre-activation [n_rows, n_cols], unit column stride
+    dz_ptr,             # *dz = dy · act'(pre) [n_rows, n_cols], contiguous, operand dtype
+    dy_row_stride,      # elements between rows of dy
+    pre_row_stride,     # elements between rows of pre
+    dz_row_stride,      # elements between rows of dz
+    n_rows,             # M
+    n_cols,             # N
+    n_col_blocks,       # cdiv(n_cols, BLOCK_N): the grid is row blocks x column blocks
+    ACT: tl.constexpr,      # the forward's activation
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    rows, _, cols = tile_rows_cols(n_col_blocks, BLOCK_M, BLOCK_N)
+    mask, dy_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, dy_row_stride)
+    _, pre_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, pre_row_stride)
+    _, dz_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, dz_row_stride)
+    dy = tl.load(dy_ptr + dy_offs, mask=mask, other=0.0).to(tl.float32)
+    pre = tl.load(pre_ptr + pre_offs, mask=mask, other=0.0).to(tl.float32)
+    _, dact = activation_fwd_bwd(pre, ACT)
+    tl.store(dz_ptr + dz_offs, (dy * dact).to(dz_ptr.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# launch heuristics
+# ----------------------------------------------------------------------------------------------
+
+# The declared configs. Keys: BLOCK_M/N/K, GROUP_M, num_warps, num_stages (the usual Hopper
+# wgmma shapes: 128x256x64 with 8 warps and 3 stages fits the 228 KB of shared memory with
+# 16-bit operands; untuned on the GPU as written).
+CONFIGS = {
+    "tile_128x256": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
+    "tile_128x128": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4),
+    "tile_64x128": dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
+    "tile_64x64": dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
+    # small M (decode, small batches): one row tile, narrow columns for enough programs, long K steps
+    "small_m16": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4),
+    "small_m32": dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4),
+    # fp32 operands: ieee dot (FMA, no tensor cores): smaller tiles, registers are the limit
+    "fp32": dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=3),
+}
+LARGE_TILES = ("tile_128x256", "tile_128x128", "tile_64x128", "tile_64x64")   # largest first
+DEFAULT_USE_TMA = True      # descriptors where eligible (GPU sm_90+); False: pointer loads everywhere
+DEFAULT_FLATTEN = False
+
+
+def m_bucket(m: int) -> str:
+    """The M bucket of the config key: 16 / 32 rows get their own small-M tiles, else large."""
+    return "m16" if m <= 16 else "m32" if m <= 32 else "large"
+
+
+def largest_filling_tile(m: int, n: int, sms: int) -> str:
+    """The largest tile that still gives every SM at least one tile (fewer, larger tiles reuse
+    more operand bytes per FLOP); the smallest one when none fills the machine."""
+    for name in LARGE_TILES:
+        cfg = CONFIGS[name]
+        if cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"]) >= sms:
+            return name
+    return LARGE_TILES[-1]
+
+
+def small_m_block_n(n: int, sms: int) -> int:
+    """Small M reads B once and is memory-bound: halve BLOCK_N (64 -> 32 -> 16) until >= 3/4 of
+    the SMs stream a column panel (not all: 128 tiles on 132 SMs beat 256 in two uneven rounds)."""
+    block_n = 64
+    while block_n > 16 and 4 * cdiv(n, block_n) < 3 * sms:
+        block_n //= 2
+    return block_n
+
+
+def _fit(block: int, dim: int) -> int:
+    """A block no larger than the dimension needs (power of two, >= 16 for tl.dot)."""
+    return min(block, max(16, next_power_of_2(dim)))
+
+
+def choose_config(m: int, n: int, k: int, dtype: torch.dtype, sms: int) -> dict:
+    """The launch config of an [m, k] x [k, n] GEMM, keyed by (M bucket, N, K, dtype)."""
+    if dtype == torch.float32:
+        cfg = dict(CONFIGS["fp32"])
+    elif m_bucket(m) != "large":
+        cfg = dict(CONFIGS["small_m16" if m_bucket(m) == "m16" else "small_m32"])
+        cfg["BLOCK_N"] = small_m_block_n(n, sms)
+    else:
+        cfg = dict(CONFIGS[largest_filling_tile(m, n, sms)])
+    cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"] = _fit(cfg["BLOCK_M"], m), _fit(cfg["BLOCK_N"], n), _fit(cfg["BLOCK_K"], k)
+    return cfg
+
+
+def tma_layout(a: torch.Tensor, b: torch.Tensor) -> tuple[bool, bool]:
+    """(descriptors can read these operands, B has unit K stride). Descriptors need a unit
+    stride on a's K axis and on one of b's axes, 16-byte aligned bases and other strides."""
+    b_k_contiguous = b.stride(0) == 1 and b.shape[1] > 1
+    size = a.element_size()
+    b_outer = b.stride(1) if b_k_contiguous else b.stride(0)
+    ok = ((a.stride(1) == 1 or a.shape[1] == 1) and (b_k_contiguous or b.stride(1) == 1 or b.shape[1] == 1)
+          and a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0
+          and (a.stride(0) * size) % 16 == 0 and (b_outer * size) % 16 == 0)
+    return ok, b_k_contiguous
+
+
+def use_tma_default(a: torch.Tensor, layout_ok: bool) -> bool:
+    """Descriptors by default on sm_90+ GPUs when the layout allows (DEFAULT_USE_TMA)."""
+    return (DEFAULT_USE_TMA and layout_ok and a.device.type == "cuda"
+            and torch.cuda.get_device_capability(a.device)[0] >= 9)
+
+
+# ----------------------------------------------------------------------------------------------
+# launchers (inputs validated by the public function)
+# ----------------------------------------------------------------------------------------------
+
+
+def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
+                  residual: torch.Tensor | None = None, activation: str = "none",
+                  out_dtype: torch.dtype | None = None, save_preact: bool = False,
+                  config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(out, preact or None) of act(a @ b + bias) + residual; a [M, K], b [K, N] with any
+    strides, residual [M, N]. ``config`` overrides any key of :func:`choose_config`'s result,
+    plus USE_TMA and FLATTEN."""
+    (m, k), n = a.shape, b.shape[1]
+    out_dtype = out_dtype or a.dtype
+    out = empty((m, n), out_dtype, a.device)
+    preact = empty((m, n), out_dtype, a.device) if save_preact else None
+    if m == 0 or n == 0:
+        return out, preact
+    cfg = choose_config(m, n, k, a.dtype, num_sms(a))
+    cfg.update(config or {})
+    layout_ok, b_k_contiguous = tma_layout(a, b)
+    use_tma = cfg.pop("USE_TMA", None)
+    use_tma = k > 0 and (use_tma_default(a, layout_ok) if use_tma is None else (use_tma and layout_ok))
+    if use_tma and a.device.type == "cuda":     # (asked for but impossible here: pointer loads)
+        use_device_descriptors()
+    flatten = cfg.pop("FLATTEN", DEFAULT_FLATTEN)
+    tiles = cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"])
+    programs = max(1, min(num_sms(a), tiles))
+    dummy = out                             # stands in for absent bias / residual / preact
+    res, pre = residual if residual is not None else dummy, preact if preact is not None else dummy
+    matmul_kernel[(programs,)](
+        a, b, out, bias if bias is not None else dummy, res, pre,
+        m, n, k,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
+        res.stride(0), res.stride(1), pre.stride(0), pre.stride(1),
+        HAS_BIAS=bias is not None, ACT=activation, HAS_RESIDUAL=residual is not None,
+        SAVE_PREACT=preact is not None,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
+        NUM_PROGRAMS=programs, EVEN_K=k % cfg["BLOCK_K"] == 0, USE_TMA=bool(use_tma),
+        B_K_CONTIGUOUS=b_k_contiguous, FLATTEN=bool(flatten),
+        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return out, preact
+
+
+def launch_act_grad(dy: torch.Tensor, pre: torch.Tensor, activation: str, dtype: torch.dtype) -> torch.Tensor:
+    """dz = dy · act'(pre) as a contiguous [M, N] tensor of ``dtype`` (the GEMM operand dtype)."""
+    dz = empty(pre.shape, dtype, pre.device)
+    if dz.numel() == 0:
+        return dz
+    dy2, pre2 = rows_view(dy), rows_view(pre)
+    n_rows, n_cols = pre2.shape
+    cfg = tile_config(n_rows, n_cols, BWD_TILE_ELEMS)
+    n_col_blocks = cdiv(n_cols, cfg["BLOCK_N"])
+    act_grad_kernel[(cdiv(n_rows, cfg["BLOCK_M"]) * n_col_blocks,)](
+        dy2, pre2, dz, dy2.stride(0), pre2.stride(0), dz.stride(0), n_rows, n_cols, n_col_blocks,
+        ACT=activation, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
+    )
+    return dz

@@ -1,0 +1,403 @@
+"""Weight-only quantization: int8 per output channel, int4 group-wise with zero points.
+
+Formats (``W`` is a linear layer's weight ``[N, K]``: N output features, K input features):
+
+* **int8**, symmetric, one scale per output channel (``group_size`` None)::
+
+      s[n] = absmax(W[n, :]) / 127,   q = clamp(round(W / s), -127, 127)  (int8 [N, K])
+      dequant: W[n, k] = q[n, k] * s[n]
+
+* **int4**, asymmetric, groups of ``group_size`` (32, 64, 128) consecutive k::
+
+      lo = min(min(W[n, group]), 0),  hi = max(max(W[n, group]), 0)
+      s = (hi - lo) / 15,  z = clamp(round(-lo / s), 0, 15),  q = clamp(round(W / s) + z, 0, 15)
+      dequant: W[n, k] = (q[n, k] - z[n, k // group_size]) * s[n, k // group_size]
+
+  The range always holds 0 (GPTQ's choice): z then lies in [0, 15] without clamping, zero
+  weights stay exact, and no value is clamped. Packing: two values per uint8 along K,
+  ``qweight[n, j] = q[n, 2j] | (q[n, 2j + 1] << 4)`` (even k in the low nibble), so ``qweight``
+  is ``[N, K / 2]``; zero points are one uint8 per group, ``[N, K / group_size]``.
+
+Scales are stored in the weight's dtype, rounded *up* to it (so ``range / s <= 15`` and
+``absmax / s <= 127`` still hold after rounding), and the quantization itself is done in fp64
+against the stored scale: every element then obeys ``|W - dequant(q)| <= s / 2`` exactly.
+
+``quant_linear(x, qw, bias)`` computes ``x @ dequant(qw).T + bias`` with the kernels of
+``_quant_kernels`` (M <= 8 rows: split-K GEMV; more: tiled dequantize-GEMM) on CUDA or under the
+interpreter, and ``F.linear(x, dequantize_weight(qw), bias)`` on CPU otherwise.
+
+Bytes counted (ideal, one forward): the packed weight (N·K or N·K/2), scales and zero points,
+x and y (and the bias when given). FLOPs: 2·M·N·K.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+
+from .._checks import check_same_device, check_same_dtype, check_shape, check_tensor
+from .._dispatch import cdiv, empty, next_power_of_2, num_sms, rows_view, use_triton
+from .._op import custom_op
+from ..registry import Inputs, OpSpec, register
+from ._quant_kernels import quant_gemm_kernel, quant_gemv_kernel, splitk_reduce_kernel
+
+SUPPORTED_BITS = (4, 8)
+INT4_GROUP_SIZES = (32, 64, 128)
+DEFAULT_INT4_GROUP_SIZE = 128
+INT8_QMAX = 127
+INT4_QMAX = 15
+GEMV_MAX_ROWS = 8          # M <= this: split-K GEMV (decode); above: the tiled GEMM
+
+
+class QuantizedWeight(NamedTuple):
+    """A quantized ``[N, K]`` weight; see the module docstring for the formats."""
+    qweight: torch.Tensor            # int8 [N, K] or uint8 [N, K/2] (int4, two per byte)
+    scales: torch.Tensor             # [N] (int8) or [N, K/group_size] (int4), the weight's dtype
+    zeros: Optional[torch.Tensor]    # uint8 [N, K/group_size] (int4); None for int8
+    bits: int                        # 8 or 4
+    group_size: Optional[int]        # None for int8 (per channel)
+    shape: tuple                     # (N, K) of the original weight
+
+    def nbytes(self) -> int:
+        """Bytes of the stored tensors (packed weight, scales, zero points)."""
+        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.zeros) if t is not None)
+
+
+# ----------------------------------------------------------------------------------------------
+# quantize / dequantize (torch; one-time work, fp64 so the error bound holds exactly)
+# ----------------------------------------------------------------------------------------------
+
+
+def _round_up_to(s64: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``s64`` in ``dtype``, rounded toward +inf (never below the fp64 value); 0 -> 1 (an
+    all-zero row or group: any scale is exact, and 1 avoids dividing by zero)."""
+    s = s64.to(dtype)
+    low = s.double() < s64
+    if bool(low.any()):
+        try:
+            up = torch.nextafter(s, torch.full_like(s, float("inf")))
+        except RuntimeError:   # nextafter not built for this dtype on this device
+            up = torch.nextafter(s.cpu(), torch.full_like(s.cpu(), float("inf"))).to(s.device)
+        s = torch.where(low, up, s)
+    return torch.where(s == 0, torch.ones_like(s), s)
+
+
+def _check_format(bits: int, group_size: Optional[int]) -> Optional[int]:
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits must be 4 or 8; got {bits!r}")
+    if bits == 8:
+        if group_size is not None:
+            raise ValueError(f"group_size: int8 is quantized per output channel, pass None; got {group_size!r}")
+        return None
+    group_size = DEFAULT_INT4_GROUP_SIZE if group_size is None else group_size
+    if group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"group_size must be one of {INT4_GROUP_SIZES} for int4; got {group_size!r}")
+    return group_size
+
+
+def quantize_weight(w: torch.Tensor, bits: int = 8, group_size: Optional[int] = None) -> QuantizedWeight:
+    """Quantize a float weight ``[N, K]`` (see the module docstring). ``group_size`` None means
+    per channel for int8 and 128 for int4. Raises ValueError when K % group_size != 0."""
+    check_tensor("w", w)
+    if w.dim() != 2:
+        raise ValueError(f"w must be a 2-D [N, K] weight; got shape {tuple(w.shape)}")
+    group_size = _check_format(bits, group_size)
+    n, k = w.shape
+    if k == 0:
+        raise ValueError("w has K = 0 input features: nothing to quantize")
+    if group_size is not None and k % group_size:
+        raise ValueError(f"group_size {group_size} must divide K = {k} (w's last dimension)")
+    w64 = w.detach().double()
+    if not bool(torch.isfinite(w64).all()):
+        raise ValueError("w has non-finite values (inf or nan)")
+    if bits == 8:
+        s = _round_up_to(w64.abs().amax(dim=1) / INT8_QMAX, w.dtype)
+        q = torch.round(w64 / s.double()[:, None]).clamp_(-INT8_QMAX, INT8_QMAX).to(torch.int8)
+        return QuantizedWeight(q, s, None, 8, None, (n, k))
+    wg = w64.reshape(n, k // group_size, group_size)
+    lo = wg.amin(dim=2).clamp(max=0.0)
+    hi = wg.amax(dim=2).clamp(min=0.0)
+    s = _round_up_to((hi - lo) / INT4_QMAX, w.dtype)
+    s64 = s.double()
+    z = torch.round(-lo / s64).clamp_(0, INT4_QMAX)
+    q = (torch.round(wg / s64[..., None]) + z[..., None]).clamp_(0, INT4_QMAX).to(torch.uint8).reshape(n, k)
+    packed = q[:, 0::2] | (q[:, 1::2] << 4)
+    return QuantizedWeight(packed.contiguous(), s, z.to(torch.uint8), 4, group_size, (n, k))
+
+
+def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[N, K/2]`` -> uint8 ``[N, K]`` values in [0, 15] (low nibble = even k)."""
+    lo, hi = qweight & 0xF, qweight >> 4
+    return torch.stack((lo, hi), dim=-1).reshape(qweight.shape[0], -1)
+
+
+def dequantize_weight(q: QuantizedWeight, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """The float weight ``[N, K]`` that ``q`` stands for, in ``dtype`` (default: the scales'
+    dtype); computed in fp32 (fp64 when ``dtype`` is fp64), rounded once."""
+    dtype = q.scales.dtype if dtype is None else dtype
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
+    s = q.scales.to(wide)
+    if q.bits == 8:
+        return (q.qweight.to(wide) * s[:, None]).to(dtype)
+    n, k = q.shape
+    ints = unpack_int4(q.qweight).to(wide).reshape(n, k // q.group_size, q.group_size)
+    return ((ints - q.zeros.to(wide)[..., None]) * s[..., None]).reshape(n, k).to(dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# launchers (inputs validated by quant_linear)
+# ----------------------------------------------------------------------------------------------
+
+
+def _dot_precision(dtype: torch.dtype):
+    """fp32 inputs must not drop to tf32 (the fp32 tolerance is 1e-5); others: the default."""
+    return "ieee" if dtype == torch.float32 else None
+
+
+def _block_k(bits: int, group_size: int) -> int:
+    """K tile: 64, and never more than a group (each int4 tile then has one scale per row)."""
+    return 64 if bits == 8 else min(64, group_size)
+
+
+def _gemm_config(m: int, n: int) -> dict:
+    """Row tile sized to M (16 rows is the tensor-core minimum), 64 weight rows per tile."""
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
+    return dict(BLOCK_M=block_m, BLOCK_N=64 if block_m <= 64 else 128, GROUP_M=8,
+                num_warps=4 if block_m <= 64 else 8)
+
+
+def _gemv_splits(n_blocks: int, n_chunks: int, sms: int) -> int:
+    """K splits so that about 4 programs per SM read the weight; no more splits than chunks."""
+    return max(1, min(n_chunks, cdiv(4 * sms, max(n_blocks, 1))))
+
+
+def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, bits: int, group_size: int) -> torch.Tensor:
+    """y [M, N] for x2 [M, K] (unit K stride); group_size 0 means int8 per channel."""
+    m, k = x2.shape
+    n = scales.shape[0]
+    y = empty((m, n), x2.dtype, x2.device)
+    if m == 0 or n == 0:
+        return y
+    zeros_arg = zeros if zeros is not None else qweight   # never read for int8
+    bias_arg = bias if bias is not None else y            # never read without HAS_BIAS
+    stride_sn = scales.stride(0)
+    block_k = _block_k(bits, group_size)
+    if m > GEMV_MAX_ROWS:
+        cfg = _gemm_config(m, n)
+        grid = (cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"]),)
+        quant_gemm_kernel[grid](
+            x2, qweight, scales, zeros_arg, bias_arg, y, m, n, k,
+            x2.stride(0), qweight.stride(0), stride_sn, y.stride(0),
+            BITS=bits, GROUP_SIZE=group_size, HAS_BIAS=bias is not None,
+            DOT_PRECISION=_dot_precision(x2.dtype), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+            BLOCK_K=block_k, GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"],
+        )
+        return y
+    block_n = 64
+    gemv_block_k = 128 if bits == 8 else min(128, group_size)
+    n_blocks, n_chunks = cdiv(n, block_n), cdiv(k, gemv_block_k)
+    splits = _gemv_splits(n_blocks, n_chunks, num_sms(x2))
+    chunks_per_split = cdiv(n_chunks, splits)
+    splits = cdiv(n_chunks, chunks_per_split)           # no split without work
+    partial = empty((splits, m, n), torch.float32, x2.device)
+    quant_gemv_kernel[(n_blocks, splits)](
+        x2, qweight, scales, zeros_arg, partial, m, n, k,
+        x2.stride(0), qweight.stride(0), stride_sn, chunks_per_split,
+        BITS=bits, GROUP_SIZE=group_size, M_PAD=next_power_of_2(m), BLOCK_N=block_n,
+        BLOCK_K=gemv_block_k, num_warps=4,
+    )
+    reduce_block_n = 256
+    splitk_reduce_kernel[(m, cdiv(n, reduce_block_n))](
+        partial, bias_arg, y, m, n, splits, y.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_N=reduce_block_n, num_warps=4,
+    )
+    return y
+
+
+# ----------------------------------------------------------------------------------------------
+# reference + custom op
+# ----------------------------------------------------------------------------------------------
+
+
+def _as_qw(qweight, scales, zeros, bits: int, group_size: int) -> QuantizedWeight:
+    n = scales.shape[0]
+    k = qweight.shape[1] * (2 if bits == 4 else 1)
+    return QuantizedWeight(qweight, scales, zeros, bits, group_size or None, (n, k))
+
+
+def quant_linear_reference(x: torch.Tensor, qw: QuantizedWeight, bias: Optional[torch.Tensor] = None):
+    """``F.linear(x, dequantize_weight(qw), bias)`` in x's dtype (fp32 math below fp32)."""
+    wide = x.dtype if x.dtype == torch.float64 else torch.float32
+    w = dequantize_weight(qw, wide)
+    b = bias.to(wide) if bias is not None else None
+    return F.linear(x.to(wide), w, b).to(x.dtype)
+
+
+@custom_op("tilefuse::quant_linear", mutates_args=())
+def _quant_linear_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
+                     bias: Optional[torch.Tensor], bits: int, group_size: int) -> torch.Tensor:
+    n = scales.shape[0]
+    if use_triton(x):
+        return _launch(rows_view(x), qweight, scales, zeros, bias, bits, group_size).view(*x.shape[:-1], n)
+    return quant_linear_reference(x, _as_qw(qweight, scales, zeros, bits, group_size), bias).contiguous()
+
+
+@_quant_linear_op.register_fake
+def _(x, qweight, scales, zeros, bias, bits, group_size):
+    return x.new_empty((*x.shape[:-1], scales.shape[0]))
+
+
+def _setup_context(ctx, inputs, output):
+    x, qweight, scales, zeros, bias, bits, group_size = inputs
+    ctx.save_for_backward(qweight, scales, zeros)
+    ctx.bits, ctx.group_size, ctx.has_bias = bits, group_size, bias is not None
+
+
+def _backward(ctx, dy):
+    """Gradients for x and bias only (the quantized weight is frozen): dx = dy @ dequant(W)."""
+    qweight, scales, zeros = ctx.saved_tensors
+    w = dequantize_weight(_as_qw(qweight, scales, zeros, ctx.bits, ctx.group_size), dy.dtype)
+    dx = dy @ w
+    dbias = dy.reshape(-1, dy.shape[-1]).sum(0) if ctx.has_bias else None
+    return dx, None, None, None, dbias, None, None
+
+
+_quant_linear_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------
+# public API
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_qweight(name: str, qw: QuantizedWeight) -> None:
+    if not isinstance(qw, QuantizedWeight):
+        raise TypeError(f"{name} must be a QuantizedWeight (from quantize_weight), got {type(qw).__name__}")
+    _check_format(qw.bits, qw.group_size)
+    n, k = qw.shape
+    want = torch.int8 if qw.bits == 8 else torch.uint8
+    check_tensor(f"{name}.qweight", qw.qweight, dtypes=(want,))
+    check_shape(f"{name}.qweight", qw.qweight, (n, k if qw.bits == 8 else k // 2), "packed [N, K] weight")
+    check_tensor(f"{name}.scales", qw.scales)
+    if qw.bits == 8:
+        check_shape(f"{name}.scales", qw.scales, (n,), "one per output channel")
+    else:
+        check_shape(f"{name}.scales", qw.scales, (n, k // qw.group_size), "[N, K / group_size]")
+        check_tensor(f"{name}.zeros", qw.zeros, dtypes=(torch.uint8,))
+        check_shape(f"{name}.zeros", qw.zeros, (n, k // qw.group_size), "[N, K / group_size]")
+
+
+def quant_linear(x: torch.Tensor, qw: QuantizedWeight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``y = x @ dequantize_weight(qw).T + bias`` without materializing the float weight.
+
+    ``x`` ``[..., K]`` in the scales' dtype (fp32/fp16/bf16), ``bias`` ``[N]`` or None; ``y``
+    ``[..., N]`` in x's dtype, fp32 accumulation. M = prod(leading dims) <= 8: split-K GEMV."""
+    check_tensor("x", x, min_dim=1)
+    _check_qweight("qw", qw)
+    n, k = qw.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} features in its last dimension, the weight has K = {k}")
+    check_same_dtype(x=x, **{"qw.scales": qw.scales})
+    if bias is not None:
+        check_tensor("bias", bias)
+        check_shape("bias", bias, (n,))
+        check_same_dtype(x=x, bias=bias)
+    check_same_device(x=x, **{"qw.qweight": qw.qweight, "qw.scales": qw.scales, "qw.zeros": qw.zeros}, bias=bias)
+    scales = qw.scales.contiguous()
+    zeros = qw.zeros.contiguous() if qw.zeros is not None else None
+    return _quant_linear_op(x, qw.qweight.contiguous(), scales, zeros, bias, qw.bits, qw.group_size or 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# registry: shape = (M, N, K)
+# ----------------------------------------------------------------------------------------------
+
+
+def _int4_group(k: int) -> int:
+    """The bench group (128) where K allows it, else the largest supported divisor of K."""
+    return next((g for g in sorted(INT4_GROUP_SIZES, reverse=True) if k % g == 0), INT4_GROUP_SIZES[0])
+
+
+def _make_inputs(bits: int):
+    def make(shape, dtype, device):
+        m, n, k = shape
+        w = torch.randn(n, k, device=device, dtype=torch.float32) / k ** 0.5
+        qw = quantize_weight(w.to(dtype), bits, _int4_group(k) if bits == 4 else None)
+        x = torch.randn(m, k, device=device).to(dtype)
+        return Inputs((x, qw), {}, grad_args=())
+    return make
+
+
+def _bytes_fn(bits: int):
+    def count(shape, dtype, pass_):
+        m, n, k = shape
+        esize = torch.empty((), dtype=dtype).element_size()
+        weight = n * k * bits // 8
+        if bits == 8:
+            side = n * esize                                  # scales
+        else:
+            side = n * (k // _int4_group(k)) * (esize + 1)    # scales + uint8 zero points
+        return weight + side + (m * k + m * n) * esize        # + x read, y written
+    return count
+
+
+def _torch_dequant_linear(x, qw, bias=None):
+    """PyTorch peer: dequantize the whole weight, then cuBLAS / F.linear."""
+    return F.linear(x, dequantize_weight(qw, x.dtype), bias)
+
+
+def _tinygemm_peer():
+    """``torch._weight_int4pack_mm`` (tinygemm, CUDA, bf16 x) on our int4 format, or None.
+
+    Converted once per weight (cached by storage pointer): tinygemm takes uint8 [N, K/2] with
+    the *even* k in the high nibble, and dequantizes ``(q - 8) * s + zero`` with a float zero,
+    so ``zero = (8 - z) * s``; scales_and_zeros is ``[K/g, N, 2]``."""
+    if not (torch.cuda.is_available() and hasattr(torch, "_weight_int4pack_mm")):
+        return None
+    cache: dict = {}
+
+    def run(x, qw, bias=None):
+        if x.dtype != torch.bfloat16:
+            raise NotImplementedError("tinygemm takes bf16 activations only")
+        key = (qw.qweight.data_ptr(), qw.scales.data_ptr(), qw.shape)
+        if key not in cache:
+            n, k = qw.shape
+            swapped = ((qw.qweight & 0xF) << 4) | (qw.qweight >> 4)
+            inner_k_tiles = 8 if k % 128 == 0 else 4 if k % 64 == 0 else 2
+            packed = torch.ops.aten._convert_weight_to_int4pack(swapped.contiguous(), inner_k_tiles)
+            s = qw.scales.to(torch.bfloat16)
+            zero = ((8 - qw.zeros.float()) * qw.scales.float()).to(torch.bfloat16)
+            sz = torch.stack((s, zero), dim=-1).transpose(0, 1).contiguous()
+            cache.clear()
+            cache[key] = (packed, sz)
+        packed, sz = cache[key]
+        y = torch._weight_int4pack_mm(x.reshape(-1, x.shape[-1]), packed, qw.group_size, sz)
+        y = y.reshape(*x.shape[:-1], -1)
+        return y + bias if bias is not None else y
+    return run
+
+
+# small, odd N, every path: M <= 8 (GEMV), 9..15 (GEMM, partial tile), 16 and 33
+_TEST_SHAPES = [(1, 33, 64), (3, 17, 128), (8, 40, 96), (16, 24, 64), (33, 19, 128)]
+_GPU_TEST_SHAPES = [(1, 4096, 4096), (5, 14336, 4096), (16, 4096, 14336), (300, 4097, 4096)]
+_BENCH_SHAPES = [(1, 4096, 4096), (1, 14336, 4096), (16, 4096, 4096), (16, 14336, 4096)]
+
+for _bits in SUPPORTED_BITS:
+    register(OpSpec(
+        name=f"int{_bits}_gemm",
+        fn=quant_linear,
+        reference=quant_linear_reference,
+        make_inputs=_make_inputs(_bits),
+        bytes_fn=_bytes_fn(_bits),
+        flops_fn=lambda shape, pass_: 2 * shape[0] * shape[1] * shape[2],
+        test_shapes=_TEST_SHAPES,
+        gpu_test_shapes=_GPU_TEST_SHAPES,
+        bench_shapes=_BENCH_SHAPES,
+        peers={"torch": lambda: _torch_dequant_linear,
+               **({"tinygemm": _tinygemm_peer} if _bits == 4 else {})},
+        has_backward=False,
+        description=f"x @ dequant(W).T, int{_bits} weight-only "
+                    + ("(per channel)" if _bits == 8 else "(group-wise, zero points)"),
+    ))

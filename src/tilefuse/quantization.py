@@ -1,0 +1,141 @@
+"""``quantize(model, bits=4, group_size=128)``: swap a model's ``nn.Linear`` layers, in place, for
+weight-only quantized :class:`QuantLinear` layers, and report the bytes saved.
+
+A layer is swapped when its input features K are divisible by the group size (int4) and its
+qualified name is not skipped; everything else (embeddings, norms, skipped or ineligible
+linears) is left untouched. The quantized formats are described in ``tilefuse.ops.quant``.
+
+Bytes counted: a swapped layer's weight before (N·K·element size) against its packed weight +
+scales + zero points after; biases are kept as they are and counted on neither side. The model
+totals count every parameter and buffer once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from typing import Callable, Iterable, Optional, Union
+
+import torch
+from torch import nn
+
+from .ops.quant import QuantizedWeight, _check_format, quant_linear, quantize_weight
+
+SkipRule = Union[None, str, Iterable[str], Callable[[str, nn.Linear], bool]]
+
+
+class QuantLinear(nn.Module):
+    """``y = x @ dequant(W).T + bias`` with W stored quantized (int8 per channel or int4
+    group-wise). The quantized tensors are buffers (they follow ``.to()`` and ``state_dict``);
+    the bias stays a parameter. Gradients flow to x and the bias, never to the weight."""
+
+    def __init__(self, qw: QuantizedWeight, bias: Optional[torch.Tensor] = None):
+        super().__init__()
+        self.out_features, self.in_features = qw.shape
+        self.bits, self.group_size = qw.bits, qw.group_size
+        self.register_buffer("qweight", qw.qweight)
+        self.register_buffer("scales", qw.scales)
+        self.register_buffer("zeros", qw.zeros)
+        self.bias = bias if bias is None or isinstance(bias, nn.Parameter) else nn.Parameter(bias)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, bits: int = 4, group_size: Optional[int] = 128) -> "QuantLinear":
+        qw = quantize_weight(linear.weight.detach(), bits, group_size)
+        return cls(qw, linear.bias)
+
+    def quantized_weight(self) -> QuantizedWeight:
+        return QuantizedWeight(self.qweight, self.scales, self.zeros, self.bits, self.group_size,
+                               (self.out_features, self.in_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return quant_linear(x, self.quantized_weight(), self.bias)
+
+    def extra_repr(self) -> str:
+        fmt = "int8 per channel" if self.bits == 8 else f"int4 group {self.group_size}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, " \
+               f"bias={self.bias is not None}, {fmt}"
+
+
+@dataclasses.dataclass
+class QuantizeReport:
+    """What :func:`quantize` did: layer names, and bytes of the swapped weights and of the model."""
+    bits: int
+    group_size: Optional[int]
+    swapped: list[str] = dataclasses.field(default_factory=list)
+    skipped: dict[str, str] = dataclasses.field(default_factory=dict)    # name -> reason
+    weight_bytes_before: int = 0       # swapped layers' float weights
+    weight_bytes_after: int = 0        # their packed weights + scales + zero points
+    model_bytes_before: int = 0        # all parameters and buffers
+    model_bytes_after: int = 0
+
+    @property
+    def bytes_saved(self) -> int:
+        return self.weight_bytes_before - self.weight_bytes_after
+
+    @property
+    def compression(self) -> float:
+        """Swapped weights' size ratio before / after (0 when nothing was swapped)."""
+        return self.weight_bytes_before / self.weight_bytes_after if self.weight_bytes_after else 0.0
+
+    def __str__(self) -> str:
+        mib = 2.0 ** 20
+        fmt = "int8" if self.bits == 8 else f"int4/g{self.group_size}"
+        return (f"quantize {fmt}: {len(self.swapped)} linear layers swapped, {len(self.skipped)} skipped; "
+                f"weights {self.weight_bytes_before / mib:.2f} -> {self.weight_bytes_after / mib:.2f} MiB "
+                f"({self.compression:.2f}x); model {self.model_bytes_before / mib:.2f} -> "
+                f"{self.model_bytes_after / mib:.2f} MiB")
+
+
+def _model_bytes(model: nn.Module) -> int:
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t is not None and t.data_ptr() not in seen:     # tied weights counted once
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
+
+
+def _skip_reason(name: str, layer: nn.Linear, skip: SkipRule, group_size: Optional[int]) -> Optional[str]:
+    if callable(skip):
+        if skip(name, layer):
+            return "skipped by the skip callable"
+    elif skip is not None:
+        patterns = [skip] if isinstance(skip, str) else list(skip)
+        for p in patterns:
+            if fnmatch.fnmatchcase(name, p) or name.split(".")[-1] == p:
+                return f"matches skip pattern {p!r}"
+    if layer.weight.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return f"weight dtype {layer.weight.dtype} is not fp32/fp16/bf16"
+    k = layer.in_features
+    if group_size is not None and k % group_size:
+        return f"in_features {k} is not a multiple of group_size {group_size}"
+    return None
+
+
+def quantize(model: nn.Module, bits: int = 4, group_size: Optional[int] = 128,
+             skip: SkipRule = None) -> QuantizeReport:
+    """Replace every eligible ``nn.Linear`` of ``model`` (in place) by a :class:`QuantLinear`.
+
+    ``bits`` 4 (group-wise, ``group_size`` 32/64/128) or 8 (per channel; ``group_size`` is
+    ignored and taken as None). ``skip``: a name, an fnmatch pattern or a list of them (matched
+    against the qualified module name, or its last component: ``"lm_head"``), or a callable
+    ``(name, layer) -> bool``. Linears whose K is not a multiple of the group size are skipped
+    and listed in the report with the reason. Returns a :class:`QuantizeReport`."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    group_size = _check_format(bits, None if bits == 8 else group_size)
+    report = QuantizeReport(bits, group_size, model_bytes_before=_model_bytes(model))
+    targets = [(name, mod) for name, mod in model.named_modules() if type(mod) is nn.Linear]
+    for name, layer in targets:
+        reason = _skip_reason(name, layer, skip, group_size)
+        if reason is not None:
+            report.skipped[name] = reason
+            continue
+        new = QuantLinear.from_linear(layer, bits, group_size)
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+        report.swapped.append(name)
+        report.weight_bytes_before += layer.weight.numel() * layer.weight.element_size()
+        report.weight_bytes_after += new.quantized_weight().nbytes()
+    report.model_bytes_after = _model_bytes(model)
+    return report

@@ -1,0 +1,266 @@
+"""tilefuse.matmul: every epilogue combination forward and backward vs the fp64 reference, layouts
+(transposed / strided operands), both load paths (pointers, TMA descriptors), launch configs and
+the heuristic, empties, bad input, out_dtype, torch.compile, nn.Linear, and the registry shapes."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import CPU_DTYPES, DEVICE, HAS_CUDA
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tilefuse.nn.linear import Linear
+from tilefuse.ops import _matmul_kernels as mk
+from tilefuse.ops import matmul as mm     # registers "matmul" (until ops/__init__ imports the module)
+from tilefuse.ops.matmul import matmul, matmul_reference
+from tilefuse.registry import get
+from tilefuse.testing import check_impl, rel_err
+
+DTYPES = CPU_DTYPES + ((torch.bfloat16,) if HAS_CUDA else ())
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+ACTS = [None, "relu", "gelu", "gelu_tanh", "silu"]
+
+
+def _rand(shape, dtype, scale=1.0, grad=True):
+    return (torch.randn(shape, device=DEVICE) * scale).to(dtype).requires_grad_(grad)
+
+
+def _weight_t(n, k, dtype):
+    """b = w.t() of an [N, K] weight: unit K stride, as nn.Linear passes it (a leaf view)."""
+    return torch.randn(n, k, device=DEVICE).to(dtype).t().detach().requires_grad_(True)
+
+
+def _torch_eager(a, b, bias, act, residual, out_dtype):
+    """The same computation in PyTorch, in the operands' dtype (the flash-attn rule's baseline)."""
+    return mm._torch_matmul(a, b, bias, act, residual, out_dtype)
+
+
+def _check(a, b, bias=None, act=None, residual=None, out_dtype=None, fn=matmul):
+    """fn's output and the gradients of every grad-requiring input vs the fp64 reference; below
+    fp32 the bound is max(TOL, 2 x PyTorch's own error in that dtype)."""
+    args = (a, b, bias, act, residual, out_dtype)
+    leaves = [t for t in (a, b, bias, residual) if t is not None and t.requires_grad]
+    wide = [t.detach().double().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t for t in args]
+    y = fn(*args)
+    assert y.dtype == (out_dtype or a.dtype) and y.shape == (*a.shape[:-1], b.shape[1])
+    y_ref = matmul_reference(*wide[:5], torch.float64)
+    dy = torch.randn(y.shape, device=DEVICE).to(y.dtype)
+    grads = torch.autograd.grad(y, leaves, dy) if leaves else ()
+    wide_leaves = [w for w, t in zip(wide[:2] + wide[2:3] + wide[4:5], (a, b, bias, residual))
+                   if t is not None and t.requires_grad]
+    ref_grads = torch.autograd.grad(y_ref, wide_leaves, dy.double()) if leaves else ()
+    tol = TOL[a.dtype]
+    if a.dtype != torch.float32:
+        base = [t.detach().clone().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t for t in args]
+        y_t = _torch_eager(*base)
+        base_leaves = [t for t in (base[0], base[1], base[2], base[4]) if t is not None and t.requires_grad]
+        t_grads = torch.autograd.grad(y_t, base_leaves, dy.to(y_t.dtype)) if leaves else ()
+        tol = max([tol, 2 * rel_err(y_t, y_ref)] + [2 * rel_err(g, r) for g, r in zip(t_grads, ref_grads)])
+    assert rel_err(y, y_ref) <= tol, f"forward {rel_err(y, y_ref):.3g} > {tol:.3g}"
+    for name, g, r, leaf in zip("a b bias residual".split(), grads, ref_grads, leaves):
+        assert g.shape == leaf.shape and g.dtype == leaf.dtype
+        assert rel_err(g, r) <= tol, f"grad: {rel_err(g, r):.3g} > {tol:.3g}"
+    return y
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("has_bias", [False, True])
+@pytest.mark.parametrize("has_residual", [False, True])
+def test_epilogues(dtype, act, has_bias, has_residual):
+    a = _rand((2, 9, 24), dtype)
+    b = _weight_t(40, 24, dtype) if has_bias else _rand((24, 40), dtype)   # both layouts
+    bias = _rand(40, dtype) if has_bias else None
+    residual = _rand((2, 9, 40), dtype) if has_residual else None
+    _check(a, b, bias, act, residual)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+def test_layouts(dtype):
+    """Transposed a, transposed / column-sliced / row-strided b, a strided 3-D a, M = 1, K = 8."""
+    _check(_rand((30, 20), dtype).t().detach().requires_grad_(True), _rand((30, 17), dtype), act="silu")
+    _check(_rand((20, 30), dtype), _rand((30, 50), dtype)[:, 3:40:2].detach().requires_grad_(True))
+    _check(_rand((20, 30), dtype), _rand((60, 13), dtype)[::2].detach().requires_grad_(True), act="relu")
+    big = _rand((3, 7, 50), dtype, grad=False)
+    _check(big.transpose(0, 1)[..., 5:29].requires_grad_(True), _weight_t(11, 24, dtype), _rand(11, dtype))
+    _check(_rand((1, 8), dtype), _weight_t(33, 8, dtype), _rand(33, dtype), "gelu_tanh")
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("transposed_b", [False, True])
+def test_tma_and_pointer_paths(dtype, transposed_b):
+    """Descriptor loads (zero fill past the edges) and pointer loads (clamped rows, masked K
+    tail) give the reference on the same odd-M/N, K-tail shape."""
+    m, n, k = 37, 40, 72          # 16-byte strides for descriptors; K tail for BLOCK_K 32 and 64
+    a = torch.randn(m, k, device=DEVICE).to(dtype)
+    b = torch.randn(n, k, device=DEVICE).to(dtype).t() if transposed_b else torch.randn(k, n, device=DEVICE).to(dtype)
+    bias, res = torch.randn(n, device=DEVICE).to(dtype), torch.randn(m, n, device=DEVICE).to(dtype)
+    assert mk.tma_layout(a, b) == (True, transposed_b)
+    ref = matmul_reference(a.double(), b.double(), bias.double(), "gelu", res.double())
+    for cfg in ({"USE_TMA": True}, {"USE_TMA": False}, {"USE_TMA": True, "BLOCK_K": 64, "BLOCK_M": 16}):
+        out, pre = mk.launch_matmul(a, b, bias, res, "gelu", save_preact=True, config=cfg)
+        assert rel_err(out, ref) <= TOL[dtype], cfg
+        assert rel_err(pre, a.double() @ b.double() + bias.double()) <= TOL[dtype], cfg
+
+
+@pytest.mark.parametrize("cfg", [
+    dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=1, num_warps=1),     # many tiles per program
+    dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=16, GROUP_M=3),                  # EVEN_K (K = 48)
+    dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=64, GROUP_M=8, FLATTEN=True),
+    dict(mk.CONFIGS["small_m16"]), dict(mk.CONFIGS["tile_64x64"]),
+])
+def test_launch_configs(cfg):
+    a, b = torch.randn(45, 48, device=DEVICE), torch.randn(48, 70, device=DEVICE)
+    bias = torch.randn(70, device=DEVICE)
+    out, _ = mk.launch_matmul(a, b, bias, None, "relu", config=cfg)
+    assert rel_err(out, matmul_reference(a.double(), b.double(), bias.double(), "relu")) <= 1e-5
+
+
+def test_choose_config():
+    h100 = 132
+    for m, n, k, dt in [(1, 4096, 4096, torch.bfloat16), (16, 14336, 4096, torch.float16),
+                        (30, 4096, 4096, torch.bfloat16), (8192, 8192, 8192, torch.bfloat16),
+                        (128, 4096, 4096, torch.bfloat16), (5, 3, 8, torch.float32), (300, 7, 1, torch.float16)]:
+        cfg = mk.choose_config(m, n, k, dt, h100)
+        assert all(cfg[key] >= 16 for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K")), (m, n, k, cfg)
+        assert cfg["BLOCK_K"] <= max(16, k * 2) and cfg["BLOCK_N"] <= max(16, n * 2)
+    assert mk.choose_config(1, 4096, 4096, torch.bfloat16, h100)["BLOCK_M"] == 16
+    assert mk.choose_config(30, 4096, 4096, torch.bfloat16, h100)["BLOCK_M"] == 32
+    assert mk.choose_config(1, 4096, 4096, torch.bfloat16, h100)["BLOCK_N"] == 32    # 128 programs
+    assert mk.choose_config(8192, 8192, 8192, torch.bfloat16, h100) == mk.CONFIGS["tile_128x256"]
+    assert mk.choose_config(64, 64, 64, torch.float32, h100)["BLOCK_K"] == 32
+
+
+def test_preact_recomputed_when_not_saved():
+    """The op called without save_preact (grad enabled after the forward): the backward redoes
+    the forward GEMM for z."""
+    a, b, bias = _rand((13, 24), torch.float32), _rand((24, 19), torch.float32), _rand(19, torch.float32)
+    out, pre = mm._matmul_fwd_op(a, b, bias, None, "gelu", torch.float32, False)
+    assert pre.numel() == 0
+    dy = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (a, b, bias), dy)
+    wide = [t.detach().double().requires_grad_(True) for t in (a, b, bias)]
+    ref_grads = torch.autograd.grad(matmul_reference(*wide, "gelu"), wide, dy.double())
+    for g, r in zip(grads, ref_grads):
+        assert rel_err(g, r) <= 1e-5
+
+
+def test_out_dtype_wider_than_inputs():
+    a, b = _rand((2, 5, 24), torch.float16), _weight_t(17, 24, torch.float16)
+    bias, res = _rand(17, torch.float16), _rand((2, 5, 17), torch.float32)
+    for act in (None, "silu"):
+        _check(a, b, bias, act, res, out_dtype=torch.float32)
+
+
+@settings(max_examples=12, deadline=None)
+@given(m=st.integers(1, 40), n=st.integers(1, 40), k=st.integers(1, 40), transposed=st.booleans(),
+       act=st.sampled_from(ACTS), has_bias=st.booleans())
+def test_random_shapes(m, n, k, transposed, act, has_bias):
+    b = _weight_t(n, k, torch.float32) if transposed else _rand((k, n), torch.float32)
+    _check(_rand((m, k), torch.float32), b, _rand(n, torch.float32) if has_bias else None, act)
+
+
+@pytest.mark.parametrize("m,n,k", [(0, 5, 7), (4, 0, 7), (0, 0, 0), (3, 6, 0), (1, 1, 0)])
+def test_empty(m, n, k):
+    """K = 0: out = act(bias) + residual, the GEMMs' zero contribution; M or N = 0: empty."""
+    a, b, bias, res = _rand((m, k), torch.float32), _rand((k, n), torch.float32), _rand(n, torch.float32), \
+        _rand((m, n), torch.float32)
+    y = matmul(a, b, bias, "silu", res)
+    assert y.shape == (m, n)
+    assert rel_err(y, F.silu(bias.detach().double()) + res.detach().double()) <= 1e-6
+    grads = torch.autograd.grad(y, (a, b, bias, res), torch.randn_like(y))
+    for g, t in zip(grads, (a, b, bias, res)):
+        assert g.shape == t.shape and not torch.isnan(g).any()
+    if k == 0:
+        assert not grads[0].any() and not grads[1].any()
+
+
+@pytest.mark.parametrize("call,exc,match", [
+    (lambda a, b: matmul(a.tolist(), b), TypeError, "a must be a torch.Tensor"),
+    (lambda a, b: matmul(a, b.int()), TypeError, "b has dtype int32"),
+    (lambda a, b: matmul(a, b[:7]), ValueError, "b has K = 7 rows"),
+    (lambda a, b: matmul(a, b[0]), ValueError, "b must be 2-D"),
+    (lambda a, b: matmul(a[0, 0], b), ValueError, "a must have at least 1"),
+    (lambda a, b: matmul(a, b.half()), TypeError, "b has dtype"),
+    (lambda a, b: matmul(a, b, bias=torch.randn(5)), ValueError, "bias has shape"),
+    (lambda a, b: matmul(a, b, bias=torch.randn(6).half()), TypeError, "bias has dtype"),
+    (lambda a, b: matmul(a, b, residual=torch.randn(3, 5)), ValueError, "residual has shape"),
+    (lambda a, b: matmul(a, b, residual=torch.randn(3, 6).half()), TypeError, "residual has dtype"),
+    (lambda a, b: matmul(a, b, activation="tanh"), ValueError, "activation must be"),
+    (lambda a, b: matmul(a, b, out_dtype=torch.int32), TypeError, "out_dtype must be"),
+    (lambda a, b: matmul(a, b.to("meta")), ValueError, "b is on meta"),
+    (lambda a, b: matmul(a, b, bias=torch.randn(6, device="meta")), ValueError, "bias is on meta"),
+])
+def test_bad_input(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call(torch.randn(3, 8, device=DEVICE), torch.randn(8, 6, device=DEVICE))
+
+
+def test_compile_fullgraph():
+    fn = torch.compile(lambda a, b, bias, r: matmul(a, b, bias, "gelu_tanh", r), fullgraph=True, backend="aot_eager")
+    a, b, bias, r = _rand((2, 7, 24), torch.float32), _weight_t(19, 24, torch.float32), \
+        _rand(19, torch.float32), _rand((2, 7, 19), torch.float32)
+    _check(a, b, bias, "gelu_tanh", r, fn=lambda a, b, bias, act, r, out_dtype: fn(a, b, bias, r))
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_is_a_drop_in(bias):
+    ref = torch.nn.Linear(24, 19, bias=bias).to(DEVICE)
+    lin = Linear(24, 19, bias=bias).to(DEVICE)
+    lin.load_state_dict(ref.state_dict())
+    assert list(lin.state_dict()) == list(ref.state_dict()) and isinstance(lin, torch.nn.Linear)
+    x = torch.randn(2, 5, 24, device=DEVICE, requires_grad=True)
+    y, y_ref = lin(x), ref(x)
+    assert rel_err(y, y_ref) <= 1e-5
+    dy = torch.randn_like(y)
+    grads = torch.autograd.grad(y, [x, *lin.parameters()], dy)
+    for g, rg in zip(grads, torch.autograd.grad(y_ref, [x, *ref.parameters()], dy)):
+        assert rel_err(g, rg) <= 1e-5
+    assert grads[1].is_contiguous()          # dW written in the weight's own [N, K] layout
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("shape", get("matmul").test_shapes)
+def test_registry_shapes(shape, dtype):
+    """The registry sweep (tests/test_ops.py) for this op, runnable before it is registered there."""
+    spec = get("matmul")
+    chk = check_impl(spec, spec.fn, spec.make_inputs(shape, dtype, DEVICE), dtype)
+    assert chk.error is None and chk.ok, chk
+    m, n, k = shape
+    assert spec.flops_fn(shape, "bwd") == 2 * spec.flops_fn(shape, "fwd") == 4 * m * n * k
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: bf16, big shapes, both load paths (run by the lead on the H100/H200)
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("use_tma", [True, False])
+@pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (16, 4096, 4096), (128, 4096, 4096), (1000, 1031, 8192),
+                                   (4096, 4096, 4096), (2048, 14336, 4096)])
+def test_gpu_bf16_large(m, n, k, use_tma):
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    for b in (w.t(), w.t().contiguous()):
+        out, _ = mk.launch_matmul(a, b, config={"USE_TMA": use_tma})
+        assert rel_err(out, a.double() @ b.double()) <= 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("act", ACTS)
+def test_gpu_bf16_epilogues_fwd_bwd(act):
+    a = _rand((4, 256, 1024), torch.bfloat16)
+    _check(a, _weight_t(1536, 1024, torch.bfloat16), _rand(1536, torch.bfloat16), act,
+           _rand((4, 256, 1536), torch.bfloat16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [dict(FLATTEN=True), dict(mk.CONFIGS["tile_128x128"]), dict(mk.CONFIGS["tile_64x128"]),
+                                 dict(mk.CONFIGS["small_m32"], BLOCK_N=128)])
+def test_gpu_configs_compile_and_agree(cfg):
+    a = torch.randn(3000, 4096, device="cuda", dtype=torch.float16)
+    b = torch.randn(4096, 2999, device="cuda", dtype=torch.float16)
+    for use_tma in (True, False):
+        out, _ = mk.launch_matmul(a, b, config=dict(cfg, USE_TMA=use_tma))
+        assert rel_err(out, a.double() @ b.double()) <= 2e-3
