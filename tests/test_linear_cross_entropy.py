@@ -201,3 +201,17 @@ def test_hypothesis(n_tokens, n_hidden, vocab, chunk, reduction, label_smoothing
                z_loss=z_loss, softcap=softcap)
     finally:
         lce_mod.CHUNK_LOGITS_BYTES = old
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7, 64])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_chunk_tokens(chunk, reduction):
+    """Any chunk size gives the same loss and gradients (the last chunk ragged or not)."""
+    _check(*_inputs(13, 16, 50, bias=True), reduction=reduction, chunk_tokens=chunk)
+
+
+def test_chunk_tokens_bad_values():
+    h, w, b, t = _inputs(4, 8, 10)
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match="chunk_tokens"):
+            linear_cross_entropy(h, w, t, chunk_tokens=bad)

@@ -63,6 +63,7 @@ class LinearCrossEntropyLoss(torch.nn.Module):
         z_loss: float = 0.0,
         softcap: Optional[float] = None,
         reduction: str = "mean",
+        chunk_tokens: Optional[int] = None,
     ) -> None:
         super().__init__()
         check_ce_options(ignore_index, label_smoothing, z_loss, softcap, reduction)
@@ -71,11 +72,12 @@ class LinearCrossEntropyLoss(torch.nn.Module):
         self.z_loss = z_loss
         self.softcap = softcap
         self.reduction = reduction
+        self.chunk_tokens = chunk_tokens
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                 bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         return linear_cross_entropy(hidden, weight, target, bias, self.ignore_index, self.label_smoothing,
-                                    self.z_loss, self.softcap, self.reduction)
+                                    self.z_loss, self.softcap, self.reduction, chunk_tokens=self.chunk_tokens)
 
     def extra_repr(self) -> str:
         return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
