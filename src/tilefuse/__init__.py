@@ -10,6 +10,7 @@ from .ops.adamw import adam_step, adamw_step
 from .ops.attention import attention, attention_varlen
 from .ops.attention_decode import attention_decode
 from .ops.cross_entropy import cross_entropy
+from .ops.gate_up import swiglu_linear
 from .ops.glu import geglu, swiglu
 from .ops.linear_cross_entropy import linear_cross_entropy
 from .ops.matmul import matmul
@@ -24,4 +25,4 @@ __version__ = "0.1.0"
 __all__ = ["softmax", "log_softmax", "layer_norm", "rms_norm", "bias_act", "swiglu", "geglu", "rope", "rope_cos_sin_table",
            "adam_step", "adamw_step", "optim",
            "cross_entropy", "linear_cross_entropy", "attention", "attention_varlen", "attention_decode",
-           "matmul", "quantize_weight", "dequantize_weight", "quant_linear", "QuantizedWeight", "quantize", "QuantLinear"]
+           "matmul", "swiglu_linear", "quantize_weight", "dequantize_weight", "quant_linear", "QuantizedWeight", "quantize", "QuantLinear"]
