@@ -9,10 +9,11 @@ but add a read+write of the [V, H] grad_weight accumulator per chunk. Prints one
 import sys
 
 import torch
-import triton.testing
 
 import tilefuse
 import tilefuse.ops.linear_cross_entropy as lce
+from tilefuse.bench import time_ms
+from tilefuse.bench.runner import _peak_extra_bytes
 from tilefuse.ops.cross_entropy import random_targets
 
 T, H, V = (int(a) for a in sys.argv[1:4]) if len(sys.argv) > 3 else (8192, 4096, 128256)
@@ -31,14 +32,10 @@ def eager():
 
 
 def measure(fn):
-    fn()
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    peak = (torch.cuda.max_memory_allocated() - before) / 2**30
-    return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median"), peak
+    """(median ms, peak extra GiB), measured as `tilefuse bench` measures its rows."""
+    fn()    # warm-up: compiles, caches
+    peak = _peak_extra_bytes(fn, "cuda") / 2**30
+    return time_ms(fn, warmup=50, rep=300), peak
 
 
 print(f"T={T} H={H} V={V} bf16 fwd+bwd, {torch.cuda.get_device_name()}")
