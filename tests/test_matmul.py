@@ -84,18 +84,22 @@ def test_layouts(dtype):
     big = _rand((3, 7, 50), dtype, grad=False)
     _check(big.transpose(0, 1)[..., 5:29].requires_grad_(True), _weight_t(11, 24, dtype), _rand(11, dtype))
     _check(_rand((1, 8), dtype), _weight_t(33, 8, dtype), _rand(33, dtype), "gelu_tanh")
+    # a strided bias (every other element of a longer vector)
+    _check(_rand((9, 8), dtype), _weight_t(12, 8, dtype), _rand(24, dtype)[::2].detach().requires_grad_(True))
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
 @pytest.mark.parametrize("transposed_b", [False, True])
-def test_tma_and_pointer_paths(dtype, transposed_b):
+@pytest.mark.parametrize("transposed_a", [False, True])
+def test_tma_and_pointer_paths(dtype, transposed_a, transposed_b):
     """Descriptor loads (zero fill past the edges) and pointer loads (clamped rows, masked K
     tail) give the reference on the same odd-M/N, K-tail shape."""
     m, n, k = 37, 40, 72          # 16-byte strides for descriptors; K tail for BLOCK_K 32 and 64
-    a = torch.randn(m, k, device=DEVICE).to(dtype)
+    m = 40 if transposed_a else m   # a = xᵀ: x [K, M] rows of M elements must be 16-byte aligned
+    a = torch.randn(k, m, device=DEVICE).to(dtype).t() if transposed_a else torch.randn(m, k, device=DEVICE).to(dtype)
     b = torch.randn(n, k, device=DEVICE).to(dtype).t() if transposed_b else torch.randn(k, n, device=DEVICE).to(dtype)
     bias, res = torch.randn(n, device=DEVICE).to(dtype), torch.randn(m, n, device=DEVICE).to(dtype)
-    assert mk.tma_layout(a, b) == (True, transposed_b)
+    assert mk.tma_layout(a, b) == (True, transposed_a, transposed_b)
     ref = matmul_reference(a.double(), b.double(), bias.double(), "gelu", res.double())
     for cfg in ({"USE_TMA": True}, {"USE_TMA": False}, {"USE_TMA": True, "BLOCK_K": 64, "BLOCK_M": 16}):
         out, pre = mk.launch_matmul(a, b, bias, res, "gelu", save_preact=True, config=cfg)
@@ -107,7 +111,7 @@ def test_tma_and_pointer_paths(dtype, transposed_b):
     dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=1, num_warps=1),     # many tiles per program
     dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=16, GROUP_M=3),                  # EVEN_K (K = 48)
     dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=64, GROUP_M=8, FLATTEN=True),
-    dict(mk.CONFIGS["small_m16"]), dict(mk.CONFIGS["tile_64x64"]),
+    dict(mk.CONFIGS["small_m16"]), dict(mk.CONFIGS["tile_64x64"]), dict(mk.CONFIGS["mid_64x64"], num_stages=1),   # (fp32 operands: 3 stages overflow shared memory)
 ])
 def test_launch_configs(cfg):
     a, b = torch.randn(45, 48, device=DEVICE), torch.randn(48, 70, device=DEVICE)

@@ -31,6 +31,19 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+@functools.lru_cache(maxsize=None)
+def _major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def is_hopper_or_newer(t: torch.Tensor) -> bool:
+    """t lives on an sm_90+ GPU (TMA descriptors, wgmma); cached per device (the query costs
+    several µs of host time per call)."""
+    if t.device.type != "cuda":
+        return False
+    return _major(t.device.index if t.device.index is not None else torch.cuda.current_device()) >= 9
+
+
 def num_sms(t: torch.Tensor) -> int:
     """Multiprocessors of t's device; a small stand-in under the interpreter (grid sizes only)."""
     if t.device.type == "cuda":

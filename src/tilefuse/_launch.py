@@ -33,13 +33,22 @@ _ENABLED = os.environ.get("TILEFUSE_FAST_LAUNCH", "1") != "0"
 _I32 = (-(2**31), 2**31)
 
 
+def _int_key(a: int) -> tuple:
+    # i32 / i64 / u64 range, == 1, divisible by 16: what Triton specializes an integer on
+    rng = 0 if _I32[0] <= a < _I32[1] else 1 if a < 2**63 else 2
+    return ("i", a == 1, a % 16 == 0, rng)
+
+
 def _arg_key(a):
-    if isinstance(a, torch.Tensor):
+    t = type(a)     # exact type first: the common cases without isinstance chains
+    if t is int:
+        return _int_key(a)
+    if t is torch.Tensor or isinstance(a, torch.Tensor):
         return (a.dtype, a.data_ptr() % 16 == 0)
-    if isinstance(a, bool):
+    if t is bool:
         return ("b", a)
     if isinstance(a, int):
-        return ("i", a == 1, a % 16 == 0, _I32[0] <= a < _I32[1], a >= 2**63)
+        return _int_key(int(a))
     if isinstance(a, float):
         return ("f",)
     return ("v", a)
@@ -55,6 +64,8 @@ class FastKernel:
             self._names = [p.name for p in fn.params]
             self._constexpr = [p.is_constexpr for p in fn.params]
             self._defaults = [p.default for p in fn.params]
+            # leading parameters that are all runtime values: their keys need no constexpr test
+            self._runtime_prefix = next((i for i, c in enumerate(self._constexpr) if c), len(self._constexpr))
 
     def __getattr__(self, name):
         return getattr(self.fn, name)
@@ -64,17 +75,28 @@ class FastKernel:
             return self.fn[grid]
         return lambda *args, **kwargs: self._launch(grid, args, kwargs)
 
+    def _key(self, device: int, args: tuple, kwargs: dict) -> tuple:
+        if len(args) <= self._runtime_prefix:
+            arg_keys = tuple(map(_arg_key, args))
+        else:
+            arg_keys = tuple(a if c else _arg_key(a) for a, c in zip(args, self._constexpr))
+        # keyword arguments in call-site order (one call site, one order: no sort needed)
+        return (device, arg_keys, tuple(kwargs.items()))
+
     def _launch(self, grid, args, kwargs):
         device = torch.cuda.current_device()
-        key = (device, tuple(a if c else _arg_key(a) for a, c in zip(args, self._constexpr)),
-               tuple(sorted(kwargs.items())))
-        compiled = self._cache.get(key)
-        if compiled is None or _hooks_active():
+        key = self._key(device, args, kwargs)
+        hit = self._cache.get(key)
+        if hit is None or _hooks_active():
             compiled = self.fn[grid](*args, **kwargs)
             if getattr(compiled, "function", None) is not None:
-                self._cache[key] = compiled
+                # the parameters after the positional ones, in order: every value there comes from
+                # a keyword (keyed by value) or a default, so the key fixes them
+                rest = [kwargs[n] if n in kwargs else d
+                        for n, d in zip(self._names[len(args):], self._defaults[len(args):])]
+                self._cache[key] = (compiled, rest)
             return compiled
-        rest = [kwargs[n] if n in kwargs else d for n, d in zip(self._names[len(args):], self._defaults[len(args):])]
+        compiled, rest = hit
         g0, g1, g2 = (tuple(grid) + (1, 1))[:3]
         compiled.run(g0, g1, g2, torch._C._cuda_getCurrentRawStream(device), compiled.function,
                      compiled.packed_metadata, None, None, None, *args, *rest)

@@ -38,7 +38,7 @@ import torch
 import triton
 
 from .._launch import use_device_descriptors
-from .._dispatch import cdiv, empty
+from .._dispatch import cdiv, empty, is_hopper_or_newer
 from ._attention_bwd_kernels import attention_bwd_dkdv_kernel, attention_bwd_dq_kernel, attention_bwd_preprocess_kernel
 from ._attention_fwd_kernels import head_block
 # SPLIT_LOOPS default (launch config key "split_loops"): off until the H100 sweep's B-split /
@@ -88,7 +88,7 @@ def tma_eligible(*tensors: torch.Tensor) -> bool:
     row strides, which D a multiple of 8 in 16-bit types gives for the usual layouts; checked,
     not assumed), pointer loads otherwise."""
     t0 = tensors[0]
-    if t0.device.type != "cuda" or torch.cuda.get_device_capability(t0.device)[0] < 9:
+    if not is_hopper_or_newer(t0):
         return False
     return all(t.data_ptr() % 16 == 0 and all((st * t.element_size()) % 16 == 0 for st in t.stride()[:-1])
                for t in tensors)

@@ -23,7 +23,7 @@ import triton.language as tl
 from .._dispatch import cdiv, empty, num_sms
 from .._launch import fast_launch, use_device_descriptors
 from ._activation_math import activation_fwd
-from ._matmul_kernels import _fit, _tile_coords, choose_config, tma_layout, use_tma_default
+from ._matmul_kernels import DEFAULT_FLATTEN, _fit, _tile_coords, choose_config, tma_layout, use_tma_default
 
 # ----------------------------------------------------------------------------------------------
 # kernel
@@ -57,6 +57,7 @@ def gate_up_kernel(
     NUM_PROGRAMS: tl.constexpr,     # the persistent grid size (stride of the tile loop)
     EVEN_K: tl.constexpr,           # K % BLOCK_K == 0: pointer loads without a mask
     USE_TMA: tl.constexpr,          # operands through tensor descriptors instead of pointers
+    FLATTEN: tl.constexpr,          # tl.range(flatten=...) of the tile loop (pipelines across tiles)
     DOT_PRECISION: tl.constexpr,    # "ieee" for fp32 operands (as torch without TF32)
 ):
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -71,7 +72,7 @@ def gate_up_kernel(
         # are never stored); an up tile past row 2I is zero-filled
         w_desc = tl.make_tensor_descriptor(w_ptr, shape=[2 * I, K], strides=[stride_wn, 1],
                                            block_shape=[BLOCK_N, BLOCK_K])
-    for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS):
+    for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=FLATTEN):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
@@ -146,7 +147,7 @@ def choose_gate_up_config(m: int, i: int, k: int, dtype: torch.dtype, sms: int) 
 def launch_gate_up(x: torch.Tensor, w: torch.Tensor, activation: str, save_gate_up: bool = False,
                    config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(out [M, I], g | u [M, 2I] or None) of act(x @ Wgᵀ) · (x @ Wuᵀ); x [M, K], w [2I, K] with
-    any strides. ``config`` overrides any key of :func:`choose_gate_up_config`, plus USE_TMA."""
+    any strides. ``config`` overrides any key of :func:`choose_gate_up_config`, plus USE_TMA and FLATTEN."""
     (m, k), i = x.shape, w.shape[0] // 2
     out = empty((m, i), x.dtype, x.device)
     gate_up = empty((m, 2 * i), x.dtype, x.device) if save_gate_up else None
@@ -154,9 +155,10 @@ def launch_gate_up(x: torch.Tensor, w: torch.Tensor, activation: str, save_gate_
         return out, gate_up
     cfg = choose_gate_up_config(m, i, k, x.dtype, num_sms(x))
     cfg.update(config or {})
-    layout_ok, w_k_contiguous = tma_layout(x, w.t())     # w.t() as matmul's b: needs unit K stride
-    layout_ok = layout_ok and w_k_contiguous
+    layout = tma_layout(x, w.t())     # w.t() as matmul's b: needs unit K stride; x row-major
+    layout_ok = layout.ok and layout.b_k_contiguous and not layout.a_m_contiguous
     use_tma = cfg.pop("USE_TMA", None)
+    flatten = cfg.pop("FLATTEN", DEFAULT_FLATTEN)
     use_tma = k > 0 and (use_tma_default(x, layout_ok) if use_tma is None else (use_tma and layout_ok))
     if use_tma and x.device.type == "cuda":
         use_device_descriptors()
@@ -170,7 +172,7 @@ def launch_gate_up(x: torch.Tensor, w: torch.Tensor, activation: str, save_gate_
         saved.stride(0), saved.stride(1),
         ACT=activation, SAVE_GATE_UP=gate_up is not None,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
-        NUM_PROGRAMS=programs, EVEN_K=k % cfg["BLOCK_K"] == 0, USE_TMA=bool(use_tma),
+        NUM_PROGRAMS=programs, EVEN_K=k % cfg["BLOCK_K"] == 0, USE_TMA=bool(use_tma), FLATTEN=bool(flatten),
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

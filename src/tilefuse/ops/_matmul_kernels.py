@@ -19,11 +19,14 @@ Launch configs are a small declared table (:data:`CONFIGS`) and one named choice
 
 from __future__ import annotations
 
+import functools
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
-from .._dispatch import cdiv, empty, next_power_of_2, num_sms, rows_view
+from .._dispatch import cdiv, empty, is_hopper_or_newer, next_power_of_2, num_sms, rows_view
 from .._launch import fast_launch, use_device_descriptors
 from ._activation_math import BWD_TILE_ELEMS, activation_fwd, activation_fwd_bwd, tile_config, tile_rows_cols
 from ._common import row_tile_mask_offsets
@@ -79,6 +82,7 @@ def matmul_kernel(
     NUM_PROGRAMS: tl.constexpr,     # the persistent grid size (stride of the tile loop)
     EVEN_K: tl.constexpr,           # K % BLOCK_K == 0: pointer loads without a mask
     USE_TMA: tl.constexpr,          # operands through tensor descriptors instead of pointers
+    A_M_CONTIGUOUS: tl.constexpr,   # (TMA) A has unit M stride (a transposed activation x.t(): dW = dyᵀ @ x)
     B_K_CONTIGUOUS: tl.constexpr,   # (TMA) B has unit K stride (a transposed weight w.t())
     FLATTEN: tl.constexpr,          # tl.range(flatten=...) of the tile loop (pipelines across tiles)
     DOT_PRECISION: tl.constexpr,    # "ieee" for fp32 operands (as torch without TF32)
@@ -89,8 +93,12 @@ def matmul_kernel(
     k_tiles = tl.cdiv(K, BLOCK_K)
     ks = tl.arange(0, BLOCK_K)
     if USE_TMA:
-        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_am, 1],
-                                           block_shape=[BLOCK_M, BLOCK_K])
+        if A_M_CONTIGUOUS:      # A = Xᵀ with X [K, M] row-major: read X tiles, transpose in registers
+            a_desc = tl.make_tensor_descriptor(a_ptr, shape=[K, M], strides=[stride_ak, 1],
+                                               block_shape=[BLOCK_K, BLOCK_M])
+        else:
+            a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_am, 1],
+                                               block_shape=[BLOCK_M, BLOCK_K])
         if B_K_CONTIGUOUS:      # B = Wᵀ with W [N, K] row-major: read W tiles, transpose in registers
             b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[stride_bn, 1],
                                                block_shape=[BLOCK_N, BLOCK_K])
@@ -104,7 +112,10 @@ def matmul_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if USE_TMA:
             for ki in range(k_tiles):
-                a = a_desc.load([off_m, ki * BLOCK_K])
+                if A_M_CONTIGUOUS:
+                    a = tl.trans(a_desc.load([ki * BLOCK_K, off_m]))
+                else:
+                    a = a_desc.load([off_m, ki * BLOCK_K])
                 if B_K_CONTIGUOUS:
                     b = tl.trans(b_desc.load([off_n, ki * BLOCK_K]))
                 else:
@@ -192,27 +203,36 @@ CONFIGS = {
     # small M (decode, small batches): one row tile, narrow columns for enough programs, long K steps
     "small_m16": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4),
     "small_m32": dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4),
+    # 32 < M <= 256: the weight streams through once (memory-bound); long K steps keep more bytes
+    # in flight per SM (H100 2026-11-22, M=128: 64x64x256 14.0 us = cuBLAS, 64x64x64 18.4 us)
+    "mid_128x128": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3),
+    "mid_64x128": dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3),
+    "mid_64x64": dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=256, GROUP_M=8, num_warps=4, num_stages=3),
     # fp32 operands: ieee dot (FMA, no tensor cores): smaller tiles, registers are the limit
     "fp32": dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=3),
 }
 LARGE_TILES = ("tile_128x256", "tile_128x128", "tile_64x128", "tile_64x64")   # largest first
+MID_TILES = ("mid_128x128", "mid_64x128", "mid_64x64")
+MID_MAX_M = 256
 DEFAULT_USE_TMA = True      # descriptors where eligible (GPU sm_90+); False: pointer loads everywhere
-DEFAULT_FLATTEN = False
+DEFAULT_FLATTEN = False    # H100 2026-11-22: flatten=True was within noise on large GEMMs, 4x slower at M=1, -15% gate-up
 
 
 def m_bucket(m: int) -> str:
-    """The M bucket of the config key: 16 / 32 rows get their own small-M tiles, else large."""
-    return "m16" if m <= 16 else "m32" if m <= 32 else "large"
+    """The M bucket of the config key: 16 / 32 rows get their own small-M tiles, up to
+    MID_MAX_M the memory-bound mid tiles, else large."""
+    return "m16" if m <= 16 else "m32" if m <= 32 else "mid" if m <= MID_MAX_M else "large"
 
 
-def largest_filling_tile(m: int, n: int, sms: int) -> str:
-    """The largest tile that still gives every SM at least one tile (fewer, larger tiles reuse
-    more operand bytes per FLOP); the smallest one when none fills the machine."""
-    for name in LARGE_TILES:
+def largest_filling_tile(m: int, n: int, sms: int, tiles: tuple = LARGE_TILES) -> str:
+    """The largest tile that still gives >= 3/4 of the SMs a tile (fewer, larger tiles reuse more
+    operand bytes per FLOP; 112 tiles of 128x128 on 132 SMs beat 224 of 64x128 at M=128); the
+    smallest one when none fills the machine."""
+    for name in tiles:
         cfg = CONFIGS[name]
-        if cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"]) >= sms:
+        if 4 * cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"]) >= 3 * sms:
             return name
-    return LARGE_TILES[-1]
+    return tiles[-1]
 
 
 def small_m_block_n(n: int, sms: int) -> int:
@@ -229,35 +249,57 @@ def _fit(block: int, dim: int) -> int:
     return min(block, max(16, next_power_of_2(dim)))
 
 
+@functools.lru_cache(maxsize=4096)
+def _cached_config(m: int, n: int, k: int, dtype: torch.dtype, sms: int) -> tuple:
+    return tuple(choose_config(m, n, k, dtype, sms).items())
+
+
 def choose_config(m: int, n: int, k: int, dtype: torch.dtype, sms: int) -> dict:
     """The launch config of an [m, k] x [k, n] GEMM, keyed by (M bucket, N, K, dtype)."""
     if dtype == torch.float32:
         cfg = dict(CONFIGS["fp32"])
-    elif m_bucket(m) != "large":
+    elif m_bucket(m) in ("m16", "m32"):
         cfg = dict(CONFIGS["small_m16" if m_bucket(m) == "m16" else "small_m32"])
         cfg["BLOCK_N"] = small_m_block_n(n, sms)
+    elif m_bucket(m) == "mid":
+        cfg = dict(CONFIGS[largest_filling_tile(m, n, sms, MID_TILES)])
     else:
         cfg = dict(CONFIGS[largest_filling_tile(m, n, sms)])
     cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"] = _fit(cfg["BLOCK_M"], m), _fit(cfg["BLOCK_N"], n), _fit(cfg["BLOCK_K"], k)
     return cfg
 
 
-def tma_layout(a: torch.Tensor, b: torch.Tensor) -> tuple[bool, bool]:
-    """(descriptors can read these operands, B has unit K stride). Descriptors need a unit
-    stride on a's K axis and on one of b's axes, 16-byte aligned bases and other strides."""
-    b_k_contiguous = b.stride(0) == 1 and b.shape[1] > 1
+class TmaLayout(NamedTuple):
+    """How descriptors can read a GEMM's operands (see :func:`tma_layout`)."""
+    ok: bool                # both operands can be read through descriptors
+    a_m_contiguous: bool    # A has unit M stride (xᵀ): tiles are read [K, M] and transposed
+    b_k_contiguous: bool    # B has unit K stride (wᵀ): tiles are read [N, K] and transposed
+
+
+def _unit_axis(t: torch.Tensor, prefer: int) -> int | None:
+    """The axis of 2-D ``t`` with unit stride (``prefer`` when both qualify), None if neither."""
+    unit = [d for d in (prefer, 1 - prefer) if t.stride(d) == 1 or t.shape[d] == 1]
+    return unit[0] if unit else None
+
+
+def tma_layout(a: torch.Tensor, b: torch.Tensor) -> TmaLayout:
+    """Whether descriptors can read ``a`` [M, K] and ``b`` [K, N]: each needs a unit stride on one
+    axis (a: K, or M for a transposed view; b: N, or K for a transposed weight), a 16-byte aligned
+    base and 16-byte aligned other stride. Row-major views are preferred when both qualify."""
     size = a.element_size()
+    a_unit, b_unit = _unit_axis(a, 1), _unit_axis(b, 1)
+    a_m_contiguous, b_k_contiguous = a_unit == 0 and a.shape[0] > 1, b_unit == 0 and b.shape[1] > 1
+    a_outer = a.stride(1) if a_m_contiguous else a.stride(0)
     b_outer = b.stride(1) if b_k_contiguous else b.stride(0)
-    ok = ((a.stride(1) == 1 or a.shape[1] == 1) and (b_k_contiguous or b.stride(1) == 1 or b.shape[1] == 1)
+    ok = (a_unit is not None and b_unit is not None
           and a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0
-          and (a.stride(0) * size) % 16 == 0 and (b_outer * size) % 16 == 0)
-    return ok, b_k_contiguous
+          and (a_outer * size) % 16 == 0 and (b_outer * size) % 16 == 0)
+    return TmaLayout(ok, a_m_contiguous, b_k_contiguous)
 
 
 def use_tma_default(a: torch.Tensor, layout_ok: bool) -> bool:
     """Descriptors by default on sm_90+ GPUs when the layout allows (DEFAULT_USE_TMA)."""
-    return (DEFAULT_USE_TMA and layout_ok and a.device.type == "cuda"
-            and torch.cuda.get_device_capability(a.device)[0] >= 9)
+    return DEFAULT_USE_TMA and layout_ok and is_hopper_or_newer(a)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -278,9 +320,9 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = 
     preact = empty((m, n), out_dtype, a.device) if save_preact else None
     if m == 0 or n == 0:
         return out, preact
-    cfg = choose_config(m, n, k, a.dtype, num_sms(a))
+    cfg = dict(_cached_config(m, n, k, a.dtype, num_sms(a)))    # (cached: host time at small M)
     cfg.update(config or {})
-    layout_ok, b_k_contiguous = tma_layout(a, b)
+    layout_ok, a_m_contiguous, b_k_contiguous = tma_layout(a, b)
     use_tma = cfg.pop("USE_TMA", None)
     use_tma = k > 0 and (use_tma_default(a, layout_ok) if use_tma is None else (use_tma and layout_ok))
     if use_tma and a.device.type == "cuda":     # (asked for but impossible here: pointer loads)
@@ -299,7 +341,7 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = 
         SAVE_PREACT=preact is not None,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
         NUM_PROGRAMS=programs, EVEN_K=k % cfg["BLOCK_K"] == 0, USE_TMA=bool(use_tma),
-        B_K_CONTIGUOUS=b_k_contiguous, FLATTEN=bool(flatten),
+        A_M_CONTIGUOUS=a_m_contiguous, B_K_CONTIGUOUS=b_k_contiguous, FLATTEN=bool(flatten),
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

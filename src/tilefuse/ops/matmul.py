@@ -188,6 +188,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     dtype, added after the activation. Accumulates in fp32; returns ``[..., N]`` in ``out_dtype``
     (default a's dtype)."""
     act, out_dtype = _check_inputs(a, b, bias, activation, residual, out_dtype)
+    if bias is not None and bias.stride(0) != 1:
+        bias = bias.contiguous()        # the kernel reads bias with unit stride
     lead, (k, n) = a.shape[:-1], b.shape
     a2 = a.reshape(-1, k) if k else a.reshape(lead.numel(), 0)
     res2 = residual.reshape(a2.shape[0], n) if residual is not None else None
