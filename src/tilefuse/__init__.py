@@ -15,6 +15,7 @@ from .ops.glu import geglu, swiglu
 from .ops.linear_cross_entropy import linear_cross_entropy
 from .ops.matmul import matmul
 from .ops.norms import layer_norm, rms_norm
+from .ops.qkv_proj import qkv_proj
 from .ops.quant import QuantizedWeight, dequantize_weight, quant_linear, quantize_weight
 from .ops.rope import rope, rope_cos_sin_table
 from .ops.softmax import log_softmax, softmax
@@ -25,4 +26,4 @@ __version__ = "0.1.0"
 __all__ = ["softmax", "log_softmax", "layer_norm", "rms_norm", "bias_act", "swiglu", "geglu", "rope", "rope_cos_sin_table",
            "adam_step", "adamw_step", "optim",
            "cross_entropy", "linear_cross_entropy", "attention", "attention_varlen", "attention_decode",
-           "matmul", "swiglu_linear", "quantize_weight", "dequantize_weight", "quant_linear", "QuantizedWeight", "quantize", "QuantLinear"]
+           "matmul", "swiglu_linear", "qkv_proj", "quantize_weight", "dequantize_weight", "quant_linear", "QuantizedWeight", "quantize", "QuantLinear"]
