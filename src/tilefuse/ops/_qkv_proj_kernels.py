@@ -81,6 +81,7 @@ def qkv_proj_kernel(
     A_COLS: tl.constexpr,       # features of group A: D (none), r/2 (neox), r (gptj)
     TAIL_OFF: tl.constexpr,     # first feature of the tail group (r; D without rope)
     HAS_TAIL: tl.constexpr,     # r < D with rope: features r..D pass through
+    NEOX_ONE_DOT: tl.constexpr, # neox with r/2 = BLOCK_A: groups A and B as one [.., r] dot, halves split after the K loop
     HAS_BIAS: tl.constexpr,     # add bias before the rotation
     HAS_POS: tl.constexpr,      # table rows from position_ids, else row = m % S
     BLOCK_M: tl.constexpr,      # tile rows (>= 16: tl.dot's minimum)
@@ -111,6 +112,9 @@ def qkv_proj_kernel(
         if HAS_TAIL:
             wt_desc = tl.make_tensor_descriptor(w_ptr, shape=[n_heads * HEAD_DIM, K], strides=[stride_wn, 1],
                                                 block_shape=[BLOCK_TAIL, BLOCK_K])
+        if NEOX_ONE_DOT:
+            wab_desc = tl.make_tensor_descriptor(w_ptr, shape=[n_heads * HEAD_DIM, K], strides=[stride_wn, 1],
+                                                 block_shape=[2 * BLOCK_A, BLOCK_K])
     for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=FLATTEN):
         pid_m, head = _tile_coords(tile_id, num_pid_m, n_heads, GROUP_M)
         off_m = pid_m * BLOCK_M
@@ -118,12 +122,17 @@ def qkv_proj_kernel(
         acc_a = tl.zeros((BLOCK_M, BLOCK_A), dtype=tl.float32)
         acc_b = tl.zeros((BLOCK_M, BLOCK_A), dtype=tl.float32)      # used with ROPE == "neox" only
         acc_t = tl.zeros((BLOCK_M, BLOCK_TAIL), dtype=tl.float32)   # used with HAS_TAIL only
+        acc_ab = tl.zeros((BLOCK_M, 2 * BLOCK_A), dtype=tl.float32)  # used with NEOX_ONE_DOT only
         if USE_TMA:
             for ki in range(k_tiles):
                 x = x_desc.load([off_m, ki * BLOCK_K])
-                acc_a = tl.dot(x, tl.trans(wa_desc.load([head_row, ki * BLOCK_K])), acc_a,
-                               input_precision=DOT_PRECISION)
-                if ROPE == "neox":
+                if NEOX_ONE_DOT:     # one N = r wgmma instead of two of r/2
+                    acc_ab = tl.dot(x, tl.trans(wab_desc.load([head_row, ki * BLOCK_K])), acc_ab,
+                                    input_precision=DOT_PRECISION)
+                else:
+                    acc_a = tl.dot(x, tl.trans(wa_desc.load([head_row, ki * BLOCK_K])), acc_a,
+                                   input_precision=DOT_PRECISION)
+                if ROPE == "neox" and not NEOX_ONE_DOT:
                     acc_b = tl.dot(x, tl.trans(wa_desc.load([head_row + HALF_ROT, ki * BLOCK_K])), acc_b,
                                    input_precision=DOT_PRECISION)
                 if HAS_TAIL:
@@ -140,18 +149,26 @@ def qkv_proj_kernel(
             wa_ptrs = w_ptr + ks[:, None] * stride_wk + wa_rows[None, :] * stride_wn
             wb_ptrs = wa_ptrs + HALF_ROT * stride_wn            # neox: x2 rows, r/2 further
             wt_ptrs = w_ptr + ks[:, None] * stride_wk + wt_rows[None, :] * stride_wn
+            wab_ptrs = w_ptr + ks[:, None] * stride_wk + (head_row + tl.arange(0, 2 * BLOCK_A)).to(tl.int64)[None, :] * stride_wn
             for ki in range(k_tiles):
                 if EVEN_K:
                     x = tl.load(x_ptrs)
                 else:
                     k_mask = ks < K - ki * BLOCK_K
                     x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
-                if EVEN_K:
-                    wa = tl.load(wa_ptrs)
+                if NEOX_ONE_DOT:
+                    if EVEN_K:
+                        wab = tl.load(wab_ptrs)
+                    else:
+                        wab = tl.load(wab_ptrs, mask=k_mask[:, None], other=0.0)
+                    acc_ab = tl.dot(x, wab, acc_ab, input_precision=DOT_PRECISION)
                 else:
-                    wa = tl.load(wa_ptrs, mask=k_mask[:, None], other=0.0)
-                acc_a = tl.dot(x, wa, acc_a, input_precision=DOT_PRECISION)
-                if ROPE == "neox":
+                    if EVEN_K:
+                        wa = tl.load(wa_ptrs)
+                    else:
+                        wa = tl.load(wa_ptrs, mask=k_mask[:, None], other=0.0)
+                    acc_a = tl.dot(x, wa, acc_a, input_precision=DOT_PRECISION)
+                if ROPE == "neox" and not NEOX_ONE_DOT:
                     if EVEN_K:
                         wb = tl.load(wb_ptrs)
                     else:
@@ -167,6 +184,9 @@ def qkv_proj_kernel(
                 wa_ptrs += BLOCK_K * stride_wk
                 wb_ptrs += BLOCK_K * stride_wk
                 wt_ptrs += BLOCK_K * stride_wk
+                wab_ptrs += BLOCK_K * stride_wk
+        if NEOX_ONE_DOT:    # [BM, r] -> [BM, 2, r/2] -> [BM, r/2, 2] -> x1 (features 0..r/2), x2 (r/2..r)
+            acc_a, acc_b = tl.split(tl.permute(tl.reshape(acc_ab, [BLOCK_M, 2, BLOCK_A]), (0, 2, 1)))
 
         # epilogue: + bias; rotate q and k heads; store into q, k or v by the head index
         rows_c = (off_m + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -253,13 +273,15 @@ def tile_width(groups: dict, rope: str) -> int:
 
 def choose_qkv_config(m: int, n_heads: int, width: int, k: int, dtype: torch.dtype, sms: int) -> dict:
     """matmul's config for the [m, n_heads·width] GEMM with BLOCK_N = one head (``width``
-    accumulator columns): BLOCK_M capped so a program holds at most matmul's largest tile of
-    fp32 accumulators, 8 warps from a 128x128 tile up (as matmul's 128-row tiles)."""
+    accumulator columns) and BLOCK_M grown to keep matmul's tile area (its 128x256 becomes 256 rows
+    x one 128-wide head), at most MAX_TILE_ELEMS fp32 accumulators; 8 warps from a 128x128 tile
+    up; 4 pipeline stages where they fit (H100 2026-11-22, Llama-8B T=8192: 256x128 with 4 stages
+    685 TFLOP/s, 128x128 with 3 stages 493)."""
     cfg = choose_config(m, n_heads * width, k, dtype, sms)
-    cfg.pop("BLOCK_N")
-    cfg["BLOCK_M"] = max(16, min(cfg["BLOCK_M"], MAX_TILE_ELEMS // width))
+    area = cfg["BLOCK_M"] * cfg.pop("BLOCK_N")
+    cfg["BLOCK_M"] = max(16, min(area // width, MAX_TILE_ELEMS // width, 256, next_power_of_2(m)))
     cfg["num_warps"] = 8 if cfg["BLOCK_M"] * width >= 128 * 128 else 4
-    cfg["num_stages"] = stages_that_fit(cfg["num_stages"], cfg["BLOCK_M"], width, cfg["BLOCK_K"], dtype)
+    cfg["num_stages"] = stages_that_fit(max(4, cfg["num_stages"]), cfg["BLOCK_M"], width, cfg["BLOCK_K"], dtype)
     return cfg
 
 
@@ -340,6 +362,7 @@ def launch_qkv_proj(x, w, bias, cos, sin, position_ids, n_q_heads: int, n_kv_hea
         cos3.stride(0), cos3.stride(1), sin3.stride(0), sin3.stride(1), *pos_strides,
         HEAD_DIM=head_dim, ROPE=rope, HALF_ROT=rotary_dim // 2, HAS_BIAS=bias is not None,
         HAS_POS=position_ids is not None, **groups,
+        NEOX_ONE_DOT=rope == "neox" and groups["A_COLS"] == groups["BLOCK_A"] and 2 * groups["BLOCK_A"] <= MAX_TMA_BOX,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], NUM_PROGRAMS=programs,
         EVEN_K=k % cfg["BLOCK_K"] == 0, USE_TMA=bool(use_tma), FLATTEN=bool(flatten),
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
