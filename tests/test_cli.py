@@ -401,6 +401,9 @@ def test_report_markdown_png_json_from_synthetic_result(tmp_path, capsys):
     assert "\\|" in md                                    # a '|' in an error does not break the table
     png = report.plot(res, tmp_path / "chart.png")
     assert png is not None and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    roof = report.plot_roofline(res, tmp_path / "roof.png")
+    assert roof is not None and roof.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert report.plot_roofline(res, tmp_path / "none.png", ops=["no-such-op"]) is None
     p = report.write_json(res, tmp_path / "r.json")
     assert report.load_json(p)["rows"][3]["rel_err"] == "inf"
     report.write_markdown(report.load_json(p), tmp_path / "r.md")     # renders from the saved JSON too

@@ -1,7 +1,7 @@
 """The ``tilefuse`` command: ``tilefuse info`` and ``tilefuse bench``.
 
     tilefuse info [--refresh] [--json PATH]
-    tilefuse bench [OP ...] [--quick] [--dtype bf16[,fp16]] [--json PATH] [--md PATH] [--plot PATH]
+    tilefuse bench [OP ...] [--quick] [--dtype bf16[,fp16]] [--json PATH] [--md PATH] [--plot PATH] [--roofline PATH]
                    [--save [DIR]] [--no-compile] [--impls tilefuse,torch] [--refresh-ceilings]
     tilefuse bench --list [OP ...]
 
@@ -131,6 +131,9 @@ def _write_outputs(result: dict, args) -> None:
     if plot_path:
         written = report.plot(result, plot_path)
         print(f"wrote {written}" if written else f"no chart written to {plot_path}: no timed rows (timings need a GPU)")
+    if getattr(args, "roofline", None):
+        written = report.plot_roofline(result, args.roofline)
+        print(f"wrote {written}" if written else f"no roofline written to {args.roofline}: no timed rows with FLOPs")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -282,6 +285,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", metavar="PATH", help="write all results as JSON (the source of truth)")
     b.add_argument("--md", metavar="PATH", help="write a Markdown report (benchmarks/results/<gpu>-<date>.md)")
     b.add_argument("--plot", metavar="PATH", help="write a PNG chart of achieved bandwidth / TFLOP/s")
+    b.add_argument("--roofline", metavar="PATH",
+                   help="write a PNG roofline chart (arithmetic intensity vs TFLOP/s, both measured ceilings)")
     b.add_argument("--save", nargs="?", const="benchmarks/results", metavar="DIR",
                    help="write <gpu>-<date>.json/.md/.png into DIR (default benchmarks/results)")
     b.add_argument("--no-compile", action="store_true", help="leave out the torch.compile peer")

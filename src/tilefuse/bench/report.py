@@ -491,6 +491,69 @@ def plot(result: dict, path: str | Path) -> Path | None:
     return path
 
 
+def plot_roofline(result: dict, path: str | Path, ops: Sequence[str] | None = None,
+                  prefer_graph: bool = True) -> Path | None:
+    """Roofline chart: arithmetic intensity (FLOPs / ideal bytes) on x, achieved TFLOP/s on y (both
+    log), one marker per (implementation, op), every timed row with a FLOP count (restricted to
+    ``ops`` when given); the measured ceilings as the roof min(matmul TFLOP/s, AI x copy GB/s).
+    With ``prefer_graph`` a row's CUDA-graph replay time is used where it was measured (the
+    kernels without host gaps: small shapes are otherwise host-bound), else its end-to-end time.
+    Returns None when no row qualifies."""
+    rows = [r for r in ordered_rows(result.get("rows", []))
+            if _num(r.get("ms")) and _num(r.get("flops")) and _num(r.get("bytes")) and r["status"] == "ok"
+            and (ops is None or r["op"] in ops)]
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    ceilings = result.get("ceilings") or {}
+    peak, bw = _num(ceilings.get("matmul_tflops")), _num(ceilings.get("copy_gbps"))
+    def ms(r):
+        g = _num(r.get("graph_ms")) if prefer_graph else None
+        return g if g else float(r["ms"])
+
+    ai = [float(r["flops"]) / float(r["bytes"]) for r in rows]
+    tf = [float(r["flops"]) / ms(r) / 1e9 for r in rows]
+    graphed = prefer_graph and any(_num(r.get("graph_ms")) for r in rows)
+    fig, ax = plt.subplots(figsize=(9.5, 6.0))
+    if peak and bw:
+        lo, hi = min(ai) / 2, max(ai) * 2
+        xs = [lo * (hi / lo) ** (i / 200) for i in range(201)]
+        ax.plot(xs, [min(peak, x * bw / 1e3) for x in xs], color="black", linewidth=1.2,
+                label=f"roof: bf16 matmul {fmt(peak)} TFLOP/s, copy {fmt(bw)} GB/s")
+        ax.axvline(peak * 1e3 / bw, color="gray", linestyle=":", linewidth=0.8)
+    keys = list(dict.fromkeys((r["impl"], r["op"]) for r in rows))
+    markers = "osD^v<>pPX*h"
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    ops_seen = list(dict.fromkeys(r["op"] for r in rows))
+    for impl, op in keys:
+        pts = [(a, t) for a, t, r in zip(ai, tf, rows) if (r["impl"], r["op"]) == (impl, op)]
+        ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=36, alpha=0.85,
+                   marker=markers[ops_seen.index(op) % len(markers)],
+                   color=plt.get_cmap("tab10")(impls.index(impl) % 10), label=f"{op}: {impl}")
+    for a, t, r in zip(ai, tf, rows):
+        if r["impl"] == "tilefuse":
+            ax.annotate(f"{shape_str(r['shape'])} {r['pass']}", (a, t), fontsize=6, alpha=0.7,
+                        xytext=(3, 3), textcoords="offset points")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("arithmetic intensity (FLOPs per ideal byte)")
+    ax.set_ylabel("achieved TFLOP/s" + (" (CUDA-graph replay where measured)" if graphed else ""))
+    ax.grid(which="both", alpha=0.25)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    dev = result.get("device", {}).get("name", "?")
+    ax.set_title(f"tilefuse roofline -- {dev} -- {str(result.get('date', ''))[:10]}", fontsize=10)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
 # ----------------------------------------------------------------------------------------------
 # --list
 # ----------------------------------------------------------------------------------------------
