@@ -2,5 +2,5 @@
 
 from . import (  # noqa: F401
     activations, adamw, attention, attention_decode, cross_entropy, gate_up, glu, linear_cross_entropy, matmul, norms, quant,
-    qkv_proj, rope, softmax,
+    fp8, qkv_proj, rope, softmax,
 )

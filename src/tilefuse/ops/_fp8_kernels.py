@@ -1,0 +1,463 @@
+"""Kernels and launch heuristics of ``tilefuse.fp8``: current-scaling quantization and the fp8 GEMM.
+
+Quantization (``x ≈ q.float() * scale``, q in e4m3 / e5m2, fp32 math)::
+
+    amax  = max(max|x|, AMAX_FLOOR)         (over a row, or the whole tensor)
+    scale = amax / FP8_MAX                  (IEEE division: tl.div_rn, the same value as torch)
+    q     = fp8(clamp(x * (FP8_MAX / amax), -FP8_MAX, FP8_MAX))    round to nearest even, saturating
+
+* ``quantize_rows_kernel``: per-row scales, one program per BLOCK_R rows: an amax loop over the
+  row, then a cast loop over it (the second read of a row block comes from L1/L2).
+* per-tensor scale, no host synchronization (graph-capturable): ``amax_partials_kernel`` writes
+  one fp32 max per program; ``quantize_tensor_kernel`` reduces those partials itself (every
+  program, <= MAX_PARTIALS floats), then casts its tiles. It can write the row-major copy, the
+  transposed copy ``[C, R]`` (the K-major operand the backward GEMMs need), or both from one read.
+* ``fp8_gemm_kernel``: ``out = (a @ bᵀ) · scale_a · scale_b (+ bias)``, a ``[M, K]`` and b ``[N, K]``
+  fp8 (both K-major: what Hopper's fp8 wgmma wants; b is nn.Linear's weight layout), fp32
+  accumulation, persistent grid in matmul's grouped tile order (``_tile_coords``), operands through
+  tensor descriptors (sm_90+, 16-byte aligned rows) or pointer loads (any strides; the interpreter).
+
+The interpreter (Triton 3.6) converts fp8 wrongly in two places, both worked around only when
+interpreting: fp32 -> fp8 does not carry into the exponent on mantissa overflow (31.9 -> 16.0
+instead of 32.0) and rounds ties away from zero, so values are first rounded onto the fp8 grid in
+fp32 (``SOFT_ROUND``) and its cast is exact; and its fp8 tl.dot goes through fp16 with e5m2
+subnormals flushed or halved, so the GEMM upcasts its operands to fp32 itself (``UPCAST``; fp8
+products are exact in fp32). On the GPU the hardware conversion (cvt.rn.satfinite) and the fp8
+wgmma run as written.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .._dispatch import cdiv, empty, interpreting, is_hopper_or_newer, next_power_of_2, num_sms
+from .._launch import fast_launch, use_device_descriptors
+from ._matmul_kernels import _tile_coords
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+FP8_MAX = {dt: float(torch.finfo(dt).max) for dt in FP8_DTYPES}            # 448, 57344
+# (mantissa bits, exponent of the smallest normal): the fp8 grid for SOFT_ROUND
+FP8_GRID = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}
+# amax floor: an all-zero row / tensor gets scale = AMAX_FLOOR / FP8_MAX > 0 (no 0/0 = NaN)
+AMAX_FLOOR = 1e-12
+MAX_PARTIALS = 1024         # per-tensor amax: most programs of the partial-max pass
+
+# ----------------------------------------------------------------------------------------------
+# quantization kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _round_to_fp8_grid(x, MANT_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr):
+    """x (fp32, |x| <= fp8 max) rounded to the nearest fp8 value, ties to even, still in fp32:
+    y = rint(x / ulp) · ulp with ulp = 2^(max(exponent(x), MIN_NORMAL_EXP) - MANT_BITS)."""
+    bits = x.to(tl.int32, bitcast=True)
+    exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, MIN_NORMAL_EXP)
+    ulp = ((exponent - MANT_BITS + 127) << 23).to(tl.float32, bitcast=True)
+    inv_ulp = ((127 - exponent + MANT_BITS) << 23).to(tl.float32, bitcast=True)
+    magic = 12582912.0          # 1.5 · 2^23: y + magic rounds |y| < 2^22 to an integer, ties to even
+    y = tl.abs(x) * inv_ulp     # exact: a power of two; y < 2^(MANT_BITS + 1)
+    r = ((y + magic) - magic) * ulp
+    # x's sign bit onto |result| (bitwise: the interpreter's negation turns 0.0 into +0, not -0)
+    return (r.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _to_fp8(x, inv_scale, FP8_MAX: tl.constexpr, SOFT_ROUND: tl.constexpr,
+            MANT_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr):
+    """clamp(x · inv_scale, ±FP8_MAX) in fp32, rounded onto the fp8 grid under the interpreter."""
+    y = tl.clamp(x * inv_scale, -FP8_MAX, FP8_MAX)
+    if SOFT_ROUND:
+        y = _round_to_fp8_grid(y, MANT_BITS, MIN_NORMAL_EXP)
+    return y
+
+
+@fast_launch
+@triton.jit
+def quantize_rows_kernel(
+    x_ptr,              # *x [R, C], fp32 / fp16 / bf16, any strides
+    q_ptr,              # *q [R, C], fp8, row stride stride_qr, unit column stride
+    scale_ptr,          # *scale [R], fp32: amax(row) / FP8_MAX
+    R,                  # rows
+    C,                  # columns (the scaled axis)
+    stride_xr,          # elements between rows of x
+    stride_xc,          # elements between columns of x
+    stride_qr,          # elements between rows of q
+    FP8_MAX: tl.constexpr,          # largest finite value of q's dtype
+    AMAX_FLOOR: tl.constexpr,       # amax lower bound (all-zero rows)
+    SOFT_ROUND: tl.constexpr,       # round on the fp8 grid in fp32 first (the interpreter)
+    MANT_BITS: tl.constexpr,        # q's mantissa bits (SOFT_ROUND)
+    MIN_NORMAL_EXP: tl.constexpr,   # exponent of q's smallest normal (SOFT_ROUND)
+    BLOCK_R: tl.constexpr,          # rows per program
+    BLOCK_C: tl.constexpr,          # columns per loop step
+):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < R
+    rows64 = rows.to(tl.int64)
+    cols0 = tl.arange(0, BLOCK_C)
+    amax = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for c0 in range(0, C, BLOCK_C):
+        cols = c0 + cols0
+        mask = row_ok[:, None] & (cols < C)[None, :]
+        x = tl.load(x_ptr + rows64[:, None] * stride_xr + cols[None, :].to(tl.int64) * stride_xc,
+                    mask=mask, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+    amax = tl.maximum(amax, AMAX_FLOOR)
+    tl.store(scale_ptr + rows64, tl.div_rn(amax, FP8_MAX), mask=row_ok)
+    inv_scale = tl.div_rn(tl.full((BLOCK_R,), FP8_MAX, tl.float32), amax)
+    for c0 in range(0, C, BLOCK_C):
+        cols = c0 + cols0
+        mask = row_ok[:, None] & (cols < C)[None, :]
+        x = tl.load(x_ptr + rows64[:, None] * stride_xr + cols[None, :].to(tl.int64) * stride_xc,
+                    mask=mask, other=0.0).to(tl.float32)
+        q = _to_fp8(x, inv_scale[:, None], FP8_MAX, SOFT_ROUND, MANT_BITS, MIN_NORMAL_EXP)
+        tl.store(q_ptr + rows64[:, None] * stride_qr + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _tile_offsets(tile, n_col_tiles, R, C, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """(rows, cols, mask) of 2-D tile ``tile`` of an [R, C] grid of BLOCK_R x BLOCK_C tiles."""
+    rows = (tile // n_col_tiles) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = (tile % n_col_tiles) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (rows < R)[:, None] & (cols < C)[None, :]
+    return rows.to(tl.int64), cols.to(tl.int64), mask
+
+
+@fast_launch
+@triton.jit
+def amax_partials_kernel(
+    x_ptr,              # *x [R, C], any strides
+    partial_ptr,        # *partials [NUM_PROGRAMS], fp32: max|x| over this program's tiles
+    R,                  # rows
+    C,                  # columns
+    stride_xr,          # elements between rows of x
+    stride_xc,          # elements between columns of x
+    n_col_tiles,        # cdiv(C, BLOCK_C)
+    n_tiles,            # cdiv(R, BLOCK_R) · n_col_tiles
+    NUM_PROGRAMS: tl.constexpr,     # the grid (tile loop stride)
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    amax = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)
+    for tile in range(tl.program_id(0), n_tiles, NUM_PROGRAMS):
+        rows, cols, mask = _tile_offsets(tile, n_col_tiles, R, C, BLOCK_R, BLOCK_C)
+        x = tl.load(x_ptr + rows[:, None] * stride_xr + cols[None, :] * stride_xc, mask=mask, other=0.0)
+        amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+    tl.store(partial_ptr + tl.program_id(0), tl.max(tl.max(amax, axis=1), axis=0))
+
+
+@fast_launch
+@triton.jit
+def quantize_tensor_kernel(
+    x_ptr,              # *x [R, C], any strides
+    partial_ptr,        # *partials [n_partials], fp32 (amax_partials_kernel)
+    q_ptr,              # *q [R, C] contiguous, fp8 (ignored unless WRITE_Q)
+    qt_ptr,             # *qᵀ [C, R] contiguous, fp8 (ignored unless WRITE_QT)
+    scale_ptr,          # *scale [1], fp32: amax / FP8_MAX (written by program 0)
+    R,                  # rows
+    C,                  # columns
+    stride_xr,          # elements between rows of x
+    stride_xc,          # elements between columns of x
+    n_col_tiles,        # cdiv(C, BLOCK_C)
+    n_tiles,            # cdiv(R, BLOCK_R) · n_col_tiles
+    n_partials,         # programs of the partial-max pass
+    FP8_MAX: tl.constexpr,          # largest finite value of q's dtype
+    AMAX_FLOOR: tl.constexpr,       # amax lower bound (all-zero tensors)
+    SOFT_ROUND: tl.constexpr,       # round on the fp8 grid in fp32 first (the interpreter)
+    MANT_BITS: tl.constexpr,        # q's mantissa bits (SOFT_ROUND)
+    MIN_NORMAL_EXP: tl.constexpr,   # exponent of q's smallest normal (SOFT_ROUND)
+    WRITE_Q: tl.constexpr,          # store q in x's layout [R, C]
+    WRITE_QT: tl.constexpr,         # store the transpose [C, R] (a K-major GEMM operand)
+    NUM_PROGRAMS: tl.constexpr,     # the grid (tile loop stride)
+    BLOCK_P: tl.constexpr,          # next power of two >= n_partials
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    p = tl.arange(0, BLOCK_P)
+    amax = tl.max(tl.load(partial_ptr + p, mask=p < n_partials, other=0.0), axis=0)
+    amax = tl.maximum(amax, AMAX_FLOOR)
+    if tl.program_id(0) == 0:
+        tl.store(scale_ptr, tl.div_rn(amax, FP8_MAX))
+    inv_scale = tl.div_rn(FP8_MAX, amax)
+    for tile in range(tl.program_id(0), n_tiles, NUM_PROGRAMS):
+        rows, cols, mask = _tile_offsets(tile, n_col_tiles, R, C, BLOCK_R, BLOCK_C)
+        x = tl.load(x_ptr + rows[:, None] * stride_xr + cols[None, :] * stride_xc, mask=mask, other=0.0)
+        q = _to_fp8(x.to(tl.float32), inv_scale, FP8_MAX, SOFT_ROUND, MANT_BITS, MIN_NORMAL_EXP)
+        if WRITE_Q:
+            tl.store(q_ptr + rows[:, None] * C + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+        if WRITE_QT:
+            tl.store(qt_ptr + cols[None, :] * R + rows[:, None], q.to(qt_ptr.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# the GEMM
+# ----------------------------------------------------------------------------------------------
+
+
+@fast_launch
+@triton.jit
+def fp8_gemm_kernel(
+    a_ptr,              # *A [M, K] fp8 (e4m3 / e5m2), any strides (unit K stride with USE_TMA)
+    b_ptr,              # *B [N, K] fp8, any strides (unit K stride with USE_TMA)
+    c_ptr,              # *out [M, N], output dtype
+    scale_a_ptr,        # *scale of A, fp32: [M] (SCALE_A_ROWWISE) or [1]
+    scale_b_ptr,        # *scale of B, fp32: [N] (SCALE_B_ROWWISE) or [1]
+    bias_ptr,           # *bias [N], contiguous, any float dtype (ignored unless HAS_BIAS)
+    M,                  # rows of A and out
+    N,                  # rows of B, columns of out
+    K,                  # the reduced dimension (0: out = bias)
+    stride_am,          # elements between rows of A
+    stride_ak,          # elements between columns of A
+    stride_bn,          # elements between rows of B
+    stride_bk,          # elements between columns of B
+    stride_cm,          # elements between rows of out
+    stride_cn,          # elements between columns of out
+    SCALE_A_ROWWISE: tl.constexpr,  # one scale per row of A (else one scalar)
+    SCALE_B_ROWWISE: tl.constexpr,  # one scale per row of B, i.e. per output column
+    HAS_BIAS: tl.constexpr,         # add bias[N] after scaling
+    BLOCK_M: tl.constexpr,          # tile rows (>= 16)
+    BLOCK_N: tl.constexpr,          # tile columns (>= 16)
+    BLOCK_K: tl.constexpr,          # K per step (>= 32: fp8 dot minimum)
+    GROUP_M: tl.constexpr,          # row tiles per group of the tile order
+    NUM_PROGRAMS: tl.constexpr,     # the persistent grid size (stride of the tile loop)
+    EVEN_K: tl.constexpr,           # K % BLOCK_K == 0: pointer loads without a mask
+    USE_TMA: tl.constexpr,          # operands through tensor descriptors instead of pointers
+    FLATTEN: tl.constexpr,          # tl.range(flatten=...) of the tile loop
+    MAX_IMPRECISE_ACC: tl.constexpr,  # sm_90: wgmma partial sums promoted to fp32 every this many K
+    UPCAST: tl.constexpr,           # (interpreter) dot on fp32 copies of the operands: exact products
+):
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    ks = tl.arange(0, BLOCK_K)
+    if USE_TMA:
+        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_am, 1],
+                                           block_shape=[BLOCK_M, BLOCK_K])
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[stride_bn, 1],
+                                           block_shape=[BLOCK_N, BLOCK_K])
+    if not SCALE_A_ROWWISE:
+        scale_a = tl.load(scale_a_ptr)
+    if not SCALE_B_ROWWISE:
+        scale_b = tl.load(scale_b_ptr)
+    for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=FLATTEN):
+        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if USE_TMA:
+            for ki in range(k_tiles):
+                a = a_desc.load([off_m, ki * BLOCK_K])
+                b = b_desc.load([off_n, ki * BLOCK_K])
+                acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=MAX_IMPRECISE_ACC)
+        else:
+            # clamped rows read row 0: valid memory, never stored
+            rows = off_m + tl.arange(0, BLOCK_M)
+            cols = off_n + tl.arange(0, BLOCK_N)
+            rows = tl.where(rows < M, rows, 0).to(tl.int64)
+            cols = tl.where(cols < N, cols, 0).to(tl.int64)
+            a_ptrs = a_ptr + rows[:, None] * stride_am + ks[None, :] * stride_ak
+            b_ptrs = b_ptr + cols[:, None] * stride_bn + ks[None, :] * stride_bk
+            for ki in range(k_tiles):
+                if EVEN_K:
+                    a = tl.load(a_ptrs)
+                    b = tl.load(b_ptrs)
+                else:
+                    k_ok = ks[None, :] < K - ki * BLOCK_K
+                    a = tl.load(a_ptrs, mask=k_ok, other=0.0)
+                    b = tl.load(b_ptrs, mask=k_ok, other=0.0)
+                if UPCAST:
+                    acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=MAX_IMPRECISE_ACC)
+                a_ptrs += BLOCK_K * stride_ak
+                b_ptrs += BLOCK_K * stride_bk
+
+        # epilogue: out = acc · scale_a[row] · scale_b[col] + bias[col]
+        rows_c = (off_m + tl.arange(0, BLOCK_M)).to(tl.int64)
+        cols_c = (off_n + tl.arange(0, BLOCK_N)).to(tl.int64)
+        row_ok = rows_c < M
+        col_ok = cols_c < N
+        if SCALE_A_ROWWISE:
+            acc = acc * tl.load(scale_a_ptr + rows_c, mask=row_ok, other=0.0)[:, None]
+        else:
+            acc = acc * scale_a
+        if SCALE_B_ROWWISE:
+            acc = acc * tl.load(scale_b_ptr + cols_c, mask=col_ok, other=0.0)[None, :]
+        else:
+            acc = acc * scale_b
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols_c, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(c_ptr + rows_c[:, None] * stride_cm + cols_c[None, :] * stride_cn,
+                 acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+# ----------------------------------------------------------------------------------------------
+# launch heuristics
+# ----------------------------------------------------------------------------------------------
+
+# Hopper fp8 wgmma shapes: 1-byte operands make BLOCK_K = 128 the natural 128-byte row; a
+# 128x256x128 stage is 48 KB of shared memory, 3 stages fit beside the epilogue. Untuned on the
+# GPU as written (the lead's sweep picks among these).
+GEMM_CONFIGS = {
+    "tile_128x256": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3),
+    "tile_128x128": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=4),
+    "tile_64x128": dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4),
+    # small M (decode, memory-bound on b): one row tile of 64 (wgmma's M per warp group), narrow
+    # columns for many programs, more stages in flight (16 KB each)
+    "small_m": dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=5),
+}
+# Precise accumulation (the default) keeps a second fp32 tile for the wgmma partial sums: at
+# 128x256 with 8 warps that is 2 x 128 registers per thread for accumulators alone (spills), so
+# the largest precise tile is 128x128; fast accumulation can use 128x256.
+LARGE_TILES_PRECISE = ("tile_128x128", "tile_64x128")      # largest first
+LARGE_TILES_FAST = ("tile_128x256", "tile_128x128", "tile_64x128")
+DEFAULT_USE_TMA = True
+DEFAULT_FLATTEN = False         # off, as matmul (its H100 sweep: flatten 4x slower at M=1); unswept for fp8
+SMALL_M = 64                    # M up to this: the small-M config
+
+
+def _fit(block: int, dim: int, minimum: int) -> int:
+    """A block no larger than the dimension needs (power of two, >= tl.dot's minimum)."""
+    return min(block, max(minimum, next_power_of_2(dim)))
+
+
+def choose_gemm_config(m: int, n: int, k: int, sms: int, fast_accum: bool = False) -> dict:
+    """The launch config of an fp8 [m, k] x [n, k]ᵀ GEMM: the largest tile that still gives every
+    SM a tile (more operand reuse per byte), the small-M tile for decode-sized M."""
+    if m <= SMALL_M:
+        cfg = dict(GEMM_CONFIGS["small_m"])
+    else:
+        tiles = LARGE_TILES_FAST if fast_accum else LARGE_TILES_PRECISE
+        name = next((t for t in tiles if cdiv(m, GEMM_CONFIGS[t]["BLOCK_M"])
+                     * cdiv(n, GEMM_CONFIGS[t]["BLOCK_N"]) >= sms), tiles[-1])
+        cfg = dict(GEMM_CONFIGS[name])
+    cfg["BLOCK_M"] = _fit(cfg["BLOCK_M"], m, 64)     # >= 64: one wgmma warp group (no mma.sync fallback)
+    cfg["BLOCK_N"] = _fit(cfg["BLOCK_N"], n, 16)
+    cfg["BLOCK_K"] = _fit(cfg["BLOCK_K"], k, 32)
+    return cfg
+
+
+def gemm_tma_ok(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Descriptors can read a [M, K] and b [N, K]: unit K stride, 16-byte aligned bases and row
+    strides (K % 16 == 0 for contiguous fp8 operands), on an sm_90+ GPU."""
+    return (DEFAULT_USE_TMA and a.device.type == "cuda" and is_hopper_or_newer(a)
+            and all((t.stride(1) == 1 or t.shape[1] == 1) and t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0
+                    for t in (a, b)))
+
+
+def rows_tile(r: int, c: int) -> tuple[int, int]:
+    """(BLOCK_R, BLOCK_C) of the per-row kernel: up to 2048 columns per step, rows stacked to
+    ~4096 elements per step so short rows still fill a program."""
+    block_c = min(2048, max(16, next_power_of_2(c)))
+    return min(max(1, next_power_of_2(r)), max(1, 4096 // block_c)), block_c
+
+
+def tensor_tile(r: int, c: int, transpose: bool) -> tuple[int, int]:
+    """(BLOCK_R, BLOCK_C) of the per-tensor kernels: 64 x 64 when writing the transpose (both
+    store directions coalesce), else up to 256 columns and ~4096 elements per tile."""
+    if transpose:
+        return min(64, max(1, next_power_of_2(r))), min(64, max(16, next_power_of_2(c)))
+    block_c = min(256, max(16, next_power_of_2(c)))
+    return min(max(1, next_power_of_2(r)), 4096 // block_c), block_c
+
+
+def elementwise_warps(block_elems: int) -> int:
+    """4 warps up to 2048 elements per step (16 per thread), 8 above: registers stay small."""
+    return 4 if block_elems <= 2048 else 8
+
+
+def _grid_fp8_constants(dtype: torch.dtype) -> dict:
+    mant, min_exp = FP8_GRID[dtype]
+    return dict(FP8_MAX=FP8_MAX[dtype], AMAX_FLOOR=AMAX_FLOOR, SOFT_ROUND=interpreting(),
+                MANT_BITS=mant, MIN_NORMAL_EXP=min_exp)
+
+
+# ----------------------------------------------------------------------------------------------
+# launchers (inputs validated by the public functions)
+# ----------------------------------------------------------------------------------------------
+
+
+def launch_quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [R, C] contiguous fp8, scale [R] fp32) of a 2-D ``x`` with per-row scales."""
+    r, c = x.shape
+    q = empty((r, c), dtype, x.device)
+    scale = empty((r,), torch.float32, x.device)
+    if r == 0:
+        return q, scale
+    block_r, block_c = rows_tile(r, c)
+    quantize_rows_kernel[(cdiv(r, block_r),)](
+        x, q, scale, r, c, x.stride(0), x.stride(1), q.stride(0),
+        **_grid_fp8_constants(dtype), BLOCK_R=block_r, BLOCK_C=block_c, num_warps=elementwise_warps(block_r * block_c),
+    )
+    return q, scale
+
+
+def launch_quantize_tensor(x: torch.Tensor, dtype: torch.dtype, write_q: bool = True,
+                           write_qt: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """(q [R, C] or None, qᵀ [C, R] or None, scale [] fp32) of a 2-D ``x`` with one scale; both
+    layouts come from one read of x when both are asked for."""
+    r, c = x.shape
+    q = empty((r, c), dtype, x.device) if write_q else None
+    qt = empty((c, r), dtype, x.device) if write_qt else None
+    scale = empty((), torch.float32, x.device)
+    block_r, block_c = tensor_tile(r, c, write_qt)
+    n_col_tiles = cdiv(c, block_c)
+    n_tiles = cdiv(r, block_r) * n_col_tiles
+    programs = max(1, min(n_tiles, 8 * num_sms(x), MAX_PARTIALS))     # ~8 programs per SM in flight
+    partials = empty((programs,), torch.float32, x.device)
+    warps = elementwise_warps(block_r * block_c)
+    amax_partials_kernel[(programs,)](
+        x, partials, r, c, x.stride(0), x.stride(1), n_col_tiles, n_tiles,
+        NUM_PROGRAMS=programs, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps,
+    )
+    dummy = q if q is not None else qt if qt is not None else partials
+    quantize_tensor_kernel[(programs,)](
+        x, partials, q if q is not None else dummy, qt if qt is not None else dummy, scale,
+        r, c, x.stride(0), x.stride(1), n_col_tiles, n_tiles, programs,
+        **_grid_fp8_constants(dtype), WRITE_Q=write_q, WRITE_QT=write_qt, NUM_PROGRAMS=programs,
+        BLOCK_P=next_power_of_2(programs), BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps,
+    )
+    return q, qt, scale
+
+
+def launch_fp8_gemm(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor,
+                    bias: torch.Tensor | None, out_dtype: torch.dtype, fast_accum: bool = False,
+                    config: dict | None = None) -> torch.Tensor:
+    """out [M, N] = (a @ bᵀ) · scale_a · scale_b + bias; a [M, K], b [N, K] fp8; scale_a [M] or
+    [1], scale_b [N] or [1] contiguous fp32. ``fast_accum``: sm_90 wgmma partial sums stay in the
+    tensor core's reduced-precision accumulator over the whole K (as _scaled_mm's use_fast_accum);
+    otherwise they are promoted to fp32 once per K step. ``config`` overrides any key of
+    :func:`choose_gemm_config`'s result, plus USE_TMA, FLATTEN and MAX_IMPRECISE_ACC."""
+    (m, k), n = a.shape, b.shape[0]
+    out = empty((m, n), out_dtype, a.device)
+    if m == 0 or n == 0:
+        return out
+    cfg = choose_gemm_config(m, n, k, num_sms(a), fast_accum)
+    cfg.update(config or {})
+    use_tma = cfg.pop("USE_TMA", None)
+    layout_ok = gemm_tma_ok(a, b)
+    use_tma = k > 0 and layout_ok and (use_tma is None or use_tma)
+    if use_tma:
+        use_device_descriptors()
+    flatten = cfg.pop("FLATTEN", DEFAULT_FLATTEN)
+    # precise: promote the wgmma partial sums to the fp32 accumulator once per K step (<= 128 K
+    # per promotion: DeepSeek-V3's interval); fast: never within the K loop (K <= BLOCK_K here
+    # means "promote after each tl.dot"; Triton's sm_90 default, 2^30, means never)
+    imprecise = cfg.pop("MAX_IMPRECISE_ACC", None) or (0 if fast_accum else min(cfg["BLOCK_K"], 128))
+    programs = max(1, min(num_sms(a), cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"])))
+    fp8_gemm_kernel[(programs,)](
+        a, b, out, scale_a, scale_b, bias if bias is not None else out,
+        m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
+        SCALE_A_ROWWISE=scale_a.numel() != 1,
+        SCALE_B_ROWWISE=scale_b.numel() != 1,
+        HAS_BIAS=bias is not None,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
+        NUM_PROGRAMS=programs, EVEN_K=k % cfg["BLOCK_K"] == 0, USE_TMA=bool(use_tma), FLATTEN=bool(flatten),
+        MAX_IMPRECISE_ACC=None if imprecise == 0 else min(imprecise, cfg["BLOCK_K"]),
+        UPCAST=interpreting() and not use_tma,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return out
