@@ -334,7 +334,8 @@ def test_empty(m, n, k):
         assert g.shape == t.shape and not torch.isnan(g).any()
     assert not grads[0].any() and not grads[1].any()
     qa = torch.zeros(m, k, device=DEVICE, dtype=E4M3)
-    assert fp8.scaled_matmul(qa, torch.ones(()), torch.zeros(n, k, device=DEVICE, dtype=E4M3), torch.ones(())).shape == (m, n)
+    one = torch.ones((), device=DEVICE)
+    assert fp8.scaled_matmul(qa, one, torch.zeros(n, k, device=DEVICE, dtype=E4M3), one).shape == (m, n)
 
 
 _A, _B = (lambda: torch.randn(3, 8, device=DEVICE)), (lambda: torch.randn(6, 8, device=DEVICE))

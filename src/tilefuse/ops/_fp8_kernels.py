@@ -188,7 +188,12 @@ def quantize_tensor_kernel(
         if WRITE_Q:
             tl.store(q_ptr + rows[:, None] * C + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
         if WRITE_QT:
-            tl.store(qt_ptr + cols[None, :] * R + rows[:, None], q.to(qt_ptr.dtype.element_ty), mask=mask)
+            # the transpose is read transposed (the same tile again, from L2) and stored row-major:
+            # storing this tile with column-major offsets, or tl.trans of its fp8 values, wrote
+            # wrong elements on the H100 (2026-11-22; both right under the interpreter)
+            xt = tl.load(x_ptr + cols[:, None] * stride_xc + rows[None, :] * stride_xr, mask=tl.trans(mask), other=0.0)
+            qt = _to_fp8(xt.to(tl.float32), inv_scale, FP8_MAX, SOFT_ROUND, MANT_BITS, MIN_NORMAL_EXP)
+            tl.store(qt_ptr + cols[:, None] * R + rows[None, :], qt.to(qt_ptr.dtype.element_ty), mask=tl.trans(mask))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -223,6 +228,7 @@ def fp8_gemm_kernel(
     GROUP_M: tl.constexpr,          # row tiles per group of the tile order
     NUM_PROGRAMS: tl.constexpr,     # the persistent grid size (stride of the tile loop)
     EVEN_K: tl.constexpr,           # K % BLOCK_K == 0: pointer loads without a mask
+    PROMOTE_EVERY: tl.constexpr,    # > 0: fast tensor-core partial sums added into the fp32 tile every this many K steps
     USE_TMA: tl.constexpr,          # operands through tensor descriptors instead of pointers
     FLATTEN: tl.constexpr,          # tl.range(flatten=...) of the tile loop
     MAX_IMPRECISE_ACC: tl.constexpr,  # sm_90: wgmma partial sums promoted to fp32 every this many K
@@ -247,7 +253,19 @@ def fp8_gemm_kernel(
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if USE_TMA:
+        if USE_TMA and PROMOTE_EVERY > 0:
+            # two-level accumulation (DeepSeek-V3's recipe): the wgmma chain runs at full speed
+            # into ``part``; every PROMOTE_EVERY steps it is added into the fp32 tile and reset
+            part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for ki in range(k_tiles):
+                a = a_desc.load([off_m, ki * BLOCK_K])
+                b = b_desc.load([off_n, ki * BLOCK_K])
+                part = tl.dot(a, tl.trans(b), part)
+                if (ki + 1) % PROMOTE_EVERY == 0:
+                    acc += part
+                    part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc += part
+        elif USE_TMA:
             for ki in range(k_tiles):
                 a = a_desc.load([off_m, ki * BLOCK_K])
                 b = b_desc.load([off_n, ki * BLOCK_K])
@@ -447,6 +465,7 @@ def launch_fp8_gemm(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, sca
     # per promotion: DeepSeek-V3's interval); fast: never within the K loop (K <= BLOCK_K here
     # means "promote after each tl.dot"; Triton's sm_90 default, 2^30, means never)
     imprecise = cfg.pop("MAX_IMPRECISE_ACC", None) or (0 if fast_accum else min(cfg["BLOCK_K"], 128))
+    promote_every = cfg.pop("PROMOTE_EVERY", 0) if not fast_accum else 0
     programs = max(1, min(num_sms(a), cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"])))
     fp8_gemm_kernel[(programs,)](
         a, b, out, scale_a, scale_b, bias if bias is not None else out,
@@ -456,6 +475,7 @@ def launch_fp8_gemm(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, sca
         HAS_BIAS=bias is not None,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
         NUM_PROGRAMS=programs, EVEN_K=k % cfg["BLOCK_K"] == 0, USE_TMA=bool(use_tma), FLATTEN=bool(flatten),
+        PROMOTE_EVERY=promote_every if use_tma else 0,
         MAX_IMPRECISE_ACC=None if imprecise == 0 else min(imprecise, cfg["BLOCK_K"]),
         UPCAST=interpreting() and not use_tma,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
