@@ -1,6 +1,8 @@
-"""Weight-only quantization: format bounds and packing, quant_linear (GEMV M <= 8, GEMM above)
-vs F.linear on the dequantized weight, the registry specs, bad input, QuantLinear / quantize(model),
-and the accuracy cost on a tiny Llama built from a config."""
+"""Weight-only quantization: format bounds and packing, quant_linear vs F.linear on the dequantized
+weight, every launch path (the GEMV and tensor-core kernels, unsplit = one launch, split-K with a
+ragged last split, int4 chunks of one or several groups, int8 words / bytes, config overrides),
+the registry specs, bad input, QuantLinear / quantize(model), and the accuracy cost on a tiny Llama
+built from a config. Outputs (and split-K partials) start NaN-poisoned (conftest)."""
 
 import math
 
@@ -11,6 +13,7 @@ from conftest import CPU_DTYPES, DEVICE, HAS_CUDA
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tilefuse.ops import _quant_kernels as quant_kernels
 from tilefuse.ops import quant   # registers int4_gemm / int8_gemm (until ops/__init__ imports it)
 from tilefuse.ops.quant import dequantize_weight, quant_linear, quantize_weight, unpack_int4
 from tilefuse.quantization import QuantLinear, quantize
@@ -204,6 +207,155 @@ def test_quant_linear_random_shapes(m, n, groups, fmt, bias):
     k = groups * (g or 24) + (0 if g else 5)
     qw = quantize_weight(_weight(n, k, torch.float32, k ** -0.5), bits, g)
     _check_linear(torch.randn(m, k, device=DEVICE), qw, torch.randn(n, device=DEVICE) if bias else None, torch.float32)
+
+
+# ------------------------------------------------------------------------------------------------
+# launch paths: every kernel, split-K (ragged last split), one kernel when unsplit, configs
+# ------------------------------------------------------------------------------------------------
+
+
+def _launch(x, qw, bias=None, config=None):
+    """The launcher itself with a config override (the path quant_linear takes, minus checks)."""
+    return quant._launch(x, qw.qweight, qw.scales, qw.zeros, bias, qw.bits, qw.group_size or 0, config)
+
+
+def _reference(x, qw, bias=None):
+    return F.linear(x.double(), dequantize_weight(qw, torch.float64), None if bias is None else bias.double())
+
+
+def _plan(x, qw, config=None):
+    m, k = x.shape
+    return quant.launch_plan(qw.bits, qw.group_size or 0, m, qw.shape[0], k, x.dtype, quant.num_sms(x),
+                             tuple(sorted((config or {}).items())))
+
+
+def _check_launch(m, n, k, fmt, dtype, config=None, bias=True):
+    bits, g = fmt
+    qw = quantize_weight(_weight(n, k, dtype, k ** -0.5), bits, g)
+    x = torch.randn(m, k, device=DEVICE).to(dtype)
+    b = torch.randn(n, device=DEVICE).to(dtype) if bias else None
+    y = _launch(x, qw, b, config)
+    assert y.dtype == dtype and y.shape == (m, n)
+    assert rel_err(y, _reference(x, qw, b)) <= TOL[dtype], rel_err(y, _reference(x, qw, b))
+    return _plan(x, qw, config)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=_fmt_id)
+@pytest.mark.parametrize("path,m", [("gemv", 1), ("gemv", 5), ("dot", 1), ("dot", 9), ("dot-xw", 17), ("dot-xw", 40)])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_paths_and_split_k(fmt, path, m, splits, monkeypatch):
+    """Each kernel (the dot kernel both ways round: W xᵀ and "xw", x Wᵀ) unsplit (one launch writes
+    y and the bias) and split 3 ways over K chunks that do not divide evenly (the last split runs
+    past K: its extra chunks must add nothing)."""
+    bits, g = fmt
+    k = 7 * (g or 32)                                  # int4: 7 groups -> 7 one-group chunks
+    config = dict(PATH=path.split("-")[0], BLOCK_K=g or 32, SPLITS=splits, BLOCK_N=16)
+    if path == "dot-xw":
+        config.update(SWAP_AB=False, BLOCK_M=16)
+    reduce_grids = []
+
+    class CountingReduce:
+        def __getitem__(self, grid):
+            reduce_grids.append(grid)
+            return quant_kernels.splitk_reduce_kernel[grid]
+
+    monkeypatch.setattr(quant, "splitk_reduce_kernel", CountingReduce())
+    plan = _check_launch(m, 19, k, fmt, torch.float32, config, bias=m % 2 == 1)
+    assert len(reduce_grids) == (splits > 1)           # unsplit: the main kernel writes y, one launch
+    assert plan.splits == splits and plan.n_chunks == 7
+    assert splits == 1 or plan.chunks_per_split * splits > plan.n_chunks   # ragged last split
+    assert plan.grid[1] == splits
+
+
+@pytest.mark.parametrize("m", [1, 5, 8, 9, 16, 17, 33, 64, 65])
+@pytest.mark.parametrize("fmt", [(8, None), (4, 32)], ids=_fmt_id)
+def test_default_plans_every_m(m, fmt):
+    """The default launch for each M class (GEMV, 16/32/64-row dot tiles, the 128-row tile above 64),
+    N not a multiple of the tile (19)."""
+    plan = _check_launch(m, 19, 64, fmt, torch.float16, bias=m % 2 == 0)
+    assert (plan.kernel is quant.quant_gemv_kernel) == (m == 1)
+    if m > 1:
+        assert plan.meta["BLOCK_M"] == (16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=_fmt_id)
+@pytest.mark.parametrize("m", [1, 6])
+def test_k_is_one_group_and_ragged_k(fmt, m):
+    """K = one int4 group (one chunk); int8 with K not a multiple of BLOCK_K (masked tail) and not
+    a multiple of 4 (bytes instead of words)."""
+    bits, g = fmt
+    if bits == 4:
+        plan = _check_launch(m, 21, g, fmt, torch.float32, dict(BLOCK_K=4 * g))
+        assert plan.meta["BLOCK_K"] == g and plan.n_chunks == 1          # rounded down to the one group
+    else:
+        for k in (100, 101):                           # 100: words, masked tail; 101: byte loads
+            plan = _check_launch(m, 21, k, fmt, torch.float32, dict(BLOCK_K=32))
+            assert plan.meta["INT8_WORDS"] == (k % 4 == 0) and plan.n_chunks == 4
+
+
+def test_int4_chunk_of_several_groups():
+    """A chunk holding 4 groups (4 scales per row per step), with a group count it must divide."""
+    plan = _check_launch(1, 24, 8 * 32, (4, 32), torch.float32, dict(BLOCK_K=128))
+    assert plan.meta["BLOCK_K"] == 128 and plan.n_chunks == 2
+    plan = _check_launch(3, 24, 6 * 32, (4, 32), torch.float16, dict(BLOCK_K=128))
+    assert plan.meta["BLOCK_K"] == 64                  # 6 groups: chunks of 2
+
+
+def test_unaligned_packed_weight():
+    """A packed weight that is a view off a 4-byte boundary is read from an aligned copy."""
+    qw = quantize_weight(_weight(8, 64, torch.float32), 4, 32)
+    buf = torch.zeros(qw.qweight.numel() + 1, dtype=torch.uint8, device=DEVICE)
+    buf[1:] = qw.qweight.flatten()
+    shifted = qw._replace(qweight=buf[1:].view(8, 32))
+    assert shifted.qweight.data_ptr() % 4
+    x = torch.randn(3, 64, device=DEVICE)
+    assert torch.equal(quant_linear(x, shifted), quant_linear(x, qw))
+
+
+def test_split_k_is_deterministic_and_config_errors():
+    qw = quantize_weight(_weight(40, 512, torch.float32), 4, 32)
+    x = torch.randn(2, 512, device=DEVICE)
+    cfg = dict(SPLITS=5)
+    assert torch.equal(_launch(x, qw, config=cfg), _launch(x, qw, config=cfg))
+    with pytest.raises(ValueError, match="unknown keys"):
+        _launch(x, qw, config=dict(BLOCKN=16))
+    with pytest.raises(ValueError, match="cannot serve M"):
+        _launch(torch.randn(9, 512, device=DEVICE), qw, config=dict(PATH="gemv"))
+
+
+def test_launch_plans_for_an_h100():
+    """Cached per shape; M = 1 on 4096 x 4096 is one launch of 256 programs; split-K fills the SMs
+    at 16 rows, and at 64 rows stays within the partials' traffic cap (K·bits / (128·M) = 2)."""
+    args = (4, 128, 1, 4096, 4096, torch.bfloat16, 132)
+    assert quant.launch_plan(*args) is quant.launch_plan(*args)
+    plan = quant.launch_plan(*args)
+    assert plan.splits == 1 and plan.kernel is quant.quant_gemv_kernel and plan.grid == (256, 1)
+    plan = quant.launch_plan(4, 128, 16, 4096, 4096, torch.bfloat16, 132)
+    assert plan.meta["SWAP_AB"] and plan.grid == (64, 4)
+    plan = quant.launch_plan(4, 128, 64, 4096, 4096, torch.bfloat16, 132)
+    assert not plan.meta["SWAP_AB"] and plan.splits == 2
+    assert quant.launch_plan(4, 128, 16, 14336, 4096, torch.bfloat16, 132).splits == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 4, 16, 64])
+@pytest.mark.parametrize("nk", [(4096, 4096), (14336, 4096), (4096, 14336)])
+@pytest.mark.parametrize("fmt", [(4, 128), (8, None)], ids=_fmt_id)
+def test_gpu_sweep_shapes_bf16(m, nk, fmt):
+    """The sweep's shapes with the default launch (bf16, bias)."""
+    _check_launch(m, *nk, fmt, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [dict(PATH="gemv"), dict(PATH="dot", BLOCK_N=16), dict(PATH="dot", BLOCK_N=128),
+                                    dict(SPLITS=4), dict(BLOCK_K=128, NUM_STAGES=4), dict(num_warps=8)],
+                         ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+@pytest.mark.parametrize("fmt", [(4, 128), (4, 32), (8, None)], ids=_fmt_id)
+@pytest.mark.parametrize("m", [1, 5, 33])
+def test_gpu_configs_bf16(config, fmt, m):
+    if config.get("PATH") == "gemv" and m > quant.GEMV_MAX_ROWS:
+        pytest.skip("the GEMV kernel takes up to GEMV_MAX_ROWS rows")
+    _check_launch(m, 4097, 4096, fmt, torch.bfloat16, config)
 
 
 @pytest.mark.gpu

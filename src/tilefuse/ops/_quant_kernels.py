@@ -3,20 +3,46 @@
 Weight formats (see ``tilefuse.ops.quant`` for the quantizer and the exact layout):
 
 * int8, symmetric, per output channel: ``W[n, k] = q[n, k] * s[n]``, ``q`` int8 in [-127, 127].
-  The scale is constant along K, so it is applied once to the finished dot product.
+  The scale is constant along K: it multiplies the finished dot product.
 * int4, asymmetric, group-wise along K: ``W[n, k] = (q[n, k] - z[n, g]) * s[n, g]`` with
   ``g = k // GROUP_SIZE``, ``q`` and ``z`` in [0, 15]. Two values per byte, along K:
-  byte ``[n, j]`` holds ``k = 2j`` in its low nibble and ``k = 2j + 1`` in its high nibble.
-  Every K tile lies inside one group (``GROUP_SIZE % BLOCK_K == 0``), so the tile's dot product
-  is taken on the exact small integers ``q - z`` (exact in fp16/bf16) and scaled by ``s[n, g]``
-  once per tile, in fp32.
+  byte ``[n, j]`` holds ``k = 2j`` in its low nibble and ``k = 2j + 1`` in its high nibble, so
+  the little-endian int32 word ``j`` of a row holds ``k = 8j + i`` in bits ``4i .. 4i + 3``.
 
-Neither kernel materializes the fp weight: tiles are dequantized in registers.
+Reading the weight (the fp weight is never materialized; instruction counts are per value):
 
-* :func:`quant_gemm_kernel`  -- tensor-core tiles for M >= 9 (prefill, batches).
-* :func:`quant_gemv_kernel`  -- decode, M = 1..8: split-K over a (N blocks, K splits) grid, fp32
-  partials ``[splits, M, N]``; :func:`splitk_reduce_kernel` sums them in split order (no atomics:
-  the result is deterministic) and adds the bias.
+* A K chunk of ``BLOCK_K`` columns is a contiguous run of bytes per row, loaded as int32 words
+  (16-byte vector loads, every byte once). Each of the 8 nibble positions (4 byte positions for
+  int8) is a *plane* computed from the whole word tile; ``tl.join`` + ``tl.reshape`` put the
+  planes back in k order in registers.
+* No shift and no int->float conversion per value (I2F is a quarter-rate unit): the nibble is
+  masked in place, ``v = word & (0xF << P)``, and ``bitcast(v | 0x4B000000) = 2^23 + q * 2^P``
+  exactly (an integer in the mantissa of 2^23, bits <= 19 for P <= 16). Times ``2^-P`` (exact)
+  that is ``2^(23-P) + q``, and one subtraction leaves ``q`` or ``q - z`` exactly. Nibbles 5..7
+  are read from ``word >> 12`` (one shift per word), so P is 0, 4, 8, 12, 16, 8, 12, 16.
+  int8 bytes: ``word ^ 0x80808080`` gives ``q + 128`` per byte; bytes 0, 1 in place, 2, 3 from
+  ``>> 16``. The 0x4B000000 comes in as a run-time argument (``magic_bits``): as a register
+  operand ptxas fuses mask and OR into one LOP3 (with two immediates it takes two). sm_90 SASS of
+  the default loops: 4.6 instructions per int4 weight value (GEMV; 1 LOP3, 2 FFMA, the rest x
+  conversion and reductions), 6.5 (tensor-core kernel, 16 rows; 6.2 with 64), 5.6 int8 GEMV.
+* Loads are software-pipelined (``tl.range(num_stages=...)``: cp.async into shared memory). The
+  int4 scales / zero points of a chunk (``[BLOCK_N, GROUPS]``, too narrow for cp.async) are
+  prefetched one loop step ahead in registers.
+
+Kernels:
+
+* :func:`quant_gemv_kernel` -- one row of x per program, fp32 FMA on CUDA cores (decode, M = 1:
+  no tensor-core tile to pad). int4: ``sum_g s[g] * (sum_{k in g} q[k] x[k] - z[g] * sum_{k in g}
+  x[k])``: the planes need no per-group zero point, only constants.
+* :func:`quant_dot_kernel` -- tensor cores, any M: ``yᵀ[BLOCK_N, BLOCK_M] = W_tile @ x_tileᵀ``
+  (SWAP_AB: the weight rows are the MMA's M side, so a decode batch of 2..32 rows pads only to
+  16) or ``y = x_tile @ W_tileᵀ`` (64+ rows). The dequantized tile is ``(q - z) * s`` rounded to
+  x's dtype: the very weight ``dequantize_weight`` gives, so the product is the PyTorch peer's
+  with fp32 accumulation.
+* Both run split-K over grid axis 1 when the output tiles alone cannot fill the GPU: fp32 partials
+  ``[splits, M, N]``, summed in split order by :func:`splitk_reduce_kernel` (no atomics: the
+  result is deterministic), which also adds the bias. With one split (``SPLIT`` False) the kernel
+  adds the bias and writes y itself: one launch.
 """
 
 from __future__ import annotations
@@ -26,30 +52,112 @@ import triton.language as tl
 
 from .._launch import fast_launch
 
+MAGIC_BITS = 0x4B000000                # fp32 bits of 2^23: bitcast(v | it) == 2^23 + v for 0 <= v < 2^23
+INT8_FLIP = tl.constexpr(-0x7F7F7F80)  # 0x80808080 as int32: word ^ it = q + 128 in every byte
+
 
 @triton.jit
-def _int_weight_tile(qw_ptr, offs_n, offs_k, N, K, stride_qn, BITS: tl.constexpr):
-    """[BLOCK_N, BLOCK_K] int32 tile of the stored integers (unsigned nibbles for int4, signed
-    int8); 0 outside [N, K]. int4: the byte ``k // 2`` is read by both nibbles' lanes (one
-    sector, so no extra DRAM traffic) and shifted by ``4 * (k % 2)``."""
-    mask = (offs_n < N)[:, None] & (offs_k < K)[None, :]
-    rows = offs_n.to(tl.int64)[:, None] * stride_qn
-    if BITS == 4:
-        packed = tl.load(qw_ptr + rows + (offs_k // 2)[None, :], mask=mask, other=0).to(tl.int32)
-        return (packed >> ((offs_k % 2) * 4)[None, :]) & 0xF
+def _nibble(words, words_hi, magic, N: tl.constexpr):
+    """``2^(23-P) + q`` (fp32, exact) for nibble ``N`` of every word (``k = 8j + N``): masked in
+    place at bit ``P = 4N`` (N < 5) or ``4N - 12`` in ``words >> 12``, bitcast onto 2^23, times
+    ``2^-P``. The caller subtracts ``2^(23-P)`` (+ z). ``magic`` is MAGIC_BITS, a run-time value."""
+    P: tl.constexpr = 4 * N if N < 5 else 4 * N - 12
+    if N < 5:
+        v = words & (0xF << P)
     else:
-        return tl.load(qw_ptr + rows + offs_k[None, :], mask=mask, other=0).to(tl.int32)
+        v = words_hi & (0xF << P)
+    return (v | magic).to(tl.float32, bitcast=True) * (2.0 ** -P)
+
+
+@triton.jit
+def _int4_values(words, magic, offset, scale, N: tl.constexpr, SCALED: tl.constexpr):
+    """Plane ``N`` as ``q - offset`` (``offset`` 0 or z, broadcastable), times ``scale`` when SCALED."""
+    P: tl.constexpr = 4 * N if N < 5 else 4 * N - 12
+    w = _nibble(words, words >> 12, magic, N) - (offset + 2.0 ** (23 - P))
+    if SCALED:
+        w = w * scale
+    return w
+
+
+@triton.jit
+def _join_nibbles(words, magic, offset, scale, SCALED: tl.constexpr):
+    """``[*words.shape, 8]`` fp32 (k order in the last axis) of :func:`_int4_values`; the first
+    join is the slowest new axis, so the flat index is ``4a + 2b + c`` = the nibble."""
+    p0 = _int4_values(words, magic, offset, scale, 0, SCALED)
+    p1 = _int4_values(words, magic, offset, scale, 1, SCALED)
+    p2 = _int4_values(words, magic, offset, scale, 2, SCALED)
+    p3 = _int4_values(words, magic, offset, scale, 3, SCALED)
+    p4 = _int4_values(words, magic, offset, scale, 4, SCALED)
+    p5 = _int4_values(words, magic, offset, scale, 5, SCALED)
+    p6 = _int4_values(words, magic, offset, scale, 6, SCALED)
+    p7 = _int4_values(words, magic, offset, scale, 7, SCALED)
+    return tl.join(tl.join(tl.join(p0, p4), tl.join(p2, p6)), tl.join(tl.join(p1, p5), tl.join(p3, p7)))
+
+
+@triton.jit
+def _int8_values(words, magic, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``[BLOCK_N, BLOCK_K]`` fp32 ``q`` (exact) of a ``[BLOCK_N, BLOCK_K / 4]`` int32 word tile
+    of int8 values (byte i of word j: ``k = 4j + i``); a zero (masked) word gives q = 0."""
+    biased = words ^ INT8_FLIP
+    hi = biased >> 16
+    b0 = (biased & 0xFF | magic).to(tl.float32, bitcast=True) - (2.0 ** 23 + 128)
+    b1 = (biased & 0xFF00 | magic).to(tl.float32, bitcast=True) * (2.0 ** -8) - (2.0 ** 15 + 128)
+    b2 = (hi & 0xFF | magic).to(tl.float32, bitcast=True) - (2.0 ** 23 + 128)
+    b3 = (hi & 0xFF00 | magic).to(tl.float32, bitcast=True) * (2.0 ** -8) - (2.0 ** 15 + 128)
+    return tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), (BLOCK_N, BLOCK_K))
+
+
+@triton.jit
+def _int8_chunk(qw_ptr, rows, row_mask, k0, K, magic, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                WORDS: tl.constexpr):
+    """``[BLOCK_N, BLOCK_K]`` fp32 int8 ``q`` of columns ``k0 ..`` of rows at byte offsets
+    ``rows``: as int32 words when WORDS (K % 4 == 0), else byte by byte."""
+    if WORDS:
+        offs_w = k0 // 4 + tl.arange(0, BLOCK_K // 4)
+        words = tl.load(qw_ptr.to(tl.pointer_type(tl.int32)) + (rows // 4)[:, None] + offs_w[None, :],
+                        mask=row_mask[:, None] & (offs_w < K // 4)[None, :], other=0)
+        return _int8_values(words, magic, BLOCK_N, BLOCK_K)
+    else:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        q = tl.load(qw_ptr + rows[:, None] + offs_k[None, :], mask=row_mask[:, None] & (offs_k < K)[None, :], other=0)
+        return (((q.to(tl.int32) & 0xFF) ^ 0x80) | magic).to(tl.float32, bitcast=True) - (2.0 ** 23 + 128)
+
+
+@triton.jit
+def _group_params(scales_ptr, zeros_ptr, sz_rows, row_mask, chunk, n_chunks, GROUPS: tl.constexpr):
+    """(zero points, scales) ``[BLOCK_N, GROUPS]`` fp32 of chunk ``chunk`` (0 past ``n_chunks``)."""
+    offs = sz_rows[:, None] + (chunk * GROUPS + tl.arange(0, GROUPS))[None, :]
+    mask = row_mask[:, None] & (chunk < n_chunks)
+    z = tl.load(zeros_ptr + offs, mask=mask, other=0).to(tl.float32)
+    s = tl.load(scales_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return z, s
+
+
+@triton.jit
+def _write_out(acc, offs_n, offs_m, pid_s, M, N, bias_ptr, y_ptr, partial_ptr, stride_ym,
+               HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
+    """Store ``acc[BLOCK_N, R]`` (fp32, y transposed) for output rows ``offs_m[R]``: as split
+    ``pid_s``'s partial ``[splits, M, N]`` when SPLIT, else plus bias, in y's dtype, into y."""
+    mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
+    m64 = offs_m.to(tl.int64)[None, :]
+    if SPLIT:
+        tl.store(partial_ptr + (pid_s * M + m64) * N + offs_n[:, None], acc, mask=mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
+        tl.store(y_ptr + m64 * stride_ym + offs_n[:, None], acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @fast_launch
 @triton.jit
-def quant_gemm_kernel(
+def quant_gemv_kernel(
     x_ptr,              # *x [M, K], unit K stride, fp32/fp16/bf16
-    qw_ptr,             # *packed weight: int8 [N, K] or uint8 [N, K/2] (int4, two per byte)
+    qw_ptr,             # *packed weight: int8 [N, K] or uint8 [N, K/2] (int4, two per byte), 4-byte aligned
     scales_ptr,         # *scales: [N] (int8) or [N, K/GROUP_SIZE] (int4), x's dtype
     zeros_ptr,          # *zero points uint8 [N, K/GROUP_SIZE] (int4; unused for int8)
-    bias_ptr,           # *bias [N] (read only when HAS_BIAS)
-    y_ptr,              # *y [M, N], contiguous, x's dtype
+    bias_ptr,           # *bias [N] (read only when HAS_BIAS and not SPLIT)
+    y_ptr,              # *y [M, N], x's dtype (written when not SPLIT)
+    partial_ptr,        # *fp32 partials [splits, M, N] (written when SPLIT)
     M,                  # rows of x
     N,                  # output features
     K,                  # input features
@@ -57,102 +165,148 @@ def quant_gemm_kernel(
     stride_qn,          # bytes between rows of the packed weight
     stride_sn,          # elements between rows of scales / zeros (K / GROUP_SIZE for int4)
     stride_ym,          # elements between rows of y
+    n_chunks,           # BLOCK_K chunks of K
+    chunks_per_split,   # chunks per program along grid axis 1 (the last split may run past n_chunks)
+    magic_bits,         # MAGIC_BITS, passed at run time: as a register operand it lets ptxas fuse a
+                        # value's mask and OR into one LOP3 (two immediates take two)
     BITS: tl.constexpr,           # 8 or 4
-    GROUP_SIZE: tl.constexpr,     # int4 group along K (multiple of BLOCK_K); 0 for int8
+    GROUP_SIZE: tl.constexpr,     # int4 group along K; BLOCK_K is a multiple of it (0 for int8)
+    INT8_WORDS: tl.constexpr,     # int8: read the weight as int32 words (K % 4 == 0)
     HAS_BIAS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 x (no tf32), None for fp16/bf16
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,        # row blocks per tile group (L2 reuse of weight tiles)
+    SPLIT: tl.constexpr,          # write fp32 partials (more than one split) instead of y
+    BLOCK_N: tl.constexpr,        # weight rows per program
+    BLOCK_K: tl.constexpr,        # K columns per loop step
+    NUM_STAGES: tl.constexpr,     # software-pipeline depth of the K loop
 ):
+    """``y[m, n] = sum_k x[m, k] * W[n, k]`` for one row m per program (grid ``(M * n_blocks,
+    splits)``, m fastest so that the rows sharing a weight block read it back to back from L2).
+    int4: ``sum_g s[n, g] * (sum_{k in g} q[n, k] x[m, k] - z[n, g] sum_{k in g} x[m, k])``, fp32."""
     pid = tl.program_id(0)
-    n_blocks_m = tl.cdiv(M, BLOCK_M)
-    n_blocks_n = tl.cdiv(N, BLOCK_N)
-    # grouped order: GROUP_M row blocks walk the same weight column blocks back to back
-    width = GROUP_M * n_blocks_n
-    first_m = (pid // width) * GROUP_M
-    group_rows = tl.minimum(n_blocks_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % group_rows
-    pid_n = (pid % width) // group_rows
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_rows + offs_k[None, :], mask=(offs_m < M)[:, None] & (offs_k < K)[None, :], other=0.0)
-        q = _int_weight_tile(qw_ptr, offs_n, offs_k, N, K, stride_qn, BITS)      # [BN, BK]
+    pid_s = tl.program_id(1)
+    m = pid % M
+    offs_n = (pid // M) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = offs_n < N
+    rows = offs_n.to(tl.int64) * stride_qn
+    x_row = x_ptr + m.to(tl.int64) * stride_xm
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    chunk = pid_s * chunks_per_split
+    if BITS == 4:
+        GROUPS: tl.constexpr = BLOCK_K // GROUP_SIZE
+        WORDS: tl.constexpr = BLOCK_K // 8
+        sz_rows = offs_n.to(tl.int64) * stride_sn
+        z_next, s_next = _group_params(scales_ptr, zeros_ptr, sz_rows, row_mask, chunk, n_chunks, GROUPS)
+    for _ in tl.range(0, chunks_per_split, num_stages=NUM_STAGES):
         if BITS == 4:
-            group = k0 // GROUP_SIZE
-            sz_offs = offs_n.to(tl.int64) * stride_sn + group
-            z = tl.load(zeros_ptr + sz_offs, mask=n_mask, other=0).to(tl.int32)
-            s = tl.load(scales_ptr + sz_offs, mask=n_mask, other=0.0).to(tl.float32)
-            w = tl.trans((q - z[:, None]).to(x.dtype))                          # [BK, BN], exact
-            acc += tl.dot(x, w, input_precision=DOT_PRECISION) * s[None, :]
+            valid = chunk < n_chunks
+            z, s = z_next, s_next                   # this chunk's; the next chunk's are read now
+            z_next, s_next = _group_params(scales_ptr, zeros_ptr, sz_rows, row_mask, chunk + 1, n_chunks, GROUPS)
+            words = tl.load(qw_ptr.to(tl.pointer_type(tl.int32)) + (rows // 4)[:, None]
+                            + (chunk * WORDS + tl.arange(0, WORDS))[None, :], mask=row_mask[:, None] & valid, other=0)
+            q = tl.reshape(_join_nibbles(words, magic_bits, 0.0, 1.0, False), (BLOCK_N, GROUPS, GROUP_SIZE))
+            xg = tl.load(x_row + chunk * BLOCK_K + tl.arange(0, GROUPS)[:, None] * GROUP_SIZE
+                         + tl.arange(0, GROUP_SIZE)[None, :], mask=valid, other=0.0).to(tl.float32)
+            group_dot = tl.sum(q * xg[None, :, :], axis=2) - z * tl.sum(xg, axis=1)[None, :]     # [BLOCK_N, GROUPS]
+            acc += tl.sum(group_dot * s, axis=1)
         else:
-            w = tl.trans(q.to(x.dtype))
-            acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
+            k0 = chunk * BLOCK_K
+            w = _int8_chunk(qw_ptr, rows, row_mask, k0, K, magic_bits, BLOCK_N, BLOCK_K, INT8_WORDS)
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            xk = tl.load(x_row + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+            acc += tl.sum(w * xk[None, :], axis=1)
+        chunk += 1
     if BITS == 8:
-        acc = acc * tl.load(scales_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    y_offs = offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
-    tl.store(y_ptr + y_offs, acc.to(y_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & n_mask[None, :])
+        acc *= tl.load(scales_ptr + offs_n, mask=row_mask, other=0.0).to(tl.float32)
+    _write_out(acc[:, None], offs_n, m + tl.arange(0, 1), pid_s, M, N, bias_ptr, y_ptr, partial_ptr, stride_ym,
+               HAS_BIAS, SPLIT)
 
 
 @fast_launch
 @triton.jit
-def quant_gemv_kernel(
-    x_ptr,              # *x [M, K], unit K stride, M <= M_PAD
-    qw_ptr,             # *packed weight, as quant_gemm_kernel
-    scales_ptr,         # *scales, as quant_gemm_kernel
+def quant_dot_kernel(
+    x_ptr,              # *x [M, K], unit K stride, fp32/fp16/bf16
+    qw_ptr,             # *packed weight, as quant_gemv_kernel
+    scales_ptr,         # *scales, as quant_gemv_kernel
     zeros_ptr,          # *zero points (int4)
-    partial_ptr,        # *fp32 partial sums [n_splits, M, N], contiguous
-    M,                  # rows of x (1..8)
+    bias_ptr,           # *bias [N] (read only when HAS_BIAS and not SPLIT)
+    y_ptr,              # *y [M, N], x's dtype (written when not SPLIT)
+    partial_ptr,        # *fp32 partials [splits, M, N] (written when SPLIT)
+    M,                  # rows of x
     N,                  # output features
     K,                  # input features
     stride_xm,          # elements between rows of x
     stride_qn,          # bytes between rows of the packed weight
     stride_sn,          # elements between rows of scales / zeros
-    chunks_per_split,   # BLOCK_K chunks of K per program along grid axis 1
+    stride_ym,          # elements between rows of y
+    n_chunks,           # BLOCK_K chunks of K
+    chunks_per_split,   # chunks per program along grid axis 1
+    magic_bits,         # MAGIC_BITS (see quant_gemv_kernel)
     BITS: tl.constexpr,
-    GROUP_SIZE: tl.constexpr,     # multiple of BLOCK_K (int4); 0 for int8
-    M_PAD: tl.constexpr,          # next power of two >= M
-    BLOCK_N: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    INT8_WORDS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 x (no tf32), None for fp16/bf16
+    SWAP_AB: tl.constexpr,        # yᵀ = W x_tileᵀ (the weight tile is the MMA's A operand) or y = x_tile Wᵀ
+    BLOCK_M: tl.constexpr,        # rows of x per tile (>= 16; >= 64 for wgmma unless SWAP_AB)
+    BLOCK_N: tl.constexpr,        # weight rows per tile (>= 64 for wgmma when SWAP_AB)
     BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
+    """``y[m, n] = sum_k x[m, k] * Wq[n, k]`` with ``Wq = dequant(W)`` rounded to x's dtype (int4:
+    ``(q - z) * s``; int8: ``q``, scaled by ``s[n]`` after the sum), fp32 accumulation. Grid
+    ``(m_blocks * n_blocks, splits)``, m-blocks fastest (they share the weight tile in L2).
+
+    SWAP_AB (few rows of x): ``yᵀ = Wq_tile @ x_tileᵀ``, so x pads only to 16 rows, the MMA's N
+    side; the dequantized tile is the register A operand (moved into the MMA layout through
+    shared memory in pieces). Otherwise ``y = x_tile @ Wq_tileᵀ``: the tile is written to shared
+    memory once as the B operand (fewer instructions and barriers per value, but x pads to the
+    64-row wgmma M)."""
+    pid = tl.program_id(0)
     pid_s = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    rows = tl.arange(0, M_PAD)
-    acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
-    for c in range(chunks_per_split):
-        k0 = (pid_s * chunks_per_split + c) * BLOCK_K
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < K
-        q = _int_weight_tile(qw_ptr, offs_n, offs_k, N, K, stride_qn, BITS)      # [BN, BK]
+    n_blocks_m = tl.cdiv(M, BLOCK_M)
+    offs_m = (pid % n_blocks_m) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = (pid // n_blocks_m) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = offs_n < N
+    rows = offs_n.to(tl.int64) * stride_qn
+    x_rows = x_ptr + offs_m.to(tl.int64) * stride_xm
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    chunk = pid_s * chunks_per_split
+    if BITS == 4:
+        GROUPS: tl.constexpr = BLOCK_K // GROUP_SIZE
+        WORDS: tl.constexpr = GROUP_SIZE // 8            # per group
+        sz_rows = offs_n.to(tl.int64) * stride_sn
+        z_next, s_next = _group_params(scales_ptr, zeros_ptr, sz_rows, row_mask, chunk, n_chunks, GROUPS)
+        offs_w = tl.arange(0, GROUPS)[:, None] * WORDS + tl.arange(0, WORDS)[None, :]
+    for _ in tl.range(0, chunks_per_split, num_stages=NUM_STAGES):
+        offs_k = chunk * BLOCK_K + tl.arange(0, BLOCK_K)
         if BITS == 4:
-            sz_offs = offs_n.to(tl.int64) * stride_sn + k0 // GROUP_SIZE
-            sz_mask = n_mask & (k0 < K)        # the last split may run past K
-            z = tl.load(zeros_ptr + sz_offs, mask=sz_mask, other=0).to(tl.int32)
-            s = tl.load(scales_ptr + sz_offs, mask=sz_mask, other=0.0).to(tl.float32)
-            w = (q - z[:, None]).to(tl.float32)
+            valid = chunk < n_chunks
+            z, s = z_next, s_next
+            z_next, s_next = _group_params(scales_ptr, zeros_ptr, sz_rows, row_mask, chunk + 1, n_chunks, GROUPS)
+            words = tl.load(qw_ptr.to(tl.pointer_type(tl.int32)) + (rows // 4)[:, None, None]
+                            + (chunk * (BLOCK_K // 8) + offs_w)[None, :, :], mask=row_mask[:, None, None] & valid,
+                            other=0)                                                 # [BLOCK_N, GROUPS, WORDS]
+            w = _join_nibbles(words, magic_bits, z[:, :, None], s[:, :, None], True)           # (q - z) * s
+            w = tl.reshape(w, (BLOCK_N, BLOCK_K))
         else:
-            w = q.to(tl.float32)
-        for m in tl.static_range(M_PAD):
-            xm = tl.load(x_ptr + m * stride_xm + offs_k, mask=k_mask & (m < M), other=0.0).to(tl.float32)
-            dot_m = tl.sum(w * xm[None, :], axis=1)                               # [BN]
-            if BITS == 4:
-                dot_m = dot_m * s
-            acc += tl.where(rows[:, None] == m, dot_m[None, :], 0.0)
+            w = _int8_chunk(qw_ptr, rows, row_mask, chunk * BLOCK_K, K, magic_bits, BLOCK_N, BLOCK_K, INT8_WORDS)
+        w = w.to(x_ptr.dtype.element_ty)
+        k_mask = offs_k < K                                 # int4: K is whole chunks, so: the chunk is valid
+        if SWAP_AB:
+            xt = tl.load(x_rows[None, :] + offs_k[:, None], mask=(offs_m < M)[None, :] & k_mask[:, None], other=0.0)
+            acc = tl.dot(w, xt, acc, input_precision=DOT_PRECISION)                   # [BLOCK_N, BLOCK_M]
+        else:
+            xk = tl.load(x_rows[:, None] + offs_k[None, :], mask=(offs_m < M)[:, None] & k_mask[None, :], other=0.0)
+            acc = tl.dot(xk, tl.trans(w), acc, input_precision=DOT_PRECISION)         # [BLOCK_M, BLOCK_N]
+        chunk += 1
+    if not SWAP_AB:
+        acc = tl.trans(acc)
     if BITS == 8:
-        acc = acc * tl.load(scales_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    p_offs = (pid_s * M + rows).to(tl.int64)[:, None] * N + offs_n[None, :]
-    tl.store(partial_ptr + p_offs, acc, mask=(rows < M)[:, None] & n_mask[None, :])
+        acc *= tl.load(scales_ptr + offs_n, mask=row_mask, other=0.0).to(tl.float32)[:, None]
+    _write_out(acc, offs_n, offs_m, pid_s, M, N, bias_ptr, y_ptr, partial_ptr, stride_ym, HAS_BIAS, SPLIT)
 
 
 @fast_launch
@@ -168,6 +322,7 @@ def splitk_reduce_kernel(
     HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
+    """``y[m, n] = sum_s partial[s, m, n] (+ bias[n])``, s in increasing order."""
     pid_m = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N

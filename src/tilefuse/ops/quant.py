@@ -23,8 +23,10 @@ Scales are stored in the weight's dtype, rounded *up* to it (so ``range / s <= 1
 against the stored scale: every element then obeys ``|W - dequant(q)| <= s / 2`` exactly.
 
 ``quant_linear(x, qw, bias)`` computes ``x @ dequant(qw).T + bias`` with the kernels of
-``_quant_kernels`` (M <= 8 rows: split-K GEMV; more: tiled dequantize-GEMM) on CUDA or under the
-interpreter, and ``F.linear(x, dequantize_weight(qw), bias)`` on CPU otherwise.
+``_quant_kernels`` on CUDA or under the interpreter (M = 1: the FMA GEMV; more rows: the
+tensor-core kernel; either splits K when its tiles alone cannot fill the GPU; launch configs in
+:func:`launch_plan`, cached per shape), and ``F.linear(x, dequantize_weight(qw), bias)`` on CPU
+otherwise.
 
 Bytes counted (ideal, one forward): the packed weight (N·K or N·K/2), scales and zero points,
 x and y (and the bias when given). FLOPs: 2·M·N·K.
@@ -32,6 +34,7 @@ x and y (and the bias when given). FLOPs: 2·M·N·K.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Optional
 
 import torch
@@ -41,14 +44,13 @@ from .._checks import check_same_device, check_same_dtype, check_shape, check_te
 from .._dispatch import cdiv, empty, next_power_of_2, num_sms, rows_view, use_triton
 from .._op import custom_op
 from ..registry import Inputs, OpSpec, register
-from ._quant_kernels import quant_gemm_kernel, quant_gemv_kernel, splitk_reduce_kernel
+from ._quant_kernels import MAGIC_BITS, quant_dot_kernel, quant_gemv_kernel, splitk_reduce_kernel
 
 SUPPORTED_BITS = (4, 8)
 INT4_GROUP_SIZES = (32, 64, 128)
 DEFAULT_INT4_GROUP_SIZE = 128
 INT8_QMAX = 127
 INT4_QMAX = 15
-GEMV_MAX_ROWS = 8          # M <= this: split-K GEMV (decode); above: the tiled GEMM
 
 
 class QuantizedWeight(NamedTuple):
@@ -150,69 +152,143 @@ def dequantize_weight(q: QuantizedWeight, dtype: Optional[torch.dtype] = None) -
 # launchers (inputs validated by quant_linear)
 # ----------------------------------------------------------------------------------------------
 
+GEMV_MAX_ROWS = 8          # quant_gemv_kernel takes up to this many rows (one program per row)
+SKINNY_MAX_ROWS = 64       # up to here the dot kernel pads M to a 16..64-row tile; above: 128
+REDUCE_BLOCK_N = 256       # columns per program of the split-K reduction
+CONFIG_KEYS = ("PATH", "SWAP_AB", "BLOCK_M", "BLOCK_N", "BLOCK_K", "NUM_STAGES", "num_warps", "SPLITS")
+
+
+class LaunchPlan(NamedTuple):
+    """Everything a call of a given shape launches with (cached per shape by :func:`launch_plan`)."""
+    kernel: object             # quant_gemv_kernel or quant_dot_kernel
+    grid: tuple
+    splits: int                # > 1: fp32 partials, then splitk_reduce_kernel
+    n_chunks: int              # BLOCK_K chunks of K
+    chunks_per_split: int
+    meta: dict                 # constexpr and launch options (do not mutate: shared by the cache)
+
 
 def _dot_precision(dtype: torch.dtype):
     """fp32 inputs must not drop to tf32 (the fp32 tolerance is 1e-5); others: the default."""
     return "ieee" if dtype == torch.float32 else None
 
 
-def _block_k(bits: int, group_size: int) -> int:
-    """K tile: 64, and never more than a group (each int4 tile then has one scale per row)."""
-    return 64 if bits == 8 else min(64, group_size)
+def _use_gemv(m: int) -> bool:
+    """One row: FMA on CUDA cores beats an MMA tile padded from 1 to 16 rows."""
+    return m == 1
 
 
-def _gemm_config(m: int, n: int) -> dict:
-    """Row tile sized to M (16 rows is the tensor-core minimum), 64 weight rows per tile."""
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
-    return dict(BLOCK_M=block_m, BLOCK_N=64 if block_m <= 64 else 128, GROUP_M=8,
-                num_warps=4 if block_m <= 64 else 8)
+def _gemv_config(bits: int, n: int, sms: int) -> dict:
+    """16 weight rows x 1024 (int4) / 512 (int8) columns per loop step: 8 KiB of weight and 128
+    values per thread (4 warps), few enough registers for 4-5 programs per SM; 3 steps in flight.
+    8 rows (2 warps) when N is too small to give every SM a program. Instruction counts (sm_90
+    SASS of the loop, per weight value): 4.6 int4, 5.6 int8."""
+    if cdiv(n, 16) >= sms:
+        return dict(PATH="gemv", BLOCK_N=16, BLOCK_K=1024 if bits == 4 else 512, NUM_STAGES=3, num_warps=4)
+    return dict(PATH="gemv", BLOCK_N=8, BLOCK_K=1024 if bits == 4 else 512, NUM_STAGES=3, num_warps=2)
 
 
-def _gemv_splits(n_blocks: int, n_chunks: int, sms: int) -> int:
-    """K splits so that about 4 programs per SM read the weight; no more splits than chunks."""
-    return max(1, min(n_chunks, cdiv(4 * sms, max(n_blocks, 1))))
+def _dot_config(m: int, dtype: torch.dtype) -> dict:
+    """Up to 32 rows: SWAP_AB, x padded to a 16/32-row tile against 64 weight rows (the wgmma M of
+    one warp group) x 256 columns (sm_90 SASS: 6.5 instructions per int4 value). 33..64 rows: a
+    64 x 64 tile x 128 columns, the weight tile as the B operand in shared memory (6.2; 5.2 with
+    128 weight rows, but then N = 4096 gives 32 tiles). Above: 128 x 128 tiles, 8 warps. fp32 x
+    has no tensor-core path (an FMA dot): 64 x 64 tiles, 64 columns, to stay in registers."""
+    if dtype == torch.float32:
+        return dict(PATH="dot", SWAP_AB=True, BLOCK_M=min(64, max(16, next_power_of_2(m))), BLOCK_N=64, BLOCK_K=64,
+                    NUM_STAGES=2, num_warps=4)
+    if m <= 32:
+        return dict(PATH="dot", SWAP_AB=True, BLOCK_M=max(16, next_power_of_2(m)), BLOCK_N=64, BLOCK_K=256,
+                    NUM_STAGES=3, num_warps=4)
+    if m <= SKINNY_MAX_ROWS:
+        return dict(PATH="dot", SWAP_AB=False, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, NUM_STAGES=3, num_warps=4)
+    return dict(PATH="dot", SWAP_AB=False, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, NUM_STAGES=3, num_warps=8)
 
 
-def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, bits: int, group_size: int) -> torch.Tensor:
-    """y [M, N] for x2 [M, K] (unit K stride); group_size 0 means int8 per channel."""
+def _default_config(bits: int, m: int, n: int, dtype: torch.dtype, sms: int) -> dict:
+    """M = 1: the GEMV kernel; more rows: the tensor-core kernel (see the two functions above)."""
+    return _gemv_config(bits, n, sms) if _use_gemv(m) else _dot_config(m, dtype)
+
+
+def _int4_block_k(want: int, group_size: int, n_groups: int) -> int:
+    """Whole groups per chunk (one scale per group and row), a power of two that divides the
+    group count, so every chunk is entirely inside K or entirely past it."""
+    groups = max(1, want // group_size)
+    while n_groups % groups:
+        groups //= 2
+    return groups * group_size
+
+
+def _splits(tiles: int, n_chunks: int, sms: int, bits: int, m: int, k: int) -> int:
+    """Split K only when the output tiles leave SMs idle: then about 2 programs per SM, but no
+    more splits than keep the fp32 partials' traffic (splits·M·N·8 bytes, written and read back)
+    within half the weight's (N·K·bits/8): at most K·bits / (128·M)."""
+    if tiles >= sms:
+        return 1
+    return max(1, min(n_chunks, cdiv(2 * sms, tiles), k * bits // (128 * m)))
+
+
+@functools.lru_cache(maxsize=4096)
+def launch_plan(bits: int, group_size: int, m: int, n: int, k: int, dtype: torch.dtype, sms: int,
+                overrides: tuple = ()) -> LaunchPlan:
+    """The launch of an ``[m, k] x [n, k]ᵀ`` call; ``overrides`` (sorted ``(key, value)`` pairs of
+    :data:`CONFIG_KEYS`) replace the defaults (sweeps), those of the overriding PATH when it names
+    the other kernel. int4 BLOCK_K is rounded to whole groups."""
+    cfg = _default_config(bits, m, n, dtype, sms)
+    path = dict(overrides).get("PATH", cfg["PATH"])
+    if path != cfg["PATH"]:
+        cfg = _gemv_config(bits, n, sms) if path == "gemv" else _dot_config(m, dtype)
+    cfg.update(overrides)
+    unknown = set(cfg) - set(CONFIG_KEYS)
+    if unknown:
+        raise ValueError(f"config: unknown keys {sorted(unknown)}; known: {CONFIG_KEYS}")
+    if cfg["PATH"] not in ("gemv", "dot") or (cfg["PATH"] == "gemv" and m > GEMV_MAX_ROWS):
+        raise ValueError(f"config: PATH {cfg['PATH']!r} cannot serve M = {m}")
+    block_k = _int4_block_k(cfg["BLOCK_K"], group_size, k // group_size) if bits == 4 else cfg["BLOCK_K"]
+    n_chunks = cdiv(k, block_k)
+    block_n = cfg["BLOCK_N"]
+    meta = dict(BITS=bits, GROUP_SIZE=group_size, INT8_WORDS=bits == 8 and k % 4 == 0)
+    if cfg["PATH"] == "gemv":
+        kernel, tiles = quant_gemv_kernel, m * cdiv(n, block_n)
+    else:
+        block_m = cfg.get("BLOCK_M") or max(16, next_power_of_2(m))
+        kernel, tiles = quant_dot_kernel, cdiv(m, block_m) * cdiv(n, block_n)
+        meta.update(DOT_PRECISION=_dot_precision(dtype), SWAP_AB=bool(cfg.get("SWAP_AB", True)), BLOCK_M=block_m)
+    splits = min(cfg.get("SPLITS") or _splits(tiles, n_chunks, sms, bits, m, k), n_chunks)
+    chunks_per_split = cdiv(n_chunks, splits)
+    splits = cdiv(n_chunks, chunks_per_split)            # no split without work
+    meta.update(BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=cfg["NUM_STAGES"], num_warps=cfg["num_warps"])
+    return LaunchPlan(kernel, (tiles, splits), splits, n_chunks, chunks_per_split, meta)
+
+
+def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, bits: int, group_size: int,
+            config: Optional[dict] = None) -> torch.Tensor:
+    """y [M, N] for x2 [M, K] (unit K stride); group_size 0 means int8 per channel. ``config``
+    overrides the launch defaults (keys :data:`CONFIG_KEYS`; sweeps and tests)."""
     m, k = x2.shape
     n = scales.shape[0]
     y = empty((m, n), x2.dtype, x2.device)
     if m == 0 or n == 0:
         return y
+    plan = launch_plan(bits, group_size, m, n, k, x2.dtype, num_sms(x2),
+                       tuple(sorted(config.items())) if config else ())
+    if qweight.data_ptr() % 4:
+        qweight = qweight.clone()                         # the kernels read 4-byte words
+    split = plan.splits > 1
+    partial = empty((plan.splits, m, n), torch.float32, x2.device) if split else y
     zeros_arg = zeros if zeros is not None else qweight   # never read for int8
     bias_arg = bias if bias is not None else y            # never read without HAS_BIAS
-    stride_sn = scales.stride(0)
-    block_k = _block_k(bits, group_size)
-    if m > GEMV_MAX_ROWS:
-        cfg = _gemm_config(m, n)
-        grid = (cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"]),)
-        quant_gemm_kernel[grid](
-            x2, qweight, scales, zeros_arg, bias_arg, y, m, n, k,
-            x2.stride(0), qweight.stride(0), stride_sn, y.stride(0),
-            BITS=bits, GROUP_SIZE=group_size, HAS_BIAS=bias is not None,
-            DOT_PRECISION=_dot_precision(x2.dtype), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-            BLOCK_K=block_k, GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"],
+    plan.kernel[plan.grid](
+        x2, qweight, scales, zeros_arg, bias_arg, y, partial, m, n, k,
+        x2.stride(0), qweight.stride(0), scales.stride(0), y.stride(0),
+        plan.n_chunks, plan.chunks_per_split, MAGIC_BITS,
+        **plan.meta, HAS_BIAS=bias is not None and not split, SPLIT=split,
+    )
+    if split:
+        splitk_reduce_kernel[(m, cdiv(n, REDUCE_BLOCK_N))](
+            partial, bias_arg, y, m, n, plan.splits, y.stride(0),
+            HAS_BIAS=bias is not None, BLOCK_N=REDUCE_BLOCK_N, num_warps=4,
         )
-        return y
-    block_n = 64
-    gemv_block_k = 128 if bits == 8 else min(128, group_size)
-    n_blocks, n_chunks = cdiv(n, block_n), cdiv(k, gemv_block_k)
-    splits = _gemv_splits(n_blocks, n_chunks, num_sms(x2))
-    chunks_per_split = cdiv(n_chunks, splits)
-    splits = cdiv(n_chunks, chunks_per_split)           # no split without work
-    partial = empty((splits, m, n), torch.float32, x2.device)
-    quant_gemv_kernel[(n_blocks, splits)](
-        x2, qweight, scales, zeros_arg, partial, m, n, k,
-        x2.stride(0), qweight.stride(0), stride_sn, chunks_per_split,
-        BITS=bits, GROUP_SIZE=group_size, M_PAD=next_power_of_2(m), BLOCK_N=block_n,
-        BLOCK_K=gemv_block_k, num_warps=4,
-    )
-    reduce_block_n = 256
-    splitk_reduce_kernel[(m, cdiv(n, reduce_block_n))](
-        partial, bias_arg, y, m, n, splits, y.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_N=reduce_block_n, num_warps=4,
-    )
     return y
 
 
@@ -293,7 +369,8 @@ def quant_linear(x: torch.Tensor, qw: QuantizedWeight, bias: Optional[torch.Tens
     """``y = x @ dequantize_weight(qw).T + bias`` without materializing the float weight.
 
     ``x`` ``[..., K]`` in the scales' dtype (fp32/fp16/bf16), ``bias`` ``[N]`` or None; ``y``
-    ``[..., N]`` in x's dtype, fp32 accumulation. M = prod(leading dims) <= 8: split-K GEMV."""
+    ``[..., N]`` in x's dtype, fp32 accumulation. M = prod(leading dims) = 1: the FMA GEMV kernel;
+    more: the tensor-core kernel (see :func:`launch_plan`)."""
     check_tensor("x", x, min_dim=1)
     _check_qweight("qw", qw)
     n, k = qw.shape
@@ -379,7 +456,7 @@ def _tinygemm_peer():
     return run
 
 
-# small, odd N, every path: M <= 8 (GEMV), 9..15 (GEMM, partial tile), 16 and 33
+# small, odd N: M = 1 (GEMV), 3, 8 and 16 (one 16-row dot tile), 33 (a partial 64-row tile)
 _TEST_SHAPES = [(1, 33, 64), (3, 17, 128), (8, 40, 96), (16, 24, 64), (33, 19, 128)]
 _GPU_TEST_SHAPES = [(1, 4096, 4096), (5, 14336, 4096), (16, 4096, 14336), (300, 4097, 4096)]
 _BENCH_SHAPES = [(1, 4096, 4096), (1, 14336, 4096), (16, 4096, 4096), (16, 14336, 4096)]

@@ -1,0 +1,207 @@
+"""Weight-only int4 / int8 quant_linear launch-config sweep on the GPU, beside tinygemm and cuBLAS.
+
+    python scripts/quant_sweep.py [--bits 4 8] [--m 1 4 16 64] [--quick] [--graph-calls 20] [--dtype bf16]
+
+Per (bits, M, N, K), bf16 x, int4 group 128: the default launch (``quant.launch_plan``) and the
+declared alternatives (config overrides passed to the launcher, as scripts/matmul_sweep.py does
+for matmul), each checked against the fp32 product with the dequantized weight (rel err <= 1e-2)
+and timed two ways:
+
+* ``e2e``: triton.testing.do_bench median of the whole call (host included; the default row is
+  the public ``quant_linear``, alternatives call the launcher with their config);
+* ``graph``: 20 calls captured in one CUDA graph, replayed; time / 20 = GPU time without host
+  gaps. The 20 calls cycle through 20 copies of the weight so that they read DRAM, not the L2
+  (do_bench flushes the L2 before each call itself).
+
+GB/s counts the bytes the registry's formula says the op must move (``quant._bytes_fn``: packed
+weight, scales, zero points, x, y) over the graph time; ``%copy`` relates that to a device-to-device
+copy measured here (read + write bytes / time). ``x tg`` / ``x cuBLAS``: how many times faster than
+tinygemm (``torch._weight_int4pack_mm`` via ``quant._tinygemm_peer``, int4 only) and than bf16
+cuBLAS ``F.linear`` on the dequantized weight, timed the same two ways (e2e / graph).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+import triton.testing
+
+from tilefuse.ops import quant
+from tilefuse.testing import rel_err
+
+DEVICE = "cuda"
+SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336)]
+GROUP_SIZE = 128
+# M = 1: the GEMV kernel's knobs, and the tensor-core kernel instead
+GEMV_ALTERNATIVES = {
+    "gemv-n8-w2": dict(PATH="gemv", BLOCK_N=8, num_warps=2),
+    "gemv-n32": dict(PATH="gemv", BLOCK_N=32),
+    "gemv-k-half": dict(PATH="gemv", BLOCK_K="half"),
+    "gemv-s4": dict(PATH="gemv", NUM_STAGES=4),
+    "dot-n64": dict(PATH="dot", BLOCK_N=64),
+}
+# M = 4..64: tensor-core tile shapes, the operand order (W xᵀ "wx" / x Wᵀ "xw"), split-K on / off
+DOT_ALTERNATIVES = {
+    "n16": dict(BLOCK_N=16),
+    "n32": dict(BLOCK_N=32),
+    "k128": dict(BLOCK_K=128),
+    "no-split": dict(SPLITS=1),
+    "xw-m64-n64": dict(SWAP_AB=False, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128),
+    "wx-n64-k256": dict(SWAP_AB=True, BLOCK_N=64, BLOCK_K=256),
+}
+SMALL_M_ALTERNATIVES = {"gemv": dict(PATH="gemv")}     # M <= quant.GEMV_MAX_ROWS: one program per row
+
+
+def bench_e2e(fn) -> float:
+    """Median µs of one call, L2 flushed before each (triton.testing.do_bench)."""
+    return 1e3 * triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median")
+
+
+def bench_graph(fns, replays: int = 5) -> float:
+    """µs per call: ``fns`` (one call each) captured back to back in one CUDA graph, replayed."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):                 # warm up (compiles, allocator) outside the capture
+        for fn in fns[:2]:
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fns:
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return 1e3 * start.elapsed_time(end) / (replays * len(fns))
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a 512 MiB device-to-device copy (read + write)."""
+    src = torch.empty(2**29, dtype=torch.uint8, device=DEVICE)
+    dst = torch.empty_like(src)
+    us = bench_e2e(lambda: dst.copy_(src))
+    return 2 * src.numel() / (us * 1e-6)
+
+
+def _full_config(cfg: dict, bits: int, x: torch.Tensor, n: int) -> dict:
+    """BLOCK_K "half": half the GEMV's default (launch_plan applies the rest of an override on
+    top of its PATH's defaults)."""
+    if cfg.get("BLOCK_K") == "half":
+        cfg = dict(cfg, BLOCK_K=quant._gemv_config(bits, n, quant.num_sms(x))["BLOCK_K"] // 2)
+    return cfg
+
+
+def _plan_text(x, bits, n, cfg) -> str:
+    m, k = x.shape
+    plan = quant.launch_plan(bits, GROUP_SIZE if bits == 4 else 0, m, n, k, x.dtype, quant.num_sms(x),
+                             tuple(sorted(cfg.items())))
+    meta = plan.meta
+    path = ("gemv" if plan.kernel is quant.quant_gemv_kernel
+            else f"dot-{'wx' if meta['SWAP_AB'] else 'xw'} m{meta['BLOCK_M']}")
+    return (f"{path} n{meta['BLOCK_N']} k{meta['BLOCK_K']} s{meta['NUM_STAGES']} w{meta['num_warps']} "
+            f"splits{plan.splits} grid{plan.grid}")
+
+
+def sweep_shape(bits: int, m: int, n: int, k: int, copy_bw: float, args) -> dict:
+    g = GROUP_SIZE if bits == 4 else None
+    dtype = args.dtype
+    w = (torch.randn(n, k, device=DEVICE) / k ** 0.5).to(dtype)
+    qw = quant.quantize_weight(w, bits, g)
+    copies = [qw] + [quant.QuantizedWeight(qw.qweight.clone(), qw.scales.clone(),
+                                           None if qw.zeros is None else qw.zeros.clone(), bits, g, qw.shape)
+                     for _ in range(args.graph_calls - 1)]
+    x = torch.randn(m, k, device=DEVICE).to(dtype)
+    w_deq = quant.dequantize_weight(qw, dtype)
+    ref = F.linear(x.float(), w_deq.float())
+    nbytes = quant._bytes_fn(bits)((m, n, k), dtype, "fwd")
+
+    print(f"\nint{bits} ({m}, {n}, {k}) {str(dtype)[6:]}, {nbytes / 1e6:.1f} MB; default: {_plan_text(x, bits, n, {})}")
+    # peers, timed the same two ways
+    peers = {}
+    deq_copies = [w_deq] + [w_deq.clone() for _ in range(min(args.graph_calls, 2 ** 33 // max(w_deq.nbytes, 1)) - 1)]
+    peers["cuBLAS"] = (bench_e2e(lambda: F.linear(x, w_deq)),
+                       bench_graph([lambda d=d: F.linear(x, d) for d in deq_copies]))
+    del deq_copies
+    if bits == 4 and dtype == torch.bfloat16 and quant._tinygemm_peer() is not None:
+        try:
+            tgs = [(quant._tinygemm_peer(), c) for c in copies]       # one conversion cache per copy
+            for tg, c in tgs:
+                tg(x, c)
+            err = rel_err(tgs[0][0](x, qw), ref)
+            peers["tinygemm"] = (bench_e2e(lambda: tgs[0][0](x, qw)),
+                                 bench_graph([lambda tg=tg, c=c: tg(x, c) for tg, c in tgs]))
+            if err > 1e-2:
+                print(f"  (tinygemm rel err {err:.3g})")
+        except Exception as exc:  # noqa: BLE001 - a peer that fails is reported, not fatal
+            print(f"  tinygemm FAILED {type(exc).__name__}: {str(exc)[:120]}")
+    print("  " + "  ".join(f"{p} {e:.1f} / {gr:.1f} us" for p, (e, gr) in peers.items()) + "   (e2e / graph)")
+
+    alts = {} if args.quick else dict(GEMV_ALTERNATIVES if m == 1 else DOT_ALTERNATIVES)
+    if 1 < m <= quant.GEMV_MAX_ROWS and not args.quick:
+        alts.update(SMALL_M_ALTERNATIVES)
+    rows = {}
+    for name, cfg in {"default": {}, **alts}.items():
+        cfg = _full_config(cfg, bits, x, n)
+        try:
+            if name == "default":
+                call = lambda c=qw: quant.quant_linear(x, c)                       # noqa: E731
+            else:
+                call = lambda c=qw, cfg=cfg: quant._launch(x, c.qweight, c.scales, c.zeros, None, bits,  # noqa: E731
+                                                           GROUP_SIZE if bits == 4 else 0, cfg)
+            err = rel_err(call(), ref)
+            if err > 1e-2:
+                print(f"  {name:14s} WRONG rel err {err:.3g}")
+                continue
+            e2e = bench_e2e(call)
+            graph = bench_graph([lambda c=c, call=call: call(c) for c in copies])
+        except Exception as exc:  # noqa: BLE001 - a config that fails to compile is reported
+            print(f"  {name:14s} FAILED {type(exc).__name__}: {str(exc)[:160]}")
+            continue
+        rows[name] = (e2e, graph)
+        gbs = nbytes / (graph * 1e-6) / 1e9
+        ratios = "  ".join(f"x{p} {pe / e2e:4.2f}/{pg / graph:4.2f}" for p, (pe, pg) in peers.items())
+        print(f"  {name:14s} {e2e:7.1f} / {graph:6.1f} us  {gbs:6.0f} GB/s {100 * gbs * 1e9 / copy_bw:5.1f}% copy  "
+              f"{ratios}   [{_plan_text(x, bits, n, cfg)}]")
+    return dict(bits=bits, shape=(m, n, k), nbytes=nbytes, peers=peers, rows=rows)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--bits", type=int, nargs="+", default=[4, 8], choices=[4, 8])
+    p.add_argument("--m", type=int, nargs="+", default=[1, 4, 16, 64])
+    p.add_argument("--quick", action="store_true", help="default config and the peers only")
+    p.add_argument("--graph-calls", type=int, default=20, help="calls per CUDA graph (weight copies cycled)")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"], help="x (tinygemm takes bf16 only)")
+    args = p.parse_args()
+    args.dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
+    t0 = time.time()
+    copy_bw = copy_bandwidth()
+    print(f"{torch.cuda.get_device_name(0)}: device copy {copy_bw / 1e12:.2f} TB/s (read + write)")
+    results = [sweep_shape(bits, m, n, k, copy_bw, args) for bits in args.bits for m in args.m for n, k in SHAPES]
+
+    print("\nsummary (us e2e / graph; GB/s and %copy on graph time; xPeer = peer time / ours, e2e/graph)")
+    print(f"  {'shape':22s} {'default':>15s} {'%copy':>6s} {'best':>14s} {'us':>15s} {'%copy':>6s}  ratios of best")
+    for r in results:
+        bits, (m, n, k) = r["bits"], r["shape"]
+        if not r["rows"]:
+            print(f"  int{bits} ({m}, {n}, {k}): no config ran")
+            continue
+        pct = lambda t: 100 * r["nbytes"] / (t * 1e-6) / copy_bw       # noqa: E731
+        d = r["rows"].get("default", (float("nan"), float("nan")))
+        best, (be, bg) = min(r["rows"].items(), key=lambda kv: kv[1][1])
+        ratios = "  ".join(f"x{p} {pe / be:4.2f}/{pg / bg:4.2f}" for p, (pe, pg) in r["peers"].items())
+        print(f"  int{bits} ({m:2d}, {n:5d}, {k:5d}) {d[0]:6.1f} / {d[1]:6.1f} {pct(d[1]):5.1f}% {best:>14s} "
+              f"{be:6.1f} / {bg:6.1f} {pct(bg):5.1f}%  {ratios}")
+    print(f"\n({time.time() - t0:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
