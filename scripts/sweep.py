@@ -207,7 +207,51 @@ def sweep_rope(dtype):
     return rows
 
 
+def elementwise_configs(pass_):
+    """[BLOCK_M, BLOCK_N] tiles x warps at 16 or 32 elements per thread (bias_act, glu); the
+    backward also with half the default reducing programs."""
+    out = []
+    for bm, bn, w in itertools.product((1, 2, 4, 8, 16, 32), (512, 1024, 2048), (4, 8, 16)):
+        if bm * bn // (32 * w) in (16, 32) and bm * bn <= 32768:
+            out.append({"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w})
+            if pass_ == "bwd" and bn == 1024:
+                out.append({"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "REDUCE_PROGRAMS": 4 * 132})
+    return out
+
+
+def sweep_bias_act(dtype):
+    """bias + GELU (erf), the registry's bench case; dx and db in the backward."""
+    from tilefuse.ops import activations as ba
+    spec = registry.get("bias_act")
+    rows = []
+    for shape in spec.bench_shapes:
+        n = shape[-1]
+        x = (torch.randn(shape, device="cuda") * 2).to(dtype)
+        b = torch.randn(n, device="cuda").to(dtype)
+        dy = torch.randn_like(x)
+        y_ref = ba.bias_act_reference(x.double(), b.double(), "gelu")
+        dx_ref, _ = ba._bias_act_bwd_reference(dy.double(), x.double(), b.double(), "gelu", 0.0, 0)
+        for pass_ in ("fwd", "bwd"):
+            nbytes = spec.bytes_fn(shape, dtype, pass_)
+            if pass_ == "fwd":
+                fn_for = lambda cfg: (lambda: ba._launch_fwd(x, b, None, "gelu", 0.0, 0, cfg))
+                check = lambda out: rel_err(out, y_ref)
+                torch_fn = lambda: torch.nn.functional.gelu(x + b)
+            else:
+                fn_for = lambda cfg: (lambda: ba._launch_bwd(dy, x, b, "gelu", 0.0, 0, True, True, n, cfg)[0])
+                check = lambda out: rel_err(out, dx_ref)
+                torch_fn = None
+            results = sweep(fn_for, check, elementwise_configs(pass_), nbytes, {})
+            copy = copy_gbps(nbytes)
+            eager = time_gbps(torch_fn, nbytes)[0] if torch_fn else float("nan")
+            graph_ms = triton.testing.do_bench_cudagraph(fn_for(results[0][2]), rep=40)
+            print(f"bias_act {shape} {pass_}: best in a CUDA graph {nbytes / graph_ms / 1e6:.0f} GB/s", flush=True)
+            rows.append(report(f"bias_act {shape} {pass_}", shape, pass_, results, {}, copy, eager))
+    return rows
+
+
 SWEEPS = {
+    "bias_act": sweep_bias_act,
     "rope": sweep_rope,
     "softmax": sweep_softmax,
     "rms_norm": lambda dtype: sweep_norm("rms_norm", dtype),

@@ -9,9 +9,15 @@ all in fp32 registers:
     silu(z)      = z·σ(z)                                  silu'(z)      = σ(z)·(1 + z(1 − σ(z)))
 
 Both gelus keep their relative accuracy in the lower tail, where the textbook forms cancel:
-``gelu`` evaluates Φ through erfc (``_normal_cdf_pdf``), and ``gelu_tanh`` uses
+``gelu`` evaluates Φ through erfc (``_erfc_fit``), and ``gelu_tanh`` uses
 (1 + tanh(u))/2 = σ(2u), the same function as PyTorch's ``gelu(approximate="tanh")`` with one
 exp instead of a tanh.
+
+Exps and reciprocals are single MUFU instructions (``tl.exp2``, ``_common.rcp_approx``): at
+2 bytes in and 2 out per element a bf16 elementwise kernel on an H200 has ~32 issued
+instructions per element before it stops being memory-bound, and Triton 3.6's ``tl.exp`` (a
+range test and two scalings around MUFU.EX2) and fp32 division (``div.full``: the same around
+MUFU.RCP) cost 5-7 each (``scripts/sass_count.py``; numbers in ``benchmarks/NOTES.md``).
 
 Also here: the 2-D elementwise tile heuristic both op files launch with, and its override.
 """
@@ -24,6 +30,7 @@ import triton
 import triton.language as tl
 
 from .._dispatch import next_power_of_2
+from ._common import rcp_approx, sigmoid_approx
 
 ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu")
 
@@ -31,40 +38,57 @@ SQRT1_2 = tl.constexpr(0.7071067811865476)          # 1/√2
 INV_SQRT_2PI = tl.constexpr(0.3989422804014327)     # 1/√(2π)
 TWO_SQRT_2_OVER_PI = tl.constexpr(1.5957691216057308)   # 2·√(2/π): σ(2u) takes 2u directly
 GELU_TANH_CUBIC = tl.constexpr(0.044715)
+HALF_LOG2E = tl.constexpr(0.7213475204444817)       # log2(e)/2: exp(−z²/2) = 2^(−z²·HALF_LOG2E)
 
 
 @triton.jit
-def _normal_cdf_pdf(z):
-    """Φ(z) and φ(z) to ~5e-7 relative everywhere, the lower tail included, where
-    (1 + erf(z/√2))/2 cancels in fp32 (1e-3 relative error at z = -4, exactly 0 below -5.5:
-    a 100 % error on gelu(z), and on a one-element test).
+def _erfc_fit(a):
+    """(t, q) with Φ(−a) = erfc(a/√2)/2 = t·2^(q − a²·log2(e)/2) for a >= 0.
 
-    Φ(z) = erfc(x)/2 for z < 0 and 1 − erfc(x)/2 above, x = |z|/√2, with erfc(x) = t·exp(−x² + P(t)),
-    t = 1/(1 + x/2): the Chebyshev fit of Numerical Recipes' erfcc (P below, in Horner form;
-    relative error < 1.2e-7 for all x >= 0). The exp(−x²) = exp(−z²/2) in
-    both is exp(−h²/2)·exp((h − |z|)(h + |z|)/2) with h = |z| rounded down to 1/64: h²/2 is exact
-    in fp32 (|z| < 22; Φ underflows long before), so no rounding of z²/2 or of z/√2, which exp
-    amplifies z²-fold (1e-5 at z = -12), reaches the result. The forward pays 2 exps (φ is
-    dead code there), the backward 3.
+    Numerical Recipes' erfcc fit, erfc(x) = t·exp(−x² + P(t)) with t = 1/(1 + x/2), relative
+    error < 1.2e-7 for all x >= 0. It keeps Φ's relative accuracy in the lower tail, where
+    (1 + erf(z/√2))/2 cancels in fp32 (1e-3 relative error at z = −4, exactly 0 below −5.5).
+    q = P(t)·log2(e) − 1 (the ½) is evaluated directly: the coefficients below are NR's
+    (0.17087277, −0.82215223, 1.48851587, −1.13520398, 0.27886807, −0.18628806, 0.09678418,
+    0.37409196, 1.00002368, −1.26551223) times log2(e), minus 1 on the constant term, so the
+    exp is a bare exp2 and no multiply is spent on the scaling. 11 FMAs and one MUFU.RCP.
     """
+    t = rcp_approx(1.0 + (0.5 * SQRT1_2) * a)
+    q = 0.246517298
+    q = -1.18611495 + t * q
+    q = 2.14747446 + t * q
+    q = -1.63775315 + t * q
+    q = 0.402321582 + t * q
+    q = -0.26875686 + t * q
+    q = 0.139630057 + t * q
+    q = 0.539700616 + t * q
+    q = 1.4427292 + t * q
+    q = -2.82574822 + t * q
+    return t, q
+
+
+@triton.jit
+def _gelu_erf(z):
+    """z·Φ(z) with one exp2: z·(1 − h) above 0 and z·h below, h = Φ(−|z|), written as
+    max(z, 0) − |z|·h (two instructions for the select). Relative error ~2e-7 for |z| < 3 and
+    ~1e-6 at |z| = 10 (the rounding of z² inside the exponent); the bias + GELU forward body is
+    ~26 SASS instructions per element (was 54 with Triton's exp and division)."""
     a = tl.abs(z)
-    h = tl.floor(a * 64.0) * (1.0 / 64.0)
-    e_h = tl.exp(-0.5 * h * h)
-    tail = 0.5 * (h - a) * (h + a)
-    t = 1.0 / (1.0 + (0.5 * SQRT1_2) * a)
-    p = 0.17087277
-    p = -0.82215223 + t * p
-    p = 1.48851587 + t * p
-    p = -1.13520398 + t * p
-    p = 0.27886807 + t * p
-    p = -0.18628806 + t * p
-    p = 0.09678418 + t * p
-    p = 0.37409196 + t * p
-    p = 1.00002368 + t * p
-    p = -1.26551223 + t * p
-    half_erfc = 0.5 * t * e_h * tl.exp(tail + p)
-    cdf = tl.where(z < 0.0, half_erfc, 1.0 - half_erfc)
-    return cdf, INV_SQRT_2PI * e_h * tl.exp(tail)
+    t, q = _erfc_fit(a)
+    h = t * tl.exp2(q - HALF_LOG2E * (z * z))
+    return tl.maximum(z, 0.0) - a * h
+
+
+@triton.jit
+def _gelu_erf_fwd_bwd(z):
+    """(z·Φ(z), Φ(z) + z·φ(z)), φ(z) = exp(−z²/2)/√(2π) sharing exp(−z²/2) with h: the
+    backward's GELU' (two exp2, one reciprocal)."""
+    a = tl.abs(z)
+    t, q = _erfc_fit(a)
+    gauss = tl.exp2(-HALF_LOG2E * (z * z))
+    h = t * gauss * tl.exp2(q)
+    cdf = tl.where(z < 0.0, h, 1.0 - h)
+    return tl.maximum(z, 0.0) - a * h, cdf + z * (INV_SQRT_2PI * gauss)
 
 
 @triton.jit
@@ -73,7 +97,7 @@ def _gelu_tanh_sigmoid(z):
     z2 = z * z
     two_u = TWO_SQRT_2_OVER_PI * z * (1.0 + GELU_TANH_CUBIC * z2)
     d_two_u = TWO_SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_TANH_CUBIC * z2)
-    return tl.sigmoid(two_u), d_two_u
+    return sigmoid_approx(two_u), d_two_u
 
 
 @triton.jit
@@ -82,13 +106,12 @@ def activation_fwd(z, ACT: tl.constexpr):
     if ACT == "relu":
         return tl.maximum(z, 0.0)
     elif ACT == "gelu":
-        cdf, _ = _normal_cdf_pdf(z)
-        return z * cdf
+        return _gelu_erf(z)
     elif ACT == "gelu_tanh":
         s, _ = _gelu_tanh_sigmoid(z)
         return z * s
     elif ACT == "silu":
-        return z * tl.sigmoid(z)
+        return z * sigmoid_approx(z)
     else:
         return z
 
@@ -101,13 +124,12 @@ def activation_fwd_bwd(z, ACT: tl.constexpr):
         pos = z > 0.0
         return tl.where(pos, z, 0.0), tl.where(pos, 1.0, 0.0)
     elif ACT == "gelu":
-        cdf, pdf = _normal_cdf_pdf(z)
-        return z * cdf, cdf + z * pdf
+        return _gelu_erf_fwd_bwd(z)
     elif ACT == "gelu_tanh":
         s, d_two_u = _gelu_tanh_sigmoid(z)
         return z * s, s + z * (s * (1.0 - s)) * d_two_u
     elif ACT == "silu":
-        s = tl.sigmoid(z)
+        s = sigmoid_approx(z)
         return z * s, s * (1.0 + z * (1.0 - s))
     else:
         return z, tl.full(z.shape, 1.0, tl.float32)
