@@ -183,21 +183,24 @@ FWD_TILE_ELEMS = 8192   # elements per program (the softmax H200 sweep: 4K-8K-el
 BWD_TILE_ELEMS = 4096   # backward keeps more tiles live (x, dy, dx, ...): half the tile
 
 
-def tile_config(n_rows: int, n_cols: int, tile_elems: int, config: dict | None = None) -> dict:
+def tile_config(n_rows: int, n_cols: int, tile_elems: int, config: dict | None = None, *,
+                max_block_n: int = MAX_BLOCK_N, elems_per_thread: int = 16) -> dict:
     """Launch parameters of a 2-D elementwise kernel: a [BLOCK_M, BLOCK_N] tile of ~``tile_elems``
     elements per program (per loop step for a reducing backward): full padded rows up to
-    MAX_BLOCK_N columns and as many rows as fit, so short rows still give a program enough bytes
-    in flight. ``config`` overrides any key (GPU sweeps); op files add their own keys."""
-    block_n = max(4, min(next_power_of_2(max(n_cols, 1)), MAX_BLOCK_N))   # >= 4: dropout RNG
+    ``max_block_n`` columns and as many rows as fit, so short rows still give a program enough
+    bytes in flight; ``elems_per_thread`` sets the warps. ``config`` overrides any key (GPU
+    sweeps); op files add their own keys."""
+    block_n = max(4, min(next_power_of_2(max(n_cols, 1)), max_block_n))   # >= 4: dropout RNG
     block_m = max(1, min(tile_elems // block_n, next_power_of_2(max(n_rows, 1))))
-    cfg = {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": num_warps_for(block_m * block_n)}
+    cfg = {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": num_warps_for(block_m * block_n, elems_per_thread)}
     cfg.update(config or {})
     return cfg
 
 
-def num_warps_for(tile_elems: int) -> int:
-    """~16 elements per thread (two 16-byte vectors of bf16 per input), 1 to 16 warps."""
-    return max(1, min(16, tile_elems // (32 * 16)))
+def num_warps_for(tile_elems: int, elems_per_thread: int = 16) -> int:
+    """Warps for ``elems_per_thread`` values per thread (16: two 16-byte vectors of bf16 per
+    input), 1 to 16 warps."""
+    return max(1, min(16, tile_elems // (32 * elems_per_thread)))
 
 
 @triton.jit

@@ -12,8 +12,9 @@ Without an activation x is not even read back: dz = dy·keep/(1 − p).
 
 db is reduced without atomics: each backward program walks a chunk of rows for one column
 block, keeps its column sums in registers and writes one fp32 partial row; one small
-``sum(0)`` over the [programs, N] partials finishes it (~8 programs per SM: a few MB against the
-hundreds of MB of x, dy and dx at LLM sizes).
+reduction over the [programs, N] partials (``launch_sum_partials``, shared with the norms)
+finishes it (~8 programs per SM: a few MB against the hundreds of MB of x, dy and dx at LLM
+sizes).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from ._activation_math import (
     activation_grad_reference, activation_reference, tile_config, tile_rows_cols,
 )
 from ._common import row_tile_mask_offsets
+from ._norm_kernels import launch_sum_partials
 from ._dropout import dropout_keep, dropout_keep_reference, dropout_scale, dropout_threshold, draw_seed
 
 # ----------------------------------------------------------------------------------------------
@@ -156,6 +158,23 @@ def bias_act_bwd_kernel(
 # ----------------------------------------------------------------------------------------------
 
 REDUCE_PROGRAMS_PER_SM = 8   # backward grid: enough programs to fill the SMs, few dbias partials
+# 32 values per thread, not the elementwise default's 16: with the GELU's ~20 instructions per
+# element the per-thread index and mask setup is worth amortizing (sm_90 SASS: 28.5 -> 25.2
+# instructions per element), and the H200 sweep agreed (benchmarks/NOTES.md, bias_act).
+ELEMS_PER_THREAD = 32
+
+
+def _fwd_tile(n_rows: int, n_cols: int, config: dict | None) -> dict:
+    """16 rows x 512 columns, 8 warps: the best forward tile at N = 4096 and 14336 (H200 sweep:
+    3.76 / 3.84 TB/s vs 3.33 / 3.46 for the 8 x 1024, 16-warp elementwise default)."""
+    return tile_config(n_rows, n_cols, FWD_TILE_ELEMS, {"RNG_GROUPED": True, **(config or {})},
+                       max_block_n=512, elems_per_thread=ELEMS_PER_THREAD)
+
+
+def _bwd_block_n(n_cols: int) -> int:
+    """Backward column block: 1024 up to N = 4096, 2048 above (H200 sweep: 4 x 1024 best at
+    N = 4096, 3.24 TB/s; 4 x 2048 and 2 x 2048 best at N = 14336, 3.57 TB/s)."""
+    return 1024 if n_cols <= 4096 else 2048
 
 
 def _bwd_row_chunks(n_rows: int, block_m: int, n_col_blocks: int, programs: int) -> tuple[int, int]:
@@ -183,7 +202,7 @@ def _launch_fwd(x, bias, residual, activation: str, p: float, seed: int, config:
     n_rows, n_cols = x2.shape
     res2 = rows_view(residual) if residual is not None else x2
     y = empty((n_rows, n_cols), x.dtype, x.device)
-    cfg = tile_config(n_rows, n_cols, FWD_TILE_ELEMS, {"RNG_GROUPED": True, **(config or {})})
+    cfg = _fwd_tile(n_rows, n_cols, config)
     n_col_blocks = cdiv(n_cols, cfg["BLOCK_N"])
     bias_arg = bias.contiguous() if bias is not None else x2
     bias_act_fwd_kernel[(cdiv(n_rows, cfg["BLOCK_M"]) * n_col_blocks,)](
@@ -210,7 +229,8 @@ def _launch_bwd(dy, x, bias, activation: str, p: float, seed: int, want_dx: bool
     x2 = rows_view(x) if x is not None else dy2
     dx = empty((n_rows, n_cols), dy.dtype, dy.device) if want_dx else dy2
     defaults = {"RNG_GROUPED": True, "REDUCE_PROGRAMS": REDUCE_PROGRAMS_PER_SM * num_sms(dy)}
-    cfg = tile_config(n_rows, n_cols, BWD_TILE_ELEMS, {**defaults, **(config or {})})
+    cfg = tile_config(n_rows, n_cols, BWD_TILE_ELEMS, {**defaults, **(config or {})},
+                      max_block_n=_bwd_block_n(n_cols), elems_per_thread=ELEMS_PER_THREAD)
     n_col_blocks = cdiv(n_cols, cfg["BLOCK_N"])
     tiles_per_chunk, n_chunks = _bwd_row_chunks(n_rows, cfg["BLOCK_M"], n_col_blocks, cfg["REDUCE_PROGRAMS"])
     partials = empty((n_chunks, n_cols), torch.float32, dy.device) if want_dbias else dy2
@@ -223,7 +243,8 @@ def _launch_bwd(dy, x, bias, activation: str, p: float, seed: int, want_dx: bool
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
     )
     if want_dbias:
-        dbias = partials.sum(0).to(dy.dtype)
+        dbias = empty((n_cols,), dy.dtype, dy.device)
+        launch_sum_partials(partials, None, dbias, None)
     return (dx.view(dy.shape) if want_dx else None), dbias
 
 

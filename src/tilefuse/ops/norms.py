@@ -37,7 +37,7 @@ from .._dispatch import cdiv, empty, next_power_of_2, num_sms, rows_view, use_tr
 from .._op import custom_op
 from ..registry import Inputs, OpSpec, register, tensor_bytes
 from ._norm_kernels import (
-    norm_bwd_kernel, norm_bwd_stats_kernel, norm_fwd_kernel, norm_fwd_stats_kernel, sum_partials_kernel,
+    launch_sum_partials, norm_bwd_kernel, norm_bwd_stats_kernel, norm_fwd_kernel, norm_fwd_stats_kernel,
 )
 
 MAX_FUSED_N_FWD = 16384   # padded row length kept in registers by the forward (x, w, b live)
@@ -93,12 +93,6 @@ def _bwd_prefetch(num_warps: int) -> bool:
     software-pipelined by Triton. Costs ~30 registers (ptxas: 128 at 4096x16 warps, no spills);
     at 32 warps (64 registers per thread) it spills, so only up to 16 warps."""
     return num_warps <= 16
-
-
-def _sum_partials_tile() -> tuple[int, int]:
-    """(BLOCK_P, BLOCK_N) of the dw/db reduction: 64 columns per program gives N/64 programs
-    (64 at N = 4096) each summing ~130-260 partial rows of fp32, a few µs."""
-    return 32, 64
 
 
 def _bwd_row_programs(n_row_blocks: int, n_col_tiles: int, sms: int, programs_per_sm: int) -> int:
@@ -208,11 +202,8 @@ def _launch_bwd(dy, x, weight, mean, rstd, dres, offset: float, is_rms: bool, ne
     dw = empty((n_cols,) if need_dw else (0,), dw_dtype, x.device)   # (0,): no aliasing outputs
     db = empty((n_cols,) if need_db else (0,), db_dtype, x.device)
     if need_dw or need_db:
-        block_p, block_n_sum = _sum_partials_tile()
-        sum_partials_kernel[(cdiv(n_cols, block_n_sum),)](
-            dw_part, db_part, dw if need_dw else dx, db if need_db else dx, n_prog, n_cols,
-            DW=need_dw, DB=need_db, BLOCK_P=block_p, BLOCK_N=block_n_sum, num_warps=4,
-        )
+        launch_sum_partials(dw_part if need_dw else None, db_part if need_db else None,
+                            dw if need_dw else None, db if need_db else None)
     return dx.view(x.shape), dw, db
 
 
