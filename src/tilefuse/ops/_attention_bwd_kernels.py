@@ -7,7 +7,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .._launch import fast_launch
+from .._launch import fast_launch, unit_value_fallback
 from ._attention_common import apply_softcap, key_range, query_range, visible
 
 LOG2E = tl.constexpr(1.4426950408889634)   # exp(x) = exp2(x · log2(e))
@@ -208,11 +208,8 @@ def _dkdv_loop(dk, dv, k, v, q_src, do_src, stat_base, stride_qs, stride_dos, fi
     return dk, dv
 
 
-@fast_launch
-# S_q / S_k are not specialized on value: an H100 run failed to compile ("PassManager::run
-# failed") at S_q = 1, S_k = 21, D = 64; a descriptor dimension folded to the constant 1 is the
-# suspect. Not specializing costs nothing measurable: they only bound loops and masks.
-@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k"])
+# specialized on S_q / S_k but where one of them is 1 (see UnitValueFallback)
+@unit_value_fallback("seqlen_q", "seqlen_k")
 def attention_bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr,             # *inputs (dense [B, S, H, D] or packed [total, H, D])
     dk_ptr, dv_ptr,                          # *outputs, k's shape
@@ -339,11 +336,8 @@ def _dq_loop(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, first_n
     return dq
 
 
-@fast_launch
-# S_q / S_k are not specialized on value: an H100 run failed to compile ("PassManager::run
-# failed") at S_q = 1, S_k = 21, D = 64; a descriptor dimension folded to the constant 1 is the
-# suspect. Not specializing costs nothing measurable: they only bound loops and masks.
-@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k"])
+# specialized on S_q / S_k but where one of them is 1 (see UnitValueFallback)
+@unit_value_fallback("seqlen_q", "seqlen_k")
 def attention_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr,             # *inputs (dense [B, S, H, D] or packed [total, H, D])
     dq_ptr,                                  # *output, q's shape

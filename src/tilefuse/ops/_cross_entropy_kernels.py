@@ -29,7 +29,6 @@ from .._dispatch import next_power_of_2, num_sms
 from .._launch import fast_launch
 from ._common import LN2, LOG2E
 
-LANE = tl.constexpr(256)  # logits per lane row of the looped stats walk: 32 threads x 8 bf16 (16 bytes)
 MAX_SINGLE_TILE = 8192    # a row this long sits in registers (16 warps x 16 values per thread): one read
 LOOPED_BLOCK_V = 8192     # tile of the looped tier: 16 values per thread at 16 warps, 16-byte loads
 LOOPED_MAXNREG = 64       # ptxas takes ~90 registers for the looped kernel if allowed; 64 (no spills
@@ -82,35 +81,22 @@ def _load_logits(row_ptr, cols, n_cols, softcap, HAS_SOFTCAP: tl.constexpr):
 @triton.jit
 def _row_stats_looped(row_ptr, n_cols, t_col, softcap,
                       HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr):
-    """(m, s_other, sum_j x'_j) of a row walked in tiles; see _tile_stats.
-
-    Each tile is [BLOCK_V // LANE, LANE]: lane row r holds LANE contiguous logits, exactly one
-    warp's 16-byte loads, and keeps its own running max m_r and sums rescaled by
-    exp(m_r,old - m_r,new). The per-tile max is then a warp-shuffle reduction with no barrier,
-    so the next tile's loads are not held behind a block-wide sync (the 1-D tile's cross-warp
-    max per tile left this walk at 63 % of copy on the H100); the lanes are combined once at
-    the end: s = Σ_r s_r·exp(m_r - m)."""
-    WIDTH: tl.constexpr = LANE if BLOCK_V > LANE else BLOCK_V
-    LANES: tl.constexpr = BLOCK_V // WIDTH
-    lane_cols = tl.arange(0, LANES)[:, None] * WIDTH + tl.arange(0, WIDTH)[None, :]
-    m_lane = tl.full([LANES], -float("inf"), tl.float32)
-    s_other = tl.zeros([LANES, WIDTH], dtype=tl.float32)
-    sum_x = tl.zeros([LANES, WIDTH], dtype=tl.float32)
+    """(m, s_other, sum_j x'_j) of a row walked in tiles; see _tile_stats. A running tile max m,
+    per-lane sums rescaled by exp(m_old - m_new): one cross-warp reduction (the max) per tile."""
+    m = tl.full([], -float("inf"), tl.float32)
+    s_other = tl.zeros([BLOCK_V], dtype=tl.float32)
+    sum_x = tl.zeros([BLOCK_V], dtype=tl.float32)
     for start in range(0, n_cols, BLOCK_V):
-        cols = start + lane_cols
+        cols = start + tl.arange(0, BLOCK_V)
         x, mask, _ = _load_logits(row_ptr, cols, n_cols, softcap, HAS_SOFTCAP)
-        m_new = tl.maximum(m_lane, tl.max(x, axis=1))
+        m_new = tl.maximum(m, tl.max(x, axis=0))
         m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)   # an all -inf prefix stays 0, not NaN
-        e = tl.exp2((x - m_safe[:, None]) * LOG2E)
-        rescale = tl.exp2((m_lane - m_safe) * LOG2E)
-        s_other = s_other * rescale[:, None] + tl.where(cols == t_col, 0.0, e)
+        e = tl.exp2((x - m_safe) * LOG2E)
+        s_other = s_other * tl.exp2((m - m_safe) * LOG2E) + tl.where(cols == t_col, 0.0, e)
         if HAS_SMOOTHING:
             sum_x += tl.where(mask, x, 0.0)
-        m_lane = m_new
-    m = tl.max(m_lane, axis=0)
-    m_safe = tl.where(m == -float("inf"), 0.0, m)
-    s_lanes = tl.sum(s_other, axis=1) * tl.exp2((m_lane - m_safe) * LOG2E)
-    return m, tl.sum(s_lanes, axis=0), tl.sum(tl.sum(sum_x, axis=1), axis=0)
+        m = m_new
+    return m, tl.sum(s_other, axis=0), tl.sum(sum_x, axis=0)
 
 
 @triton.jit
