@@ -51,6 +51,13 @@ CONFIGS = {
                         BLOCK_M2=128, BLOCK_N2=32, num_warps_dq=8, num_stages_dq=3, split_loops=True),
         "C": dict(BLOCK_M1=16, BLOCK_N1=128, num_warps=8, num_stages=3,
                   BLOCK_M2=64, BLOCK_N2=64, num_warps_dq=8, num_stages_dq=2),
+        # with S_q / S_k specialized again (2026-11-23): wider query steps, deeper pipelines
+        "D": dict(BLOCK_M1=64, BLOCK_N1=128, num_warps=8, num_stages=2,
+                  BLOCK_M2=128, BLOCK_N2=32, num_warps_dq=8, num_stages_dq=3),
+        "E": dict(BLOCK_M1=32, BLOCK_N1=128, num_warps=8, num_stages=3,
+                  BLOCK_M2=128, BLOCK_N2=64, num_warps_dq=8, num_stages_dq=2),
+        "G": dict(BLOCK_M1=16, BLOCK_N1=128, num_warps=8, num_stages=2,
+                  BLOCK_M2=128, BLOCK_N2=32, num_warps_dq=8, num_stages_dq=2),
     },
 }
 TIME_BUDGET_S = 160
