@@ -80,6 +80,10 @@ class OpSpec:
     # cross-entropy): their fwd and bwd passes do other work than a peer's, so the benchmark
     # reports no per-pass throughput for them -- only fwd+bwd is comparable
     split_passes: bool = True
+    # False for ops whose calls cannot be captured in a CUDA graph (``tilefuse bench --cuda-graph``
+    # skips them): a forward that checks its inputs on the host, a gradient written into an input
+    # in place. A capture that fails half-way leaves torch's CUDA RNG unusable for the process.
+    graph_capturable: bool = True
     description: str = ""
 
 

@@ -336,7 +336,7 @@ def bench_case(
                         bench = _Passes(impl.bwd_build(), inputs, settings.seed)
                         results["bwd"]["ms"] = _time_bwd(bench, timer, tw)
                     results["bwd"]["note"] = "recompiled with donated_buffer=False (for retain_graph=True)"
-            if settings.cuda_graph and bench is not None:
+            if settings.cuda_graph and bench is not None and spec.graph_capturable:
                 _time_graphs(bench, results, passes, settings.rep_ms)
         except Exception as exc:  # noqa: BLE001
             for p in passes:

@@ -496,6 +496,7 @@ def _liger_peer():
 register(OpSpec(
     name="cross_entropy",
     split_passes=False,
+    graph_capturable=False,   # the target range check syncs with the host; gradients land in the logits
     fn=cross_entropy,
     reference=cross_entropy_reference,
     make_inputs=_make_inputs,
@@ -510,6 +511,7 @@ register(OpSpec(
 register(OpSpec(
     name="cross_entropy_deferred",
     split_passes=False,
+    graph_capturable=False,   # the target range check syncs with the host; gradients land in the logits
     fn=cross_entropy,
     reference=cross_entropy_reference,
     make_inputs=_make_deferred_inputs,
