@@ -40,6 +40,13 @@ CONFIGS = {
                         BLOCK_M2=128, BLOCK_N2=32, num_warps_dq=4, num_stages_dq=3, split_loops=True),
         "C": dict(BLOCK_M1=32, BLOCK_N1=64, num_warps=4, num_stages=3,
                   BLOCK_M2=64, BLOCK_N2=64, num_warps_dq=4, num_stages_dq=3),
+        # with S_q / S_k specialized again (2026-11-23)
+        "D": dict(BLOCK_M1=128, BLOCK_N1=128, num_warps=8, num_stages=2,
+                  BLOCK_M2=128, BLOCK_N2=64, num_warps_dq=8, num_stages_dq=3),
+        "E": dict(BLOCK_M1=64, BLOCK_N1=64, num_warps=4, num_stages=3,
+                  BLOCK_M2=64, BLOCK_N2=64, num_warps_dq=4, num_stages_dq=3),
+        "F": dict(BLOCK_M1=64, BLOCK_N1=128, num_warps=8, num_stages=3,
+                  BLOCK_M2=128, BLOCK_N2=128, num_warps_dq=8, num_stages_dq=2),
     },
     128: {
         "A": {},
