@@ -80,6 +80,10 @@ def dkdv_config(d_pad: int, dtype: torch.dtype, use_tma: bool) -> dict:
 def dq_config(d_pad: int, dtype: torch.dtype, use_tma: bool) -> dict:
     """dq kernel: one fp32 [BLOCK_M2, D] accumulator plus the q and do tiles stay resident; the
     key / value tiles stream (BLOCK_N2 per step)."""
+    if dtype == torch.float32 and d_pad > 128:
+        # fp32 D = 256: 64 x 32 tiles need 262,152 B of shared memory with TMA (limit 232,448;
+        # an H200 GPU test failed on it), 32 x 32 need 196,616 (offline sm_90 compiles)
+        return dict(BLOCK_M2=32, BLOCK_N2=32, num_warps_dq=8, num_stages_dq=2)
     if dtype == torch.float32 or d_pad > 128:
         return dict(BLOCK_M2=64, BLOCK_N2=32, num_warps_dq=8, num_stages_dq=2)
     if d_pad <= 64:

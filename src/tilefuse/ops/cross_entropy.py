@@ -355,7 +355,10 @@ class _CrossEntropyFunction(torch.autograd.Function):
         nones = (None,) * 10
         if ctx.deferred:
             logits, target, stats = ctx.saved_tensors
-            if ctx.inplace:   # logits become their gradient (a second backward then raises: version)
+            # logits become their gradient (a second backward then raises: version); not in a
+            # traced backward: AOT autograd copies a backward's mutation of a forward input back
+            # into it, and logits is a leaf that requires grad (it raises, seen on the H200)
+            if ctx.inplace and not torch.compiler.is_compiling():
                 _ce_bwd_inplace_op(logits, target, stats, grad_loss, *ctx.args)
                 return (logits.detach(),) + nones
             return (_ce_bwd_op(logits, target, stats, grad_loss, *ctx.args),) + nones
