@@ -215,7 +215,8 @@ def elementwise_configs(pass_):
         if bm * bn // (32 * w) in (16, 32) and bm * bn <= 32768:
             out.append({"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w})
             if pass_ == "bwd" and bn == 1024:
-                out.append({"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "REDUCE_PROGRAMS": 4 * 132})
+                sms = torch.cuda.get_device_properties(0).multi_processor_count
+                out.append({"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "REDUCE_PROGRAMS": 4 * sms})
     return out
 
 

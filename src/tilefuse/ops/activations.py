@@ -36,8 +36,8 @@ from ._activation_math import (
     activation_grad_reference, activation_reference, tile_config, tile_rows_cols,
 )
 from ._common import row_tile_mask_offsets
-from ._norm_kernels import launch_sum_partials
 from ._dropout import dropout_keep, dropout_keep_reference, dropout_scale, dropout_threshold, draw_seed
+from ._norm_kernels import launch_sum_partials
 
 # ----------------------------------------------------------------------------------------------
 # kernels
@@ -171,10 +171,12 @@ def _fwd_tile(n_rows: int, n_cols: int, config: dict | None) -> dict:
                        max_block_n=512, elems_per_thread=ELEMS_PER_THREAD)
 
 
-def _bwd_block_n(n_cols: int) -> int:
-    """Backward column block: 1024 up to N = 4096, 2048 above (H200 sweep: 4 x 1024 best at
-    N = 4096, 3.24 TB/s; 4 x 2048 and 2 x 2048 best at N = 14336, 3.57 TB/s)."""
-    return 1024 if n_cols <= 4096 else 2048
+def _bwd_tile(n_rows: int, n_cols: int, defaults: dict, config: dict | None) -> dict:
+    """4096-element tiles at 32 values per thread (4 warps), column blocks of 1024 up to
+    N = 4096 and 2048 above (H200 sweep: 4 x 1024 best at N = 4096, 3.24 TB/s; 4 x 2048 and
+    2 x 2048 best at N = 14336, 3.57 TB/s)."""
+    return tile_config(n_rows, n_cols, BWD_TILE_ELEMS, {**defaults, **(config or {})},
+                       max_block_n=1024 if n_cols <= 4096 else 2048, elems_per_thread=ELEMS_PER_THREAD)
 
 
 def _bwd_row_chunks(n_rows: int, block_m: int, n_col_blocks: int, programs: int) -> tuple[int, int]:
@@ -229,8 +231,7 @@ def _launch_bwd(dy, x, bias, activation: str, p: float, seed: int, want_dx: bool
     x2 = rows_view(x) if x is not None else dy2
     dx = empty((n_rows, n_cols), dy.dtype, dy.device) if want_dx else dy2
     defaults = {"RNG_GROUPED": True, "REDUCE_PROGRAMS": REDUCE_PROGRAMS_PER_SM * num_sms(dy)}
-    cfg = tile_config(n_rows, n_cols, BWD_TILE_ELEMS, {**defaults, **(config or {})},
-                      max_block_n=_bwd_block_n(n_cols), elems_per_thread=ELEMS_PER_THREAD)
+    cfg = _bwd_tile(n_rows, n_cols, defaults, config)
     n_col_blocks = cdiv(n_cols, cfg["BLOCK_N"])
     tiles_per_chunk, n_chunks = _bwd_row_chunks(n_rows, cfg["BLOCK_M"], n_col_blocks, cfg["REDUCE_PROGRAMS"])
     partials = empty((n_chunks, n_cols), torch.float32, dy.device) if want_dbias else dy2
