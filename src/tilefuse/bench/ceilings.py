@@ -55,13 +55,14 @@ def host_us(fn, n: int = 300) -> float:
 
     import torch
 
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     for _ in range(20):
         fn()
-    torch.cuda.synchronize()
+    sync()
     t = time.perf_counter()
     for _ in range(n):
         fn()
-    torch.cuda.synchronize()
+    sync()
     return (time.perf_counter() - t) / n * 1e6
 
 

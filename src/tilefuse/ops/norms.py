@@ -27,6 +27,7 @@ Tiers (kernels in ``_norm_kernels``, one set for both norms and both residual va
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -105,30 +106,11 @@ def _bwd_row_programs(n_row_blocks: int, n_col_tiles: int, sms: int, programs_pe
 # ----------------------------------------------------------------------------------------------
 
 
-def _launch_fwd(x, weight, bias, residual, eps: float, offset: float, is_rms: bool, config=None):
-    """Returns (y, h, mean, rstd): h is empty without residual, mean is empty for RMSNorm.
-
-    ``config`` (tuning sweeps) overrides: ``max_fused_n`` (longest padded row of the fused tier),
-    ``BLOCK_M`` (rows per program, fused tier), ``BLOCK_N`` (column tile, looped tier), ``num_warps``.
-    """
-    cfg = config or {}
-    x2 = rows_view(x)
-    n_rows, n_cols = x2.shape
-    has_res = residual is not None
-    y = empty((n_rows, n_cols), x.dtype, x.device)
-    h = empty((n_rows, n_cols) if has_res else (0,), x.dtype, x.device)
-    mean = empty((0,) if is_rms else (n_rows,), torch.float32, x.device)
-    rstd = empty((n_rows,), torch.float32, x.device)
-    lead = x.shape[:-1]
-    out = (y.view(x.shape), h.view(x.shape) if has_res else h, mean if is_rms else mean.view(lead), rstd.view(lead))
-    if y.numel() == 0:
-        mean.zero_()
-        rstd.zero_()
-        return out
-    r2 = rows_view(residual) if has_res else y
-    w = weight.contiguous() if weight is not None else y
-    b = bias.contiguous() if bias is not None else y
-    src = x2
+@functools.lru_cache(maxsize=1024)
+def _fwd_plan(n_rows: int, n_cols: int, cfg: tuple = ()) -> tuple:
+    """(stats_in, BLOCK_M, BLOCK_N, num_warps, grid) of the forward; cached per shape (host time:
+    the heuristics are cheap, but every µs of Python is paid per call on the 4096-wide rows)."""
+    cfg = dict(cfg)
     fused_n = next_power_of_2(n_cols)
     stats_in = fused_n > cfg.get("max_fused_n", MAX_FUSED_N_FWD)
     if not stats_in:
@@ -136,22 +118,69 @@ def _launch_fwd(x, weight, bias, residual, eps: float, offset: float, is_rms: bo
         block_m = cfg.get("BLOCK_M", _fwd_rows_per_program(block_n, n_rows))
     else:
         block_n, block_m = cfg.get("BLOCK_N", LOOPED_BLOCK_N), 1
+    num_warps = cfg.get("num_warps", _fwd_num_warps(block_m * block_n))
+    return stats_in, block_m, block_n, num_warps, (cdiv(n_rows, block_m), cdiv(n_cols, block_n))
+
+
+def _launch_fwd(x, weight, bias, residual, eps: float, offset: float, is_rms: bool, config=None):
+    """Returns (y, h, mean, rstd): h is empty without residual, mean is empty for RMSNorm.
+
+    ``config`` (tuning sweeps) overrides: ``max_fused_n`` (longest padded row of the fused tier),
+    ``BLOCK_M`` (rows per program, fused tier), ``BLOCK_N`` (column tile, looped tier), ``num_warps``.
+    """
+    x2 = rows_view(x)
+    n_rows, n_cols = x2.shape
+    has_res = residual is not None
+    lead = x.shape[:-1]
+    dev = x.device
+    y = empty(x.shape, x.dtype, dev)                      # contiguous: row stride n_cols
+    h = empty(x.shape if has_res else (0,), x.dtype, dev)
+    mean = empty((0,) if is_rms else lead, torch.float32, dev)
+    rstd = empty(lead, torch.float32, dev)
+    if n_rows == 0 or n_cols == 0:
+        mean.zero_()
+        rstd.zero_()
+        return y, h, mean, rstd
+    r2 = rows_view(residual) if has_res else y
+    w = weight.contiguous() if weight is not None else y
+    b = bias.contiguous() if bias is not None else y
+    stats_in, block_m, block_n, num_warps, grid = _fwd_plan(n_rows, n_cols, tuple(config.items()) if config else ())
+    stats = rstd if is_rms else mean                       # mean_ptr: never read for RMSNorm
+    src, src_stride = x2, x2.stride(0)
+    if stats_in:
         norm_fwd_stats_kernel[(n_rows,)](
-            x2, r2, h, mean if not is_rms else rstd, rstd,
-            x2.stride(0), r2.stride(0), h.stride(0), n_cols, eps,
+            x2, r2, h, stats, rstd,
+            src_stride, r2.stride(0), n_cols, n_cols, eps,
             IS_RMS=is_rms, HAS_RES=has_res, BLOCK_N=block_n, num_warps=_num_warps(block_n),
         )
         if has_res:
-            src = h                     # h is written; normalize it instead of re-adding
-    grid = (cdiv(n_rows, block_m), cdiv(n_cols, block_n))
+            src, src_stride = h, n_cols             # h is written; normalize it instead of re-adding
     norm_fwd_kernel[grid](
-        src, r2, w, b, y, h, mean if not is_rms else rstd, rstd,
-        src.stride(0), r2.stride(0), y.stride(0), h.stride(0), n_rows, n_cols, eps, offset,
+        src, r2, w, b, y, h, stats, rstd,
+        src_stride, r2.stride(0), n_cols, n_cols, n_rows, n_cols, eps, offset,
         IS_RMS=is_rms, HAS_RES=has_res and not stats_in, HAS_W=weight is not None, HAS_B=bias is not None,
-        STATS_IN=stats_in, BLOCK_M=block_m, BLOCK_N=block_n,
-        num_warps=cfg.get("num_warps", _fwd_num_warps(block_m * block_n)),
+        STATS_IN=stats_in, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )
-    return out
+    return y, h, mean, rstd
+
+
+@functools.lru_cache(maxsize=1024)
+def _bwd_plan(n_rows: int, n_cols: int, sms: int, cfg: tuple = ()) -> tuple:
+    """(stats_in, BLOCK_M, BLOCK_N, num_warps, prefetch, grid) of the backward, cached per shape."""
+    cfg = dict(cfg)
+    fused_n = next_power_of_2(n_cols)
+    stats_in = fused_n > cfg.get("max_fused_n", MAX_FUSED_N_BWD)
+    if not stats_in:
+        block_n = fused_n
+        block_m = cfg.get("BLOCK_M", _bwd_rows_per_step(block_n, n_rows))
+    else:
+        block_n, block_m = cfg.get("BLOCK_N", LOOPED_BLOCK_N), 1
+    num_warps = cfg.get("num_warps", _bwd_num_warps(block_m * block_n))
+    n_col_tiles = cdiv(n_cols, block_n)
+    pps = cfg.get("programs_per_sm", _bwd_programs_per_sm(num_warps))
+    n_prog = _bwd_row_programs(cdiv(n_rows, block_m), n_col_tiles, sms, pps)
+    prefetch = cfg.get("prefetch", _bwd_prefetch(num_warps))
+    return stats_in, block_m, block_n, num_warps, prefetch, (n_prog, n_col_tiles)
 
 
 def _launch_bwd(dy, x, weight, mean, rstd, dres, offset: float, is_rms: bool, need_dw: bool, need_db: bool,
@@ -162,49 +191,39 @@ def _launch_bwd(dy, x, weight, mean, rstd, dres, offset: float, is_rms: bool, ne
     (column tile, looped tier), ``num_warps``, ``programs_per_sm`` (persistent grid size),
     ``prefetch`` (next row block loaded during this one's math).
     """
-    cfg = config or {}
     x2, dy2 = rows_view(x), rows_view(dy)
     n_rows, n_cols = x2.shape
-    dx = empty((n_rows, n_cols), x.dtype, x.device)
-    if dx.numel() == 0:
-        zeros = lambda need, dt: torch.zeros((n_cols,) if need else (0,), dtype=dt, device=x.device)  # noqa: E731
-        return dx.view(x.shape), zeros(need_dw, dw_dtype), zeros(need_db, db_dtype)
+    dev = x.device
+    dx = empty(x.shape, x.dtype, dev)                     # contiguous: row stride n_cols
+    dw = empty((n_cols,) if need_dw else (0,), dw_dtype, dev)   # (0,): no aliasing outputs
+    db = empty((n_cols,) if need_db else (0,), db_dtype, dev)
+    if n_rows == 0 or n_cols == 0:
+        return dx, dw.zero_(), db.zero_()
     dr2 = rows_view(dres) if dres is not None else dy2
     w = weight.contiguous() if weight is not None else dx
     rstd1 = rstd.reshape(-1)
     mean1 = mean.reshape(-1) if mean is not None else rstd1
-    fused_n = next_power_of_2(n_cols)
-    stats_in = fused_n > cfg.get("max_fused_n", MAX_FUSED_N_BWD)
+    stats_in, block_m, block_n, num_warps, prefetch, grid = _bwd_plan(
+        n_rows, n_cols, num_sms(x), tuple(config.items()) if config else ())
     dots = dx                           # dummy unless stats_in
-    if not stats_in:
-        block_n = fused_n
-        block_m = cfg.get("BLOCK_M", _bwd_rows_per_step(block_n, n_rows))
-    else:
-        block_n, block_m = cfg.get("BLOCK_N", LOOPED_BLOCK_N), 1
-        dots = empty((2, n_rows), torch.float32, x.device)
+    if stats_in:
+        dots = empty((2, n_rows), torch.float32, dev)
         norm_bwd_stats_kernel[(n_rows,)](
             x2, w, dy2, mean1, rstd1, dots, x2.stride(0), dy2.stride(0), n_rows, n_cols, offset,
             IS_RMS=is_rms, HAS_W=weight is not None, BLOCK_N=block_n, num_warps=_bwd_num_warps(block_n),
         )
-    num_warps = cfg.get("num_warps", _bwd_num_warps(block_m * block_n))
-    n_col_tiles = cdiv(n_cols, block_n)
-    pps = cfg.get("programs_per_sm", _bwd_programs_per_sm(num_warps))
-    n_prog = _bwd_row_programs(cdiv(n_rows, block_m), n_col_tiles, num_sms(x), pps)
-    dw_part = empty((n_prog, n_cols), torch.float32, x.device) if need_dw else dx
-    db_part = empty((n_prog, n_cols), torch.float32, x.device) if need_db else dx
-    norm_bwd_kernel[(n_prog, n_col_tiles)](
+    dw_part = empty((grid[0], n_cols), torch.float32, dev) if need_dw else dx
+    db_part = empty((grid[0], n_cols), torch.float32, dev) if need_db else dx
+    norm_bwd_kernel[grid](
         x2, w, dy2, dr2, mean1, rstd1, dots, dx, dw_part, db_part,
-        x2.stride(0), dy2.stride(0), dr2.stride(0), dx.stride(0), n_rows, n_cols, offset,
+        x2.stride(0), dy2.stride(0), dr2.stride(0), n_cols, n_rows, n_cols, offset,
         IS_RMS=is_rms, HAS_W=weight is not None, HAS_DRES=dres is not None, DW=need_dw, DB=need_db,
-        STATS_IN=stats_in, BLOCK_M=block_m, BLOCK_N=block_n, PREFETCH=cfg.get("prefetch", _bwd_prefetch(num_warps)),
-        num_warps=num_warps,
+        STATS_IN=stats_in, BLOCK_M=block_m, BLOCK_N=block_n, PREFETCH=prefetch, num_warps=num_warps,
     )
-    dw = empty((n_cols,) if need_dw else (0,), dw_dtype, x.device)   # (0,): no aliasing outputs
-    db = empty((n_cols,) if need_db else (0,), db_dtype, x.device)
     if need_dw or need_db:
         launch_sum_partials(dw_part if need_dw else None, db_part if need_db else None,
                             dw if need_dw else None, db if need_db else None)
-    return dx.view(x.shape), dw, db
+    return dx, dw, db
 
 
 # ----------------------------------------------------------------------------------------------
