@@ -352,17 +352,18 @@ def test_compile_dynamic_shapes_and_eps():
                lambda **k: nm.rms_norm_reference(k["x"], None, k["weight"], 1e-5 * m, residual=k["residual"]), t, 1e-5)
 
 
-@pytest.mark.parametrize("case", ["ln_res", "rms_offset", "rms_noweight_res"])
+@pytest.mark.parametrize("case", ["ln_res", "rms_offset", "rms_noweight_res", "ln_3d"])
 def test_opcheck_custom_ops(case):
     """Schema, fake impl, autograd registration and aot dispatch of both custom ops."""
-    x, w, b, r = _t((3, 40)), _t(40), _t(40), _t((3, 40))
+    lead = (2, 3) if case == "ln_3d" else (3,)
+    x, w, b, r = _t(lead + (40,)), _t(40), _t(40), _t(lead + (40,))
     fwd_args = {"ln_res": (x, w, b, r, 1e-5, 0.0, False), "rms_offset": (x, w, None, None, 1e-6, 1.0, True),
-                "rms_noweight_res": (x, None, None, r, 1e-6, 0.0, True)}[case]
+                "rms_noweight_res": (x, None, None, r, 1e-6, 0.0, True), "ln_3d": (x, w, b, None, 1e-5, 0.0, False)}[case]
     torch.library.opcheck(nm._norm_fwd_op.op, fwd_args)
     with torch.no_grad():
         _, h, mean, rstd = nm._norm_fwd_op(*fwd_args)
     is_rms, has_res = fwd_args[-1], fwd_args[3] is not None
-    dy = torch.randn(3, 40, device=DEVICE)
+    dy = torch.randn(lead + (40,), device=DEVICE)
     bwd_args = (dy, (h if has_res else x).detach(), None if fwd_args[1] is None else w.detach(),
                 None if is_rms else mean, rstd, dy.clone() if has_res else None, fwd_args[5], is_rms,
                 fwd_args[1] is not None, fwd_args[2] is not None, w.dtype, b.dtype)

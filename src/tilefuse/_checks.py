@@ -31,13 +31,14 @@ def check_tensor(
 
 def check_same_device(**tensors: torch.Tensor | None) -> None:
     """All given tensors live on one device; the message names the odd one out."""
-    items = [(k, v) for k, v in tensors.items() if v is not None]
-    if not items:
-        return
-    first_name, first = items[0]
-    for name, t in items[1:]:
-        if t.device != first.device:
-            raise ValueError(f"{name} is on {t.device} but {first_name} is on {first.device}")
+    first_name, device = None, None
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        if device is None:
+            first_name, device = name, t.device
+        elif t.device != device:
+            raise ValueError(f"{name} is on {t.device} but {first_name} is on {device}")
 
 
 def check_same_dtype(**tensors: torch.Tensor | None) -> None:

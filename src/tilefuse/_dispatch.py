@@ -71,8 +71,18 @@ POISON_OUTPUTS = False
 
 
 def empty(shape, dtype: torch.dtype, device) -> torch.Tensor:
-    """``torch.empty`` for kernel outputs; NaN-filled while POISON_OUTPUTS is on (tests)."""
+    """``torch.empty`` for kernel outputs; NaN-filled while POISON_OUTPUTS is on (tests).
+    (An int or a tuple of ints as ``shape`` costs ~1 µs of host time less than a torch.Size.)"""
     t = torch.empty(shape, dtype=dtype, device=device)
+    if POISON_OUTPUTS and t.is_floating_point():
+        t.fill_(float("nan"))
+    return t
+
+
+def empty_like(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A contiguous output of x's shape (``empty`` semantics): ``torch.empty_like`` is the
+    cheapest allocation on the host (~1.5 µs against ~3.5 for ``torch.empty(x.shape)``)."""
+    t = torch.empty_like(x, dtype=dtype, memory_format=torch.contiguous_format)
     if POISON_OUTPUTS and t.is_floating_point():
         t.fill_(float("nan"))
     return t

@@ -34,7 +34,7 @@ from typing import Optional
 import torch
 
 from .._checks import check_same_device, check_same_dtype, check_shape, check_tensor
-from .._dispatch import cdiv, empty, next_power_of_2, num_sms, rows_view, use_triton
+from .._dispatch import cdiv, empty, empty_like, next_power_of_2, num_sms, rows_view, use_triton
 from .._op import custom_op
 from ..registry import Inputs, OpSpec, register, tensor_bytes
 from ._norm_kernels import (
@@ -123,7 +123,8 @@ def _fwd_plan(n_rows: int, n_cols: int, cfg: tuple = ()) -> tuple:
 
 
 def _launch_fwd(x, weight, bias, residual, eps: float, offset: float, is_rms: bool, config=None):
-    """Returns (y, h, mean, rstd): h is empty without residual, mean is empty for RMSNorm.
+    """Returns (y, h, mean, rstd): h is empty without residual, mean is empty for RMSNorm;
+    mean and rstd are flat fp32 [rows] (internal: saved for the backward, never returned).
 
     ``config`` (tuning sweeps) overrides: ``max_fused_n`` (longest padded row of the fused tier),
     ``BLOCK_M`` (rows per program, fused tier), ``BLOCK_N`` (column tile, looped tier), ``num_warps``.
@@ -131,12 +132,11 @@ def _launch_fwd(x, weight, bias, residual, eps: float, offset: float, is_rms: bo
     x2 = rows_view(x)
     n_rows, n_cols = x2.shape
     has_res = residual is not None
-    lead = x.shape[:-1]
     dev = x.device
-    y = empty(x.shape, x.dtype, dev)                      # contiguous: row stride n_cols
-    h = empty(x.shape if has_res else (0,), x.dtype, dev)
-    mean = empty((0,) if is_rms else lead, torch.float32, dev)
-    rstd = empty(lead, torch.float32, dev)
+    y = empty_like(x)                                     # contiguous: row stride n_cols
+    h = empty_like(x) if has_res else empty(0, x.dtype, dev)
+    mean = empty(0 if is_rms else n_rows, torch.float32, dev)   # flat [rows]: saved for backward only
+    rstd = empty(n_rows, torch.float32, dev)
     if n_rows == 0 or n_cols == 0:
         mean.zero_()
         rstd.zero_()
@@ -194,15 +194,15 @@ def _launch_bwd(dy, x, weight, mean, rstd, dres, offset: float, is_rms: bool, ne
     x2, dy2 = rows_view(x), rows_view(dy)
     n_rows, n_cols = x2.shape
     dev = x.device
-    dx = empty(x.shape, x.dtype, dev)                     # contiguous: row stride n_cols
-    dw = empty((n_cols,) if need_dw else (0,), dw_dtype, dev)   # (0,): no aliasing outputs
-    db = empty((n_cols,) if need_db else (0,), db_dtype, dev)
+    dx = empty_like(x)                                    # contiguous: row stride n_cols
+    dw = empty(n_cols if need_dw else 0, dw_dtype, dev)   # 0: no aliasing outputs
+    db = empty(n_cols if need_db else 0, db_dtype, dev)
     if n_rows == 0 or n_cols == 0:
         return dx, dw.zero_(), db.zero_()
     dr2 = rows_view(dres) if dres is not None else dy2
     w = weight.contiguous() if weight is not None else dx
-    rstd1 = rstd.reshape(-1)
-    mean1 = mean.reshape(-1) if mean is not None else rstd1
+    rstd1 = rstd                        # flat [rows], as the forward wrote it
+    mean1 = mean if mean is not None else rstd1
     stats_in, block_m, block_n, num_warps, prefetch, grid = _bwd_plan(
         n_rows, n_cols, num_sms(x), tuple(config.items()) if config else ())
     dots = dx                           # dummy unless stats_in
@@ -275,21 +275,23 @@ def _fwd_reference(x, weight, bias, residual, eps, offset, is_rms):
         y = y * (weight.float() + offset)
     if bias is not None:
         y = y + bias.float()
-    mean = x.new_empty((0,), dtype=torch.float32) if is_rms else mean.squeeze(-1).float()
+    mean = x.new_empty((0,), dtype=torch.float32) if is_rms else mean.reshape(-1).float()
     return (y.to(x.dtype).contiguous(), h.contiguous() if residual is not None else x.new_empty((0,)),
-            mean.contiguous(), rstd.squeeze(-1).float().contiguous())
+            mean.contiguous(), rstd.reshape(-1).float().contiguous())
 
 
 def _bwd_reference(dy, x, weight, mean, rstd, dres, offset, is_rms, need_dw, need_db,
                    dw_dtype=torch.float32, db_dtype=torch.float32):
     n = x.shape[-1]
     xw, dyw = x.float(), dy.float()
-    xhat = (xw if is_rms else xw - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)
+    lead_shape = x.shape[:-1] + (1,)    # mean / rstd come flat, [rows]
+    rstd = rstd.reshape(lead_shape)
+    xhat = (xw if is_rms else xw - mean.reshape(lead_shape)) * rstd
     wdy = dyw * (weight.float() + offset) if weight is not None else dyw
     dx = wdy - xhat * (xhat * wdy).mean(-1, keepdim=True)
     if not is_rms:
         dx = dx - wdy.mean(-1, keepdim=True)
-    dx = dx * rstd.unsqueeze(-1)
+    dx = dx * rstd
     if dres is not None:
         dx = dx + dres.float()
     lead = tuple(range(x.dim() - 1))
@@ -316,11 +318,12 @@ def _norm_fwd_op(
 @_norm_fwd_op.register_fake
 def _(x, weight, bias, residual, eps, offset, is_rms):
     f32 = dict(dtype=torch.float32, device=x.device)
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else math.prod(x.shape[:-1])
     return (
         x.new_empty(x.shape),
         x.new_empty(x.shape if residual is not None else (0,)),
-        torch.empty((0,) if is_rms else x.shape[:-1], **f32),
-        torch.empty(x.shape[:-1], **f32),
+        torch.empty((0 if is_rms else rows,), **f32),   # mean and rstd: flat [rows]
+        torch.empty((rows,), **f32),
     )
 
 
@@ -383,6 +386,13 @@ def _shape_tuple(normalized_shape, x) -> tuple:
 
 
 def _check_normalized_shape(normalized_shape, x: torch.Tensor) -> tuple:
+    # the common cases first (host time): None, N, (N,) for x's last dim N
+    n = x.shape[-1] if x.dim() else None
+    kind = type(normalized_shape)
+    if normalized_shape is None and n is not None or kind is int and normalized_shape == n:
+        return (n,)
+    if kind is tuple and len(normalized_shape) == 1 and type(normalized_shape[0]) is int and normalized_shape[0] == n:
+        return normalized_shape
     ok_type = normalized_shape is None or isinstance(normalized_shape, (int, tuple, list, torch.Size))
     if not ok_type or isinstance(normalized_shape, bool):
         raise TypeError(f"normalized_shape must be an int or a sequence of ints, got "

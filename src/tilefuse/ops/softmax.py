@@ -19,12 +19,14 @@ Two tiers of the row reduction:
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from .._checks import check_dim, check_tensor
-from .._dispatch import cdiv, empty, next_power_of_2, rows_view, use_triton
+from .._dispatch import cdiv, empty_like, next_power_of_2, rows_view, use_triton
 from .._launch import fast_launch
 from .._op import custom_op
 from ..registry import Inputs, OpSpec, register, tensor_bytes
@@ -223,55 +225,61 @@ LOOPED_BLOCK_N = 16384   # tile of the looped tier (best or tied-best at N = 32K
 
 
 def _launch_config(n_rows: int, n_cols: int, max_fused_n: int, config: dict | None) -> dict:
-    """Tier and tile for a [n_rows, n_cols] problem; ``config`` overrides keys (GPU sweeps)."""
+    """Tier and tile for a [n_rows, n_cols] problem; ``config`` overrides keys (GPU sweeps).
+    Cached per shape (host time); the returned dict is shared: read it, never change it."""
+    return _cached_config(n_rows, n_cols, max_fused_n, tuple(config.items()) if config else ())
+
+
+@functools.lru_cache(maxsize=1024)
+def _cached_config(n_rows: int, n_cols: int, max_fused_n: int, config: tuple) -> dict:
     if n_cols <= max_fused_n:
         block_n = _fused_block_n(n_cols)
         block_m = _rows_per_program(block_n, n_rows)
         cfg = {"looped": False, "BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": _num_warps(block_m * block_n)}
     else:
         cfg = {"looped": True, "BLOCK_M": 1, "BLOCK_N": LOOPED_BLOCK_N, "num_warps": _num_warps(LOOPED_BLOCK_N)}
-    cfg.update(config or {})
+    cfg.update(config)
     return cfg
 
 
 def _launch_fwd(x: torch.Tensor, log: bool, config: dict | None = None) -> torch.Tensor:
     x2 = rows_view(x)
     n_rows, n_cols = x2.shape
-    y = empty((n_rows, n_cols), x.dtype, x.device)
-    if y.numel() == 0:
-        return y.view(x.shape)
+    y = empty_like(x)                   # contiguous: row stride n_cols
+    if n_rows == 0 or n_cols == 0:
+        return y
     cfg = _launch_config(n_rows, n_cols, FWD_MAX_FUSED_N, config)
     if not cfg["looped"]:
         softmax_fwd_fused_kernel[(cdiv(n_rows, cfg["BLOCK_M"]),)](
-            x2, y, x2.stride(0), y.stride(0), n_rows, n_cols,
+            x2, y, x2.stride(0), n_cols, n_rows, n_cols,
             LOG=log, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
         )
     else:
         softmax_fwd_looped_kernel[(n_rows,)](
-            x2, y, x2.stride(0), y.stride(0), n_cols,
+            x2, y, x2.stride(0), n_cols, n_cols,
             LOG=log, BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
         )
-    return y.view(x.shape)
+    return y
 
 
 def _launch_bwd(y: torch.Tensor, dy: torch.Tensor, log: bool, config: dict | None = None) -> torch.Tensor:
     y2, dy2 = rows_view(y), rows_view(dy)
     n_rows, n_cols = y2.shape
-    dx = empty((n_rows, n_cols), y.dtype, y.device)
-    if dx.numel() == 0:
-        return dx.view(y.shape)
+    dx = empty_like(y)                  # contiguous: row stride n_cols
+    if n_rows == 0 or n_cols == 0:
+        return dx
     cfg = _launch_config(n_rows, n_cols, BWD_MAX_FUSED_N, config)
     if not cfg["looped"]:
         softmax_bwd_fused_kernel[(cdiv(n_rows, cfg["BLOCK_M"]),)](
-            y2, dy2, dx, y2.stride(0), dy2.stride(0), dx.stride(0), n_rows, n_cols,
+            y2, dy2, dx, y2.stride(0), dy2.stride(0), n_cols, n_rows, n_cols,
             LOG=log, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
         )
     else:
         softmax_bwd_looped_kernel[(n_rows,)](
-            y2, dy2, dx, y2.stride(0), dy2.stride(0), dx.stride(0), n_cols,
+            y2, dy2, dx, y2.stride(0), dy2.stride(0), n_cols, n_cols,
             LOG=log, BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
         )
-    return dx.view(y.shape)
+    return dx
 
 
 # ----------------------------------------------------------------------------------------------
