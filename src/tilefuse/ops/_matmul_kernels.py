@@ -276,25 +276,32 @@ class TmaLayout(NamedTuple):
     b_k_contiguous: bool    # B has unit K stride (wᵀ): tiles are read [N, K] and transposed
 
 
-def _unit_axis(t: torch.Tensor, prefer: int) -> int | None:
-    """The axis of 2-D ``t`` with unit stride (``prefer`` when both qualify), None if neither."""
-    unit = [d for d in (prefer, 1 - prefer) if t.stride(d) == 1 or t.shape[d] == 1]
-    return unit[0] if unit else None
+def _unit_axis(strides: tuple, shape: tuple, prefer: int) -> int | None:
+    """The axis of a 2-D tensor with unit stride (``prefer`` when both qualify), None if neither."""
+    for d in (prefer, 1 - prefer):
+        if strides[d] == 1 or shape[d] == 1:
+            return d
+    return None
+
+
+def tma_layout_from_strides(a_strides: tuple, b_strides: tuple, a_shape: tuple, b_shape: tuple,
+                            aligned: bool, itemsize: int) -> TmaLayout:
+    """:func:`tma_layout` from strides and shapes (``aligned``: both base pointers 16-byte aligned)."""
+    a_unit, b_unit = _unit_axis(a_strides, a_shape, 1), _unit_axis(b_strides, b_shape, 1)
+    a_m_contiguous, b_k_contiguous = a_unit == 0 and a_shape[0] > 1, b_unit == 0 and b_shape[1] > 1
+    a_outer = a_strides[1] if a_m_contiguous else a_strides[0]
+    b_outer = b_strides[1] if b_k_contiguous else b_strides[0]
+    ok = (a_unit is not None and b_unit is not None and aligned
+          and (a_outer * itemsize) % 16 == 0 and (b_outer * itemsize) % 16 == 0)
+    return TmaLayout(ok, a_m_contiguous, b_k_contiguous)
 
 
 def tma_layout(a: torch.Tensor, b: torch.Tensor) -> TmaLayout:
     """Whether descriptors can read ``a`` [M, K] and ``b`` [K, N]: each needs a unit stride on one
     axis (a: K, or M for a transposed view; b: N, or K for a transposed weight), a 16-byte aligned
     base and 16-byte aligned other stride. Row-major views are preferred when both qualify."""
-    size = a.element_size()
-    a_unit, b_unit = _unit_axis(a, 1), _unit_axis(b, 1)
-    a_m_contiguous, b_k_contiguous = a_unit == 0 and a.shape[0] > 1, b_unit == 0 and b.shape[1] > 1
-    a_outer = a.stride(1) if a_m_contiguous else a.stride(0)
-    b_outer = b.stride(1) if b_k_contiguous else b.stride(0)
-    ok = (a_unit is not None and b_unit is not None
-          and a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0
-          and (a_outer * size) % 16 == 0 and (b_outer * size) % 16 == 0)
-    return TmaLayout(ok, a_m_contiguous, b_k_contiguous)
+    return tma_layout_from_strides(a.stride(), b.stride(), tuple(a.shape), tuple(b.shape),
+                                   a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0, a.element_size())
 
 
 def use_tma_default(a: torch.Tensor, layout_ok: bool) -> bool:
@@ -305,6 +312,27 @@ def use_tma_default(a: torch.Tensor, layout_ok: bool) -> bool:
 # ----------------------------------------------------------------------------------------------
 # launchers (inputs validated by the public function)
 # ----------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=4096)
+def _matmul_plan(m: int, n: int, k: int, dtype: torch.dtype, a_strides: tuple, b_strides: tuple,
+                 aligned: bool, sms: int, hopper: bool, config: tuple) -> tuple[int, dict]:
+    """(programs, the kernel's tile / layout keyword arguments) of one GEMM problem: everything
+    but the pointers, cached (host time: a small-M GEMM's kernel takes a few µs)."""
+    cfg = dict(_cached_config(m, n, k, dtype, sms))
+    cfg.update(config)
+    layout = tma_layout_from_strides(a_strides, b_strides, (m, k), (k, n), aligned, dtype.itemsize)
+    use_tma = cfg.pop("USE_TMA", None)
+    use_tma = k > 0 and layout.ok and (DEFAULT_USE_TMA and hopper if use_tma is None else bool(use_tma))
+    flatten = cfg.pop("FLATTEN", DEFAULT_FLATTEN)
+    programs = max(1, min(sms, cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"])))
+    return programs, dict(
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
+        NUM_PROGRAMS=programs, EVEN_K=k % cfg["BLOCK_K"] == 0, USE_TMA=bool(use_tma),
+        A_M_CONTIGUOUS=layout.a_m_contiguous, B_K_CONTIGUOUS=layout.b_k_contiguous, FLATTEN=bool(flatten),
+        DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
 
 
 def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
@@ -320,30 +348,19 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = 
     preact = empty((m, n), out_dtype, a.device) if save_preact else None
     if m == 0 or n == 0:
         return out, preact
-    cfg = dict(_cached_config(m, n, k, a.dtype, num_sms(a)))    # (cached: host time at small M)
-    cfg.update(config or {})
-    layout_ok, a_m_contiguous, b_k_contiguous = tma_layout(a, b)
-    use_tma = cfg.pop("USE_TMA", None)
-    use_tma = k > 0 and (use_tma_default(a, layout_ok) if use_tma is None else (use_tma and layout_ok))
-    if use_tma and a.device.type == "cuda":     # (asked for but impossible here: pointer loads)
-        use_device_descriptors()
-    flatten = cfg.pop("FLATTEN", DEFAULT_FLATTEN)
-    tiles = cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"])
-    programs = max(1, min(num_sms(a), tiles))
-    dummy = out                             # stands in for absent bias / residual / preact
-    res, pre = residual if residual is not None else dummy, preact if preact is not None else dummy
+    a_strides, b_strides = a.stride(), b.stride()
+    programs, tiles = _matmul_plan(m, n, k, a.dtype, a_strides, b_strides,
+                                   a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0, num_sms(a),
+                                   is_hopper_or_newer(a), tuple(config.items()) if config else ())
+    if tiles["USE_TMA"] and a.device.type == "cuda":   # (forced under the interpreter: pointer loads)
+        use_device_descriptors()        # per call: the allocator is a per-thread context value
+    res_strides = residual.stride() if residual is not None else (n, 1)
     matmul_kernel[(programs,)](
-        a, b, out, bias if bias is not None else dummy, res, pre,
-        m, n, k,
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
-        res.stride(0), res.stride(1), pre.stride(0), pre.stride(1),
+        a, b, out, bias if bias is not None else out, residual if residual is not None else out,
+        preact if preact is not None else out,   # out stands in for an absent bias / residual / preact
+        m, n, k, *a_strides, *b_strides, n, 1, *res_strides, n, 1,
         HAS_BIAS=bias is not None, ACT=activation, HAS_RESIDUAL=residual is not None,
-        SAVE_PREACT=preact is not None,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
-        NUM_PROGRAMS=programs, EVEN_K=k % cfg["BLOCK_K"] == 0, USE_TMA=bool(use_tma),
-        A_M_CONTIGUOUS=a_m_contiguous, B_K_CONTIGUOUS=b_k_contiguous, FLATTEN=bool(flatten),
-        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        SAVE_PREACT=preact is not None, **tiles,
     )
     return out, preact
 
