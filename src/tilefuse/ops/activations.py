@@ -19,6 +19,7 @@ sizes).
 
 from __future__ import annotations
 
+import functools
 import numbers
 from typing import Optional
 
@@ -27,7 +28,7 @@ import triton
 import triton.language as tl
 
 from .._checks import check_same_device, check_same_dtype, check_shape, check_tensor
-from .._dispatch import cdiv, empty, num_sms, rows_view, use_triton
+from .._dispatch import cdiv, empty, empty_like, num_sms, rows_view, use_triton
 from .._launch import fast_launch
 from .._op import custom_op
 from ..registry import Inputs, OpSpec, register, tensor_bytes
@@ -187,8 +188,32 @@ def _bwd_row_chunks(n_rows: int, block_m: int, n_col_blocks: int, programs: int)
     return tiles_per_chunk, cdiv(row_tiles, tiles_per_chunk)
 
 
+@functools.lru_cache(maxsize=1024)
+def _fwd_plan(n_rows: int, n_cols: int, config: tuple = ()) -> tuple[int, int, dict]:
+    """(programs, column blocks, tile) of the forward, cached per shape (host time)."""
+    cfg = _fwd_tile(n_rows, n_cols, dict(config))
+    n_col_blocks = cdiv(n_cols, cfg["BLOCK_N"])
+    return cdiv(n_rows, cfg["BLOCK_M"]) * n_col_blocks, n_col_blocks, cfg
+
+
+@functools.lru_cache(maxsize=1024)
+def _bwd_plan(n_rows: int, n_cols: int, sms: int, config: tuple = ()) -> tuple[int, int, int, int, dict]:
+    """(programs, row chunks, tiles per chunk, column blocks, tile) of the backward, cached."""
+    defaults = {"RNG_GROUPED": True, "REDUCE_PROGRAMS": REDUCE_PROGRAMS_PER_SM * sms}
+    cfg = _bwd_tile(n_rows, n_cols, defaults, dict(config))
+    n_col_blocks = cdiv(n_cols, cfg["BLOCK_N"])
+    tiles_per_chunk, n_chunks = _bwd_row_chunks(n_rows, cfg["BLOCK_M"], n_col_blocks, cfg["REDUCE_PROGRAMS"])
+    return n_chunks * n_col_blocks, n_chunks, tiles_per_chunk, n_col_blocks, cfg
+
+
+@functools.lru_cache(maxsize=64)
+def _dropout_consts(p: float) -> tuple[int, float, bool]:
+    return dropout_threshold(p), dropout_scale(p), p > 0.0
+
+
 def _dropout_args(p: float, seed: int) -> dict:
-    return {"seed": seed, "threshold": dropout_threshold(p), "scale": dropout_scale(p), "DROPOUT": p > 0.0}
+    threshold, scale, on = _dropout_consts(p)
+    return {"seed": seed, "threshold": threshold, "scale": scale, "DROPOUT": on}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -198,22 +223,21 @@ def _dropout_args(p: float, seed: int) -> dict:
 
 def _launch_fwd(x, bias, residual, activation: str, p: float, seed: int, config: dict | None = None):
     """``config`` keys: BLOCK_M, BLOCK_N, num_warps, RNG_GROUPED."""
+    y = empty_like(x)                   # contiguous: row stride n_cols
     if x.numel() == 0:
-        return empty(x.shape, x.dtype, x.device)
+        return y
     x2 = rows_view(x)
     n_rows, n_cols = x2.shape
     res2 = rows_view(residual) if residual is not None else x2
-    y = empty((n_rows, n_cols), x.dtype, x.device)
-    cfg = _fwd_tile(n_rows, n_cols, config)
-    n_col_blocks = cdiv(n_cols, cfg["BLOCK_N"])
+    programs, n_col_blocks, cfg = _fwd_plan(n_rows, n_cols, tuple(config.items()) if config else ())
     bias_arg = bias.contiguous() if bias is not None else x2
-    bias_act_fwd_kernel[(cdiv(n_rows, cfg["BLOCK_M"]) * n_col_blocks,)](
-        x2, bias_arg, res2, y, x2.stride(0), res2.stride(0), y.stride(0), n_rows, n_cols, n_col_blocks,
+    bias_act_fwd_kernel[(programs,)](
+        x2, bias_arg, res2, y, x2.stride(0), res2.stride(0), n_cols, n_rows, n_cols, n_col_blocks,
         **_dropout_args(p, seed), ACT=activation, HAS_BIAS=bias is not None,
         HAS_RESIDUAL=residual is not None, RNG_GROUPED=cfg["RNG_GROUPED"],
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
     )
-    return y.view(x.shape)
+    return y
 
 
 def _launch_bwd(dy, x, bias, activation: str, p: float, seed: int, want_dx: bool, want_dbias: bool,
@@ -229,24 +253,22 @@ def _launch_bwd(dy, x, bias, activation: str, p: float, seed: int, want_dx: bool
     dy2 = rows_view(dy)
     n_rows = dy2.shape[0]
     x2 = rows_view(x) if x is not None else dy2
-    dx = empty((n_rows, n_cols), dy.dtype, dy.device) if want_dx else dy2
-    defaults = {"RNG_GROUPED": True, "REDUCE_PROGRAMS": REDUCE_PROGRAMS_PER_SM * num_sms(dy)}
-    cfg = _bwd_tile(n_rows, n_cols, defaults, config)
-    n_col_blocks = cdiv(n_cols, cfg["BLOCK_N"])
-    tiles_per_chunk, n_chunks = _bwd_row_chunks(n_rows, cfg["BLOCK_M"], n_col_blocks, cfg["REDUCE_PROGRAMS"])
+    dx = empty_like(dy) if want_dx else dy2                 # contiguous: row stride n_cols
+    programs, n_chunks, tiles_per_chunk, n_col_blocks, cfg = _bwd_plan(
+        n_rows, n_cols, num_sms(dy), tuple(config.items()) if config else ())
     partials = empty((n_chunks, n_cols), torch.float32, dy.device) if want_dbias else dy2
     bias_arg = bias.contiguous() if bias is not None else dy2
-    bias_act_bwd_kernel[(n_chunks * n_col_blocks,)](
-        dy2, x2, bias_arg, dx, partials, dy2.stride(0), x2.stride(0), dx.stride(0),
+    bias_act_bwd_kernel[(programs,)](
+        dy2, x2, bias_arg, dx, partials, dy2.stride(0), x2.stride(0), n_cols if want_dx else dy2.stride(0),
         n_rows, n_cols, n_col_blocks, tiles_per_chunk,
         **_dropout_args(p, seed), ACT=activation, HAS_BIAS=bias is not None,
         RNG_GROUPED=cfg["RNG_GROUPED"], STORE_DX=want_dx, REDUCE_DBIAS=want_dbias,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
     )
     if want_dbias:
-        dbias = empty((n_cols,), dy.dtype, dy.device)
+        dbias = empty(n_cols, dy.dtype, dy.device)
         launch_sum_partials(partials, None, dbias, None)
-    return (dx.view(dy.shape) if want_dx else None), dbias
+    return (dx if want_dx else None), dbias
 
 
 # ----------------------------------------------------------------------------------------------
