@@ -106,19 +106,25 @@ def _bwd_row_programs(n_row_blocks: int, n_col_tiles: int, sms: int, programs_pe
 # ----------------------------------------------------------------------------------------------
 
 
+def _tier_tile(n_rows: int, n_cols: int, cfg: dict, max_fused_n: int, rows_fn, warps_fn) -> tuple:
+    """(stats_in, BLOCK_M, BLOCK_N, num_warps): the fused tier's whole padded row with
+    ``rows_fn`` rows per tile, or the looped tier's column tile; ``cfg`` overrides any of them."""
+    fused_n = next_power_of_2(n_cols)
+    stats_in = fused_n > cfg.get("max_fused_n", max_fused_n)
+    if not stats_in:
+        block_n = fused_n
+        block_m = cfg.get("BLOCK_M", rows_fn(block_n, n_rows))
+    else:
+        block_n, block_m = cfg.get("BLOCK_N", LOOPED_BLOCK_N), 1
+    return stats_in, block_m, block_n, cfg.get("num_warps", warps_fn(block_m * block_n))
+
+
 @functools.lru_cache(maxsize=1024)
 def _fwd_plan(n_rows: int, n_cols: int, cfg: tuple = ()) -> tuple:
     """(stats_in, BLOCK_M, BLOCK_N, num_warps, grid) of the forward; cached per shape (host time:
     the heuristics are cheap, but every µs of Python is paid per call on the 4096-wide rows)."""
-    cfg = dict(cfg)
-    fused_n = next_power_of_2(n_cols)
-    stats_in = fused_n > cfg.get("max_fused_n", MAX_FUSED_N_FWD)
-    if not stats_in:
-        block_n = fused_n
-        block_m = cfg.get("BLOCK_M", _fwd_rows_per_program(block_n, n_rows))
-    else:
-        block_n, block_m = cfg.get("BLOCK_N", LOOPED_BLOCK_N), 1
-    num_warps = cfg.get("num_warps", _fwd_num_warps(block_m * block_n))
+    stats_in, block_m, block_n, num_warps = _tier_tile(n_rows, n_cols, dict(cfg), MAX_FUSED_N_FWD,
+                                                       _fwd_rows_per_program, _fwd_num_warps)
     return stats_in, block_m, block_n, num_warps, (cdiv(n_rows, block_m), cdiv(n_cols, block_n))
 
 
@@ -168,14 +174,8 @@ def _launch_fwd(x, weight, bias, residual, eps: float, offset: float, is_rms: bo
 def _bwd_plan(n_rows: int, n_cols: int, sms: int, cfg: tuple = ()) -> tuple:
     """(stats_in, BLOCK_M, BLOCK_N, num_warps, prefetch, grid) of the backward, cached per shape."""
     cfg = dict(cfg)
-    fused_n = next_power_of_2(n_cols)
-    stats_in = fused_n > cfg.get("max_fused_n", MAX_FUSED_N_BWD)
-    if not stats_in:
-        block_n = fused_n
-        block_m = cfg.get("BLOCK_M", _bwd_rows_per_step(block_n, n_rows))
-    else:
-        block_n, block_m = cfg.get("BLOCK_N", LOOPED_BLOCK_N), 1
-    num_warps = cfg.get("num_warps", _bwd_num_warps(block_m * block_n))
+    stats_in, block_m, block_n, num_warps = _tier_tile(n_rows, n_cols, cfg, MAX_FUSED_N_BWD,
+                                                       _bwd_rows_per_step, _bwd_num_warps)
     n_col_tiles = cdiv(n_cols, block_n)
     pps = cfg.get("programs_per_sm", _bwd_programs_per_sm(num_warps))
     n_prog = _bwd_row_programs(cdiv(n_rows, block_m), n_col_tiles, sms, pps)
