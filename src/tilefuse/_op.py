@@ -20,7 +20,6 @@ from typing import Any, Callable
 
 import torch
 
-_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 _is_functorch_wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
 
 

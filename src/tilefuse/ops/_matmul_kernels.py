@@ -304,9 +304,14 @@ def tma_layout(a: torch.Tensor, b: torch.Tensor) -> TmaLayout:
                                    a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0, a.element_size())
 
 
-def use_tma_default(a: torch.Tensor, layout_ok: bool) -> bool:
+def _tma_by_default(layout_ok: bool, hopper: bool) -> bool:
     """Descriptors by default on sm_90+ GPUs when the layout allows (DEFAULT_USE_TMA)."""
-    return DEFAULT_USE_TMA and layout_ok and is_hopper_or_newer(a)
+    return DEFAULT_USE_TMA and layout_ok and hopper
+
+
+def use_tma_default(a: torch.Tensor, layout_ok: bool) -> bool:
+    """:func:`_tma_by_default` for ``a``'s device."""
+    return _tma_by_default(layout_ok, is_hopper_or_newer(a))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -323,7 +328,7 @@ def _matmul_plan(m: int, n: int, k: int, dtype: torch.dtype, a_strides: tuple, b
     cfg.update(config)
     layout = tma_layout_from_strides(a_strides, b_strides, (m, k), (k, n), aligned, dtype.itemsize)
     use_tma = cfg.pop("USE_TMA", None)
-    use_tma = k > 0 and layout.ok and (DEFAULT_USE_TMA and hopper if use_tma is None else bool(use_tma))
+    use_tma = k > 0 and (_tma_by_default(layout.ok, hopper) if use_tma is None else layout.ok and bool(use_tma))
     flatten = cfg.pop("FLATTEN", DEFAULT_FLATTEN)
     programs = max(1, min(sms, cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"])))
     return programs, dict(
