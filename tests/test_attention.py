@@ -104,6 +104,20 @@ def test_every_load_path(load):
     _check_dense(q, k, v, window=(7, 2), softcap=2.0, config={"LOAD": load, "BLOCK_M": 32, "BLOCK_N": 16})
 
 
+@pytest.mark.parametrize("load", LOAD_MODES)
+def test_pipelined_interior_loop(load):
+    """PIPELINE_QK: the unmasked interior walked with the next block's QK^T issued first. Lengths
+    that give the interior 0, 1, 2 and several blocks (16-key tiles), with and without a window,
+    softcap and a negative scale (which takes the unfolded scale path)."""
+    cfg = {"LOAD": load, "PIPELINE_QK": True, "BLOCK_M": 16, "BLOCK_N": 16}
+    for s_k in (9, 16, 33, 80):
+        q, k, v = _rand((2, 24, 2, 32), torch.float32), _rand((2, s_k, 1, 32), torch.float32), _rand((2, s_k, 1, 32), torch.float32)
+        _check_dense(q, k, v, config=cfg)
+        _check_dense(q, k, v, causal=True, config=cfg)
+        _check_dense(q, k, v, window=(20, 3), softcap=5.0, config=cfg)
+        _check_dense(q, k, v, scale=-0.2, config=cfg)
+
+
 def test_strided_inputs():
     """q, k, v as views into one packed qkv tensor, and [B, H, S, D] tensors transposed."""
     qkv = _rand((2, 25, 3, 4, 32), torch.float32)
@@ -313,10 +327,11 @@ def test_gpu_large(d, causal, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("load", LOAD_MODES)
 @pytest.mark.parametrize("tiles", [(128, 128, 8, 2), (128, 64, 8, 3), (64, 64, 4, 2)])
-def test_gpu_configs(load, tiles):
+@pytest.mark.parametrize("pipeline_qk", [False, True])
+def test_gpu_configs(load, tiles, pipeline_qk):
     bm, bn, w, s = tiles
     q, k, v = (_rand((2, 2048, 4, 128), torch.bfloat16) for _ in range(3))
-    cfg = {"LOAD": load, "BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s}
+    cfg = {"LOAD": load, "BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s, "PIPELINE_QK": pipeline_qk}
     _check_dense(q, k, v, config=cfg)
     _check_dense(q, k, v, causal=True, config=cfg)
 

@@ -72,38 +72,91 @@ def _load_rows(src, b, h, start, base, row_stride, n_rows,
 
 
 @triton.jit
+def _online_softmax_step(acc, l_i, m_i, qk, v, b, hk, start_n, v_base, stride_vs, seqlen_k, offs_m, shift,
+                         score_scale, softcap_log2, window_left, window_right,
+                         HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                         MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                         HAS_SOFTCAP: tl.constexpr, FOLD_SCALE: tl.constexpr, LOAD: tl.constexpr,
+                         DOT_PRECISION: tl.constexpr):
+    """One key block's update of (acc, l, m) from its raw scores qk = q·kᵀ (module docstring).
+    MASKED=False: the caller guarantees every key of the block is visible to every query.
+    FOLD_SCALE (scale > 0): the row max is taken on the raw scores and scaled once per row, so
+    each score costs one FMA, qk·scale - m, before its exp2 (not a multiply and a subtract)."""
+    if HAS_SOFTCAP:   # s2 = log2(e)·softcap·tanh(scale·qk / softcap)
+        s = tanh_via_exp2(qk * score_scale) * softcap_log2
+        s_scale = 1.0
+    elif FOLD_SCALE:  # s2 = log2(e)·scale·qk, formed inside the exp2's argument below
+        s = qk
+        s_scale = score_scale
+    else:             # a scale <= 0 does not commute with the max: scale first
+        s = qk * score_scale
+        s_scale = 1.0
+    if MASKED:
+        ok = visible(offs_m, start_n + tl.arange(0, BLOCK_N), seqlen_k, shift, window_left,
+                     window_right, HAS_LEFT, HAS_RIGHT)
+        s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * s_scale)
+        # a row with no visible key so far keeps m = -inf; subtract 0 there (exp2(-inf) = 0, not NaN)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1) * s_scale)
+        m_use = m_new
+    p = tl.exp2(s * s_scale - m_use[:, None])
+    alpha = tl.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v_tile = _load_rows(v, b, hk, start_n, v_base, stride_vs, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, LOAD)
+    acc = tl.dot(p.to(v_tile.dtype), v_tile, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
 def _attend_key_blocks(acc, l_i, m_i, q_tile, k, v, start, end, b, hk, k_base, v_base,
                        stride_ks, stride_vs, seqlen_k, offs_m, shift, score_scale, softcap_log2,
                        window_left, window_right,
                        HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                        MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                       HAS_SOFTCAP: tl.constexpr, LOAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                       WARP_SPECIALIZE: tl.constexpr):
-    """Online-softmax update over key blocks start, start + BLOCK_N, .. < end (module docstring).
-    MASKED=False: the caller guarantees every key of these blocks is visible to every query."""
+                       HAS_SOFTCAP: tl.constexpr, FOLD_SCALE: tl.constexpr, LOAD: tl.constexpr,
+                       DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+    """Online-softmax update over key blocks start, start + BLOCK_N, .. < end."""
     for start_n in tl.range(start, end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         k_tile = _load_rows(k, b, hk, start_n, k_base, stride_ks, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, LOAD)
         qk = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION)
-        if HAS_SOFTCAP:   # s2 = log2(e)·softcap·tanh(scale·qk / softcap)
-            s2 = tanh_via_exp2(qk * score_scale) * softcap_log2
-        else:             # s2 = log2(e)·scale·qk
-            s2 = qk * score_scale
-        if MASKED:
-            ok = visible(offs_m, start_n + tl.arange(0, BLOCK_N), seqlen_k, shift, window_left,
-                         window_right, HAS_LEFT, HAS_RIGHT)
-            s2 = tl.where(ok, s2, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s2, 1))
-            # a row with no visible key so far keeps m = -inf; subtract 0 there (exp2(-inf) = 0, not NaN)
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
-            m_new = tl.maximum(m_i, tl.max(s2, 1))
-            m_use = m_new
-        p = tl.exp2(s2 - m_use[:, None])
-        alpha = tl.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v_tile = _load_rows(v, b, hk, start_n, v_base, stride_vs, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, LOAD)
-        acc = tl.dot(p.to(v_tile.dtype), v_tile, acc * alpha[:, None], input_precision=DOT_PRECISION)
-        m_i = m_new
+        acc, l_i, m_i = _online_softmax_step(
+            acc, l_i, m_i, qk, v, b, hk, start_n, v_base, stride_vs, seqlen_k, offs_m, shift, score_scale,
+            softcap_log2, window_left, window_right, HEAD_DIM, BLOCK_N, BLOCK_D, MASKED, HAS_LEFT, HAS_RIGHT,
+            HAS_SOFTCAP, FOLD_SCALE, LOAD, DOT_PRECISION)
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attend_key_blocks_rotated(acc, l_i, m_i, q_tile, k, v, start, end, b, hk, k_base, v_base,
+                               stride_ks, stride_vs, seqlen_k, offs_m, shift, score_scale, softcap_log2,
+                               window_left, window_right,
+                               HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                               MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                               HAS_SOFTCAP: tl.constexpr, FOLD_SCALE: tl.constexpr, LOAD: tl.constexpr,
+                               DOT_PRECISION: tl.constexpr):
+    """_attend_key_blocks with the loop rotated by one QKᵀ (FlashAttention-3's intra-warpgroup
+    overlap): block j + 1's scores are issued before block j's softmax, so the tensor cores work
+    on q·k_{j+1}ᵀ while the softmax of block j runs; the dot's result is only consumed by the next
+    iteration, which lets it stay asynchronous. One more [BLOCK_M, BLOCK_N] fp32 tile live."""
+    if start < end:
+        last = start + (end - start - 1) // BLOCK_N * BLOCK_N
+        k_tile = _load_rows(k, b, hk, start, k_base, stride_ks, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, LOAD)
+        qk = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION)
+        for start_n in range(start, last, BLOCK_N):
+            k_next = _load_rows(k, b, hk, start_n + BLOCK_N, k_base, stride_ks, seqlen_k, HEAD_DIM, BLOCK_N,
+                                BLOCK_D, LOAD)
+            qk_next = tl.dot(q_tile, tl.trans(k_next), input_precision=DOT_PRECISION)
+            acc, l_i, m_i = _online_softmax_step(
+                acc, l_i, m_i, qk, v, b, hk, start_n, v_base, stride_vs, seqlen_k, offs_m, shift, score_scale,
+                softcap_log2, window_left, window_right, HEAD_DIM, BLOCK_N, BLOCK_D, MASKED, HAS_LEFT,
+                HAS_RIGHT, HAS_SOFTCAP, FOLD_SCALE, LOAD, DOT_PRECISION)
+            qk = qk_next
+        acc, l_i, m_i = _online_softmax_step(
+            acc, l_i, m_i, qk, v, b, hk, last, v_base, stride_vs, seqlen_k, offs_m, shift, score_scale,
+            softcap_log2, window_left, window_right, HEAD_DIM, BLOCK_N, BLOCK_D, MASKED, HAS_LEFT, HAS_RIGHT,
+            HAS_SOFTCAP, FOLD_SCALE, LOAD, DOT_PRECISION)
     return acc, l_i, m_i
 
 
@@ -166,6 +219,8 @@ def attention_fwd_kernel(
     DOT_PRECISION: tl.constexpr,   # "ieee" for fp32 inputs (no tf32), None otherwise
     REVERSE_M: tl.constexpr,       # heavy (late, causal) query blocks first: shorter tail
     WARP_SPECIALIZE: tl.constexpr,  # hook for tl.range(warp_specialize=...) on the interior loop
+    PIPELINE_QK: tl.constexpr,     # the interior loop rotated by one QK^T (_attend_key_blocks_rotated)
+    FOLD_SCALE: tl.constexpr,      # score_scale > 0: scale folded into the exp2's FMA
 ):
     pid_m = tl.program_id(0)
     if REVERSE_M:
@@ -204,16 +259,22 @@ def attention_fwd_kernel(
     acc, l_i, m_i = _attend_key_blocks(
         acc, l_i, m_i, q_tile, k, v, lo_aligned, full_lo, b, hk, k_base, v_base, stride_ks, stride_vs,
         seqlen_k, offs_m, shift, score_scale, softcap_log2, window_left, window_right,
-        HEAD_DIM, BLOCK_N, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, LOAD, DOT_PRECISION, False)
-    acc, l_i, m_i = _attend_key_blocks(
-        acc, l_i, m_i, q_tile, k, v, full_lo, full_hi, b, hk, k_base, v_base, stride_ks, stride_vs,
-        seqlen_k, offs_m, shift, score_scale, softcap_log2, window_left, window_right,
-        HEAD_DIM, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, LOAD, DOT_PRECISION,
-        WARP_SPECIALIZE)
+        HEAD_DIM, BLOCK_N, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, FOLD_SCALE, LOAD, DOT_PRECISION, False)
+    if PIPELINE_QK:
+        acc, l_i, m_i = _attend_key_blocks_rotated(
+            acc, l_i, m_i, q_tile, k, v, full_lo, full_hi, b, hk, k_base, v_base, stride_ks, stride_vs,
+            seqlen_k, offs_m, shift, score_scale, softcap_log2, window_left, window_right,
+            HEAD_DIM, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, FOLD_SCALE, LOAD, DOT_PRECISION)
+    else:
+        acc, l_i, m_i = _attend_key_blocks(
+            acc, l_i, m_i, q_tile, k, v, full_lo, full_hi, b, hk, k_base, v_base, stride_ks, stride_vs,
+            seqlen_k, offs_m, shift, score_scale, softcap_log2, window_left, window_right,
+            HEAD_DIM, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, FOLD_SCALE, LOAD, DOT_PRECISION,
+            WARP_SPECIALIZE)
     acc, l_i, m_i = _attend_key_blocks(
         acc, l_i, m_i, q_tile, k, v, full_hi, hi, b, hk, k_base, v_base, stride_ks, stride_vs,
         seqlen_k, offs_m, shift, score_scale, softcap_log2, window_left, window_right,
-        HEAD_DIM, BLOCK_N, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, LOAD, DOT_PRECISION, False)
+        HEAD_DIM, BLOCK_N, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, FOLD_SCALE, LOAD, DOT_PRECISION, False)
 
     # deferred normalization; rows that saw no key: l = 0 -> out 0, lse = -inf (m = -inf)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -305,6 +366,7 @@ def attention_forward(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_
     cfg = dict(fwd_tile_config(block_d, q.dtype, on_gpu, masked))
     cfg["LOAD"] = "ptr" if varlen else DEFAULT_DENSE_LOAD
     cfg["WARP_SPECIALIZE"] = False
+    cfg.setdefault("PIPELINE_QK", False)
     cfg.update(config or {})
     if cfg["LOAD"] not in LOAD_MODES or (varlen and cfg["LOAD"] != "ptr"):
         raise ValueError(f"config LOAD={cfg['LOAD']!r}: one of {LOAD_MODES}; varlen takes 'ptr' only")
@@ -367,6 +429,7 @@ def attention_forward(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_
         HAS_SOFTCAP=has_softcap, IS_VARLEN=varlen, LOAD=load,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
         REVERSE_M=window_right is not None, WARP_SPECIALIZE=cfg["WARP_SPECIALIZE"],
+        PIPELINE_QK=cfg["PIPELINE_QK"], FOLD_SCALE=score_scale > 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out, lse
