@@ -105,11 +105,11 @@ def test_every_load_path(load):
 
 
 @pytest.mark.parametrize("load", LOAD_MODES)
-def test_pipelined_interior_loop(load):
-    """PIPELINE_QK: the unmasked interior walked with the next block's QK^T issued first. Lengths
-    that give the interior 0, 1, 2 and several blocks (16-key tiles), with and without a window,
-    softcap and a negative scale (which takes the unfolded scale path)."""
-    cfg = {"LOAD": load, "PIPELINE_QK": True, "BLOCK_M": 16, "BLOCK_N": 16}
+def test_interior_lengths_and_scale_sign(load):
+    """Lengths that give the unmasked interior 0, 1, 2 and several 16-key blocks, with and without
+    a window and softcap, and a negative scale (the max does not commute with it: the unfolded
+    scale path)."""
+    cfg = {"LOAD": load, "BLOCK_M": 16, "BLOCK_N": 16}
     for s_k in (9, 16, 33, 80):
         q, k, v = _rand((2, 24, 2, 32), torch.float32), _rand((2, s_k, 1, 32), torch.float32), _rand((2, s_k, 1, 32), torch.float32)
         _check_dense(q, k, v, config=cfg)
@@ -327,11 +327,10 @@ def test_gpu_large(d, causal, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("load", LOAD_MODES)
 @pytest.mark.parametrize("tiles", [(128, 128, 8, 2), (128, 64, 8, 3), (64, 64, 4, 2)])
-@pytest.mark.parametrize("pipeline_qk", [False, True])
-def test_gpu_configs(load, tiles, pipeline_qk):
+def test_gpu_configs(load, tiles):
     bm, bn, w, s = tiles
     q, k, v = (_rand((2, 2048, 4, 128), torch.bfloat16) for _ in range(3))
-    cfg = {"LOAD": load, "BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s, "PIPELINE_QK": pipeline_qk}
+    cfg = {"LOAD": load, "BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s}
     _check_dense(q, k, v, config=cfg)
     _check_dense(q, k, v, causal=True, config=cfg)
 

@@ -129,38 +129,6 @@ def _attend_key_blocks(acc, l_i, m_i, q_tile, k, v, start, end, b, hk, k_base, v
 
 
 @triton.jit
-def _attend_key_blocks_rotated(acc, l_i, m_i, q_tile, k, v, start, end, b, hk, k_base, v_base,
-                               stride_ks, stride_vs, seqlen_k, offs_m, shift, score_scale, softcap_log2,
-                               window_left, window_right,
-                               HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                               MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                               HAS_SOFTCAP: tl.constexpr, FOLD_SCALE: tl.constexpr, LOAD: tl.constexpr,
-                               DOT_PRECISION: tl.constexpr):
-    """_attend_key_blocks with the loop rotated by one QKᵀ (FlashAttention-3's intra-warpgroup
-    overlap): block j + 1's scores are issued before block j's softmax, so the tensor cores work
-    on q·k_{j+1}ᵀ while the softmax of block j runs; the dot's result is only consumed by the next
-    iteration, which lets it stay asynchronous. One more [BLOCK_M, BLOCK_N] fp32 tile live."""
-    if start < end:
-        last = start + (end - start - 1) // BLOCK_N * BLOCK_N
-        k_tile = _load_rows(k, b, hk, start, k_base, stride_ks, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, LOAD)
-        qk = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION)
-        for start_n in range(start, last, BLOCK_N):
-            k_next = _load_rows(k, b, hk, start_n + BLOCK_N, k_base, stride_ks, seqlen_k, HEAD_DIM, BLOCK_N,
-                                BLOCK_D, LOAD)
-            qk_next = tl.dot(q_tile, tl.trans(k_next), input_precision=DOT_PRECISION)
-            acc, l_i, m_i = _online_softmax_step(
-                acc, l_i, m_i, qk, v, b, hk, start_n, v_base, stride_vs, seqlen_k, offs_m, shift, score_scale,
-                softcap_log2, window_left, window_right, HEAD_DIM, BLOCK_N, BLOCK_D, MASKED, HAS_LEFT,
-                HAS_RIGHT, HAS_SOFTCAP, FOLD_SCALE, LOAD, DOT_PRECISION)
-            qk = qk_next
-        acc, l_i, m_i = _online_softmax_step(
-            acc, l_i, m_i, qk, v, b, hk, last, v_base, stride_vs, seqlen_k, offs_m, shift, score_scale,
-            softcap_log2, window_left, window_right, HEAD_DIM, BLOCK_N, BLOCK_D, MASKED, HAS_LEFT, HAS_RIGHT,
-            HAS_SOFTCAP, FOLD_SCALE, LOAD, DOT_PRECISION)
-    return acc, l_i, m_i
-
-
-@triton.jit
 def _unmasked_key_blocks(start_m, lo, seqlen_k, shift, window_left, window_right,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
@@ -219,7 +187,6 @@ def attention_fwd_kernel(
     DOT_PRECISION: tl.constexpr,   # "ieee" for fp32 inputs (no tf32), None otherwise
     REVERSE_M: tl.constexpr,       # heavy (late, causal) query blocks first: shorter tail
     WARP_SPECIALIZE: tl.constexpr,  # hook for tl.range(warp_specialize=...) on the interior loop
-    PIPELINE_QK: tl.constexpr,     # the interior loop rotated by one QK^T (_attend_key_blocks_rotated)
     FOLD_SCALE: tl.constexpr,      # score_scale > 0: scale folded into the exp2's FMA
 ):
     pid_m = tl.program_id(0)
@@ -260,17 +227,11 @@ def attention_fwd_kernel(
         acc, l_i, m_i, q_tile, k, v, lo_aligned, full_lo, b, hk, k_base, v_base, stride_ks, stride_vs,
         seqlen_k, offs_m, shift, score_scale, softcap_log2, window_left, window_right,
         HEAD_DIM, BLOCK_N, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, FOLD_SCALE, LOAD, DOT_PRECISION, False)
-    if PIPELINE_QK:
-        acc, l_i, m_i = _attend_key_blocks_rotated(
-            acc, l_i, m_i, q_tile, k, v, full_lo, full_hi, b, hk, k_base, v_base, stride_ks, stride_vs,
-            seqlen_k, offs_m, shift, score_scale, softcap_log2, window_left, window_right,
-            HEAD_DIM, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, FOLD_SCALE, LOAD, DOT_PRECISION)
-    else:
-        acc, l_i, m_i = _attend_key_blocks(
-            acc, l_i, m_i, q_tile, k, v, full_lo, full_hi, b, hk, k_base, v_base, stride_ks, stride_vs,
-            seqlen_k, offs_m, shift, score_scale, softcap_log2, window_left, window_right,
-            HEAD_DIM, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, FOLD_SCALE, LOAD, DOT_PRECISION,
-            WARP_SPECIALIZE)
+    acc, l_i, m_i = _attend_key_blocks(
+        acc, l_i, m_i, q_tile, k, v, full_lo, full_hi, b, hk, k_base, v_base, stride_ks, stride_vs,
+        seqlen_k, offs_m, shift, score_scale, softcap_log2, window_left, window_right,
+        HEAD_DIM, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, FOLD_SCALE, LOAD, DOT_PRECISION,
+        WARP_SPECIALIZE)
     acc, l_i, m_i = _attend_key_blocks(
         acc, l_i, m_i, q_tile, k, v, full_hi, hi, b, hk, k_base, v_base, stride_ks, stride_vs,
         seqlen_k, offs_m, shift, score_scale, softcap_log2, window_left, window_right,
@@ -366,7 +327,6 @@ def attention_forward(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_
     cfg = dict(fwd_tile_config(block_d, q.dtype, on_gpu, masked))
     cfg["LOAD"] = "ptr" if varlen else DEFAULT_DENSE_LOAD
     cfg["WARP_SPECIALIZE"] = False
-    cfg.setdefault("PIPELINE_QK", False)
     cfg.update(config or {})
     if cfg["LOAD"] not in LOAD_MODES or (varlen and cfg["LOAD"] != "ptr"):
         raise ValueError(f"config LOAD={cfg['LOAD']!r}: one of {LOAD_MODES}; varlen takes 'ptr' only")
@@ -429,7 +389,7 @@ def attention_forward(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_
         HAS_SOFTCAP=has_softcap, IS_VARLEN=varlen, LOAD=load,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
         REVERSE_M=window_right is not None, WARP_SPECIALIZE=cfg["WARP_SPECIALIZE"],
-        PIPELINE_QK=cfg["PIPELINE_QK"], FOLD_SCALE=score_scale > 0,
+        FOLD_SCALE=score_scale > 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out, lse
