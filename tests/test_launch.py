@@ -31,3 +31,35 @@ def test_cached_launches_match_triton_path(monkeypatch):
                 y = sm._launch_fwd(x, False)
                 assert rel_err(y, torch.softmax(x.double(), -1)) <= 2e-3, (rows, cols, offset)
     assert len(sm.softmax_fwd_fused_kernel._cache) >= len(cases)
+
+
+def test_prepared_args_key_their_integers_once():
+    from tilefuse.ops.rope import rope_kernel
+
+    prepared = rope_kernel.prepare((1, 17, 2**31), {"TOKENS": 2, "num_warps": 4})
+    k = _launch._arg_key
+    assert prepared.ints == (1, 17, 2**31)
+    assert prepared.key == ((k(1), k(17), k(2**31)), (("TOKENS", 2), ("num_warps", 4)))
+
+
+@pytest.mark.gpu
+def test_prepared_launches_match_reference():
+    """rope's prepared launches (the integers keyed once per plan, tensors per call): shapes,
+    layouts and a 2-byte-misaligned q alternate through the cache over two rounds; every result
+    must match the reference."""
+    from tilefuse import rope
+    from tilefuse.ops.rope import rope_cos_sin_table, rope_kernel, rope_reference
+
+    base = torch.randn(2 * 33 * 8 * 64 + 1, device="cuda", dtype=torch.float16)
+    for _ in range(2):
+        for seq, heads, offset, layout in ((33, 8, 0, "bshd"), (33, 8, 1, "bshd"), (16, 4, 0, "bhsd"), (1, 1, 1, "bshd")):
+            n = 2 * seq * heads * 64
+            shape = (2, seq, heads, 64) if layout == "bshd" else (2, heads, seq, 64)
+            q = base[offset:offset + n].view(shape)
+            k = torch.randn(shape, device="cuda", dtype=torch.float16)
+            cos, sin = rope_cos_sin_table(seq, 64, dtype=torch.float16, device="cuda")
+            out = rope(q, k, cos, sin, layout=layout)
+            ref = rope_reference(q.double(), k.double(), cos.double(), sin.double(), layout=layout)
+            for o, r in zip(out, ref):
+                assert rel_err(o, r) <= 2e-3, (seq, heads, offset, layout)
+    assert len(rope_kernel._prepared_cache) >= 3

@@ -19,12 +19,17 @@ A miss goes through Triton's normal launch (which compiles, specializes and laun
 the compiled kernel; a hit calls that kernel's launcher directly. Interpreted kernels, callable
 grids and active launch hooks (profilers) always take Triton's path. ``TILEFUSE_FAST_LAUNCH=0``
 turns the cache off.
+
+Prepared launches (``kernel.prepare(ints, kwargs)`` once per cached op plan, then
+``kernel.launch_prepared(grid, tensors, prepared)``) key only the tensors on each call: the
+integers a plan fixes are keyed once, when the plan is built (rope passes 32 of them).
 """
 
 from __future__ import annotations
 
 import inspect
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -61,6 +66,7 @@ class FastKernel:
     def __init__(self, fn):
         self.fn = fn
         self._cache: dict = {}
+        self._prepared_cache: dict = {}
         if isinstance(fn, JITFunction):
             self._names = [p.name for p in fn.params]
             self._constexpr = [p.is_constexpr for p in fn.params]
@@ -114,6 +120,47 @@ class FastKernel:
         compiled.run(g0, g1, g2, torch._C._cuda_getCurrentRawStream(device), compiled.function,
                      compiled.packed_metadata, None, None, None, *args, *rest)
         return compiled
+
+
+    # ------------------------------------------------------------------------------------------
+    # prepared launches: the integer arguments keyed once per plan, not once per call
+    # ------------------------------------------------------------------------------------------
+
+    def prepare(self, ints: tuple, kwargs: dict) -> "PreparedArgs":
+        """The arguments after the leading tensors of a launch whose values an op's cached plan
+        fixes (sizes, strides, constexprs), with their part of the cache key computed once;
+        launch with :meth:`launch_prepared`. For kernels whose parameters are tensors first."""
+        return PreparedArgs(tuple(ints), dict(kwargs),
+                            (tuple(_arg_key(a) for a in ints), tuple(kwargs.items())))
+
+    def launch_prepared(self, grid, tensors: tuple, prepared: "PreparedArgs"):
+        """``self[grid](*tensors, *prepared.ints, **prepared.kwargs)``, keyed on the tensors' dtype
+        and alignment plus the prepared key: the per-call key work is one pair per tensor."""
+        if not (_ENABLED and isinstance(self.fn, JITFunction)):
+            return self.fn[grid](*tensors, *prepared.ints, **prepared.kwargs)
+        device = torch.cuda.current_device()
+        key = (device, tuple([(t.dtype, t.data_ptr() % 16 == 0) for t in tensors]), prepared.key)
+        hit = self._prepared_cache.get(key)
+        if hit is None or _hooks_active():
+            compiled = self.fn[grid](*tensors, *prepared.ints, **prepared.kwargs)
+            if getattr(compiled, "function", None) is not None:
+                n = len(tensors) + len(prepared.ints)
+                rest = [prepared.kwargs[name] if name in prepared.kwargs else d
+                        for name, d in zip(self._names[n:], self._defaults[n:])]
+                self._prepared_cache[key] = (compiled, rest)
+            return compiled
+        compiled, rest = hit
+        g0, g1, g2 = (tuple(grid) + (1, 1))[:3]
+        compiled.run(g0, g1, g2, torch._C._cuda_getCurrentRawStream(device), compiled.function,
+                     compiled.packed_metadata, None, None, None, *tensors, *prepared.ints, *rest)
+        return compiled
+
+
+class PreparedArgs(NamedTuple):
+    """What :meth:`FastKernel.prepare` returns (cache it in the op's launch plan)."""
+    ints: tuple        # positional arguments after the tensors
+    kwargs: dict       # constexprs and launch options (do not mutate: shared by the plan cache)
+    key: tuple         # their cache-key part
 
 
 def _hooks_active() -> bool:

@@ -33,7 +33,8 @@ head of that token, so cos/sin are loaded once and reused across heads; each hea
 
 from __future__ import annotations
 
-from typing import Optional
+import functools
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -41,7 +42,7 @@ import triton.language as tl
 
 from .._checks import check_same_device, check_same_dtype, check_tensor
 from .._dispatch import cdiv, empty, next_power_of_2, num_sms, use_triton
-from .._launch import fast_launch
+from .._launch import PreparedArgs, fast_launch
 from .._op import custom_op
 from ..registry import Inputs, OpSpec, register, tensor_bytes
 
@@ -194,9 +195,34 @@ def _num_warps(tile_elems: int) -> int:
     return max(1, min(8, tile_elems // (32 * 16)))
 
 
+def _launch_config(n_tokens: int, n_q_heads: int, n_k_heads: int, head_dim: int, rotary_dim: int,
+                   sms: int, config: tuple = ()) -> dict:
+    """Tiles and warps for one call; ``config`` (sorted (key, value) pairs) overrides keys (GPU sweeps)."""
+    block_r2 = next_power_of_2(max(rotary_dim // 2, 1))
+    block_hq, block_hk = _block_heads(n_q_heads, block_r2), _block_heads(n_k_heads, block_r2)
+    cfg = {
+        "TOKENS": _tokens_per_program((n_q_heads + n_k_heads) * head_dim, n_tokens, sms),
+        "BLOCK_HQ": block_hq,
+        "BLOCK_HK": block_hk,
+        "num_warps": _num_warps(max(block_hq, block_hk) * 2 * block_r2),
+    }
+    cfg.update(config)
+    return cfg
+
+
 # ----------------------------------------------------------------------------------------------
 # launcher (inputs already validated by the public function)
 # ----------------------------------------------------------------------------------------------
+
+
+def _bshd_meta(shape: tuple, strides: tuple, layout: str) -> tuple[tuple, tuple]:
+    """(shape, strides) of q or k viewed as [B, S, H, D] (what ``_bshd`` returns, without
+    building the view): a 3-D tensor is one batch (its batch stride is never used), bhsd swaps."""
+    if len(shape) == 3:
+        shape, strides = (1, *shape), (0, *strides)
+    if layout == "bhsd":
+        return (shape[0], shape[2], shape[1], shape[3]), (strides[0], strides[2], strides[1], strides[3])
+    return tuple(shape), tuple(strides)
 
 
 def _bshd(t: torch.Tensor, layout: str) -> torch.Tensor:
@@ -211,67 +237,86 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
 
 
 def _table_view(cs: torch.Tensor, batch: int) -> torch.Tensor:
-    """cos or sin as [B, rows, r] with a zero batch stride when shared, unit stride along r."""
+    """cos or sin as [B, rows, r] with a zero batch stride when shared, unit stride along r
+    (the fused qkv projection's launcher reads tables this way)."""
     cs = _unit_last(cs)
     cs = cs.unsqueeze(0) if cs.dim() == 2 else cs
     return cs.expand(batch, cs.shape[1], cs.shape[2])
 
 
-def _launch_config(n_tokens: int, n_q_heads: int, n_k_heads: int, head_dim: int, rotary_dim: int,
-                   t: torch.Tensor, config: dict | None = None) -> dict:
-    """Tiles and warps for one call; ``config`` overrides keys (GPU sweeps)."""
-    block_r2 = next_power_of_2(max(rotary_dim // 2, 1))
-    block_hq, block_hk = _block_heads(n_q_heads, block_r2), _block_heads(n_k_heads, block_r2)
-    cfg = {
-        "TOKENS": _tokens_per_program((n_q_heads + n_k_heads) * head_dim, n_tokens, num_sms(t)),
-        "BLOCK_HQ": block_hq,
-        "BLOCK_HK": block_hk,
-        "num_warps": _num_warps(max(block_hq, block_hk) * 2 * block_r2),
-    }
-    cfg.update(config or {})
-    return cfg
+def _batch_row_strides(shape: tuple, strides: tuple, batched: bool) -> tuple[int, int]:
+    """(batch, row) strides of a cos/sin table ([rows, r], or [1 or B, rows, r] when ``batched``)
+    or of position ids ([S], or [1 or B, S]): batch stride 0 when the batch shares it."""
+    if not batched:
+        return 0, strides[0]
+    return (0 if shape[0] == 1 else strides[0]), strides[1]
 
 
-def _launch(q4, k4, q_out4, k_out4, cos, sin, position_ids, interleaved, rotary_dim, inverse, inplace,
-            config=None):
-    """q4/k4/q_out4/k_out4: [B, S, H, D] views with unit stride along D (the outputs view the
-    inputs' memory when ``inplace``, and the pass-through features are then left untouched)."""
-    batch, seq_len, n_q_heads, head_dim = q4.shape
-    n_k_heads = k4.shape[2]
+class _Plan(NamedTuple):
+    grid: tuple
+    prepared: PreparedArgs     # every integer argument and constexpr of rope_kernel
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(q_shape: tuple, q_strides: tuple, k_shape: tuple, k_strides: tuple, qo_strides: tuple, ko_strides: tuple,
+          cos_shape: tuple, cos_strides: tuple, sin_strides: tuple, pos_meta: Optional[tuple], interleaved: bool,
+          rotary_dim: int, inverse: bool, inplace: bool, layout: str, sms: int, config: tuple) -> Optional[_Plan]:
+    """The launch of one call, from its tensors' shapes and strides (cached: a rope call's kernel
+    takes tens of µs, its host path as long again without it). None: nothing to launch."""
+    (batch, seq_len, n_q_heads, head_dim), q_st = _bshd_meta(q_shape, q_strides, layout)
+    (_, _, n_k_heads, _), k_st = _bshd_meta(k_shape, k_strides, layout)
+    _, qo_st = _bshd_meta(q_shape, qo_strides, layout)
+    _, ko_st = _bshd_meta(k_shape, ko_strides, layout)
     n_tokens = batch * seq_len
     if n_tokens == 0 or (n_q_heads + n_k_heads) * head_dim == 0:
-        return
-    cfg = _launch_config(n_tokens, n_q_heads, n_k_heads, head_dim, rotary_dim, q4, config)
-    cos3, sin3 = _table_view(cos, batch), _table_view(sin, batch)
-    if position_ids is not None:
-        pos = position_ids.unsqueeze(0) if position_ids.dim() == 1 else position_ids
-        pos = pos.expand(batch, seq_len)
-        pos_strides = (pos.stride(0), pos.stride(1))
-    else:
-        pos, pos_strides = cos3, (0, 0)   # any pointer; HAS_POS=False never reads it
-    rope_kernel[(cdiv(n_tokens, cfg["TOKENS"]),)](
-        q4, k4, q_out4, k_out4, cos3, sin3, pos,
-        n_tokens, seq_len, n_q_heads, n_k_heads, cos3.shape[1],
-        q4.stride(0), q4.stride(1), q4.stride(2), k4.stride(0), k4.stride(1), k4.stride(2),
-        q_out4.stride(0), q_out4.stride(1), q_out4.stride(2),
-        k_out4.stride(0), k_out4.stride(1), k_out4.stride(2),
-        cos3.stride(0), cos3.stride(1), sin3.stride(0), sin3.stride(1), *pos_strides,
-        HEAD_DIM=head_dim, HALF_ROT=rotary_dim // 2,
-        HAS_POS=position_ids is not None, INTERLEAVED=interleaved, INVERSE=inverse,
-        COPY_TAIL=not inplace and rotary_dim < head_dim,
+        return None
+    cfg = _launch_config(n_tokens, n_q_heads, n_k_heads, head_dim, rotary_dim, sms, config)
+    cos_st = _batch_row_strides(cos_shape, cos_strides, len(cos_shape) == 3)
+    sin_st = _batch_row_strides(cos_shape, sin_strides, len(cos_shape) == 3)
+    pos_st = (0, 0) if pos_meta is None else _batch_row_strides(*pos_meta, len(pos_meta[0]) == 2)
+    n_table_rows = cos_shape[-2]
+    ints = (n_tokens, seq_len, n_q_heads, n_k_heads, n_table_rows, *q_st[:3], *k_st[:3], *qo_st[:3], *ko_st[:3],
+            *cos_st, *sin_st, *pos_st)
+    kwargs = dict(
+        HEAD_DIM=head_dim, HALF_ROT=rotary_dim // 2, HAS_POS=pos_meta is not None, INTERLEAVED=interleaved,
+        INVERSE=inverse, COPY_TAIL=not inplace and rotary_dim < head_dim,
         TOKENS=cfg["TOKENS"], BLOCK_HQ=cfg["BLOCK_HQ"], BLOCK_HK=cfg["BLOCK_HK"],
         BLOCK_R2=next_power_of_2(max(rotary_dim // 2, 1)),
         BLOCK_TAIL=next_power_of_2(max(head_dim - rotary_dim, 1)), num_warps=cfg["num_warps"],
     )
+    return _Plan((cdiv(n_tokens, cfg["TOKENS"]),), rope_kernel.prepare(ints, kwargs))
+
+
+def _launch(q, k, q_out, k_out, cos, sin, position_ids, interleaved, rotary_dim, inverse, inplace,
+            config=None, layout="bshd"):
+    """rope of q, k (3-D or 4-D, ``layout``) into q_out, k_out (the same tensors when
+    ``inplace``, and the pass-through features are then left untouched). q, k, cos and sin need a
+    unit stride along their last dim (``_rope_into`` copies those that do not)."""
+    pos_meta = None if position_ids is None else (tuple(position_ids.shape), position_ids.stride())
+    plan = _plan(tuple(q.shape), q.stride(), tuple(k.shape), k.stride(), q_out.stride(), k_out.stride(),
+                 tuple(cos.shape), cos.stride(), sin.stride(), pos_meta, interleaved, rotary_dim, inverse, inplace,
+                 layout, num_sms(q), tuple(sorted(config.items())) if config else ())
+    if plan is not None:   # (position ids: any pointer when absent, HAS_POS=False never reads it)
+        rope_kernel.launch_prepared(plan.grid, (q, k, q_out, k_out, cos, sin,
+                                                cos if position_ids is None else position_ids), plan.prepared)
+
+
+@functools.lru_cache(maxsize=1024)
+def _alloc_order(shape: tuple, strides: tuple) -> tuple[tuple, Optional[tuple]]:
+    """(shape in t's memory order of the leading dims (sorted by stride) with D last, the
+    permutation back to t's dim order or None when it is the identity)."""
+    order = sorted(range(len(shape) - 1), key=lambda d: -strides[d]) + [len(shape) - 1]
+    perm = tuple(order.index(d) for d in range(len(shape)))
+    return tuple(shape[d] for d in order), (None if perm == tuple(range(len(shape))) else perm)
 
 
 def _new_like(t: torch.Tensor, alloc) -> torch.Tensor:
-    """A fresh tensor of t's shape in t's memory order of the leading dims (sorted by stride) and
-    unit stride along D: a [B, H, S, D] transpose of bshd memory gets a bshd-ordered output, a
-    packed-qkv view a dense one."""
-    order = sorted(range(t.dim() - 1), key=lambda d: -t.stride(d)) + [t.dim() - 1]
-    buf = alloc([t.shape[d] for d in order], t.dtype, t.device)
-    return buf.permute([order.index(d) for d in range(t.dim())])
+    """A fresh tensor of t's shape in t's memory order of the leading dims and unit stride along
+    D: a [B, H, S, D] transpose of bshd memory gets a bshd-ordered output, a packed-qkv view a
+    dense one."""
+    shape, perm = _alloc_order(tuple(t.shape), t.stride())
+    buf = alloc(shape, t.dtype, t.device)
+    return buf if perm is None else buf.permute(perm)
 
 
 def _rope_into(q, k, cos, sin, position_ids, interleaved, rotary_dim, layout, inverse, q_out, k_out):
@@ -281,12 +326,11 @@ def _rope_into(q, k, cos, sin, position_ids, interleaved, rotary_dim, layout, in
         q_out.copy_(q_ref)
         k_out.copy_(k_ref)
         return
-    q4, k4 = _bshd(q, layout), _bshd(k, layout)
-    q_out4, k_out4 = _bshd(q_out, layout), _bshd(k_out, layout)
     inplace = q_out is q
     if not inplace:   # a D-strided input is read through a unit-stride copy
-        q4, k4 = _unit_last(q4), _unit_last(k4)
-    _launch(q4, k4, q_out4, k_out4, cos, sin, position_ids, interleaved, rotary_dim, inverse, inplace)
+        q, k = _unit_last(q), _unit_last(k)
+    _launch(q, k, q_out, k_out, _unit_last(cos), _unit_last(sin), position_ids, interleaved, rotary_dim, inverse,
+            inplace, layout=layout)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -405,11 +449,11 @@ def _check_rope_inputs(q, k, cos, sin, position_ids, interleaved, rotary_dim, in
             raise ValueError(f"{name} must be 4-D ({layout}) or 3-D {dims}, got shape {tuple(t.shape)}")
     if q.dim() != k.dim():
         raise ValueError(f"q and k must have the same number of dims, got {tuple(q.shape)} and {tuple(k.shape)}")
-    q4, k4 = _bshd(q, layout), _bshd(k, layout)
-    if q4.shape[:2] != k4.shape[:2] or q4.shape[3] != k4.shape[3]:
+    (batch, seq_len, _, head_dim), _ = _bshd_meta(tuple(q.shape), q.stride(), layout)
+    k_shape, _ = _bshd_meta(tuple(k.shape), k.stride(), layout)
+    if (batch, seq_len, head_dim) != (k_shape[0], k_shape[1], k_shape[3]):
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in batch, sequence and "
                          f"head_dim (layout {layout!r}); only the head counts may differ")
-    batch, seq_len, _, head_dim = q4.shape
     if rotary_dim is None:
         rotary_dim = head_dim
     if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int):
