@@ -39,13 +39,48 @@ def time_ms(fn, warmup: int = 25, rep: int = 100) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
-def graph_time_ms(fn, rep: int = 100) -> float:
-    """Median time of ``fn()`` replayed from a CUDA graph (``triton.testing.do_bench_cudagraph``):
-    the kernels alone, with no host time between launches. Beside :func:`time_ms` it tells a
-    kernel that is slow from a call whose host side is (no L2 flush between replays)."""
-    import triton.testing
+def graph_time_ms(fn, rep: int = 100, setup=None) -> float:
+    """Median time of ``fn()`` replayed from a CUDA graph: the kernels alone, with no host time
+    between launches. Beside :func:`time_ms` it tells a kernel that is slow from a call whose host
+    side is (no L2 flush between replays). As ``triton.testing.do_bench_cudagraph`` (one replay of
+    5 calls estimates the count that fills ``rep`` ms, then 10 replays of that many calls), except
+    that everything -- ``setup()``, warm-up and capture -- runs on one side stream: a backward
+    built by ``setup`` (a forward pass) runs its kernels on its forward's stream, which must be the
+    capturing one."""
+    import statistics
 
-    return float(triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median"))
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        if setup is not None:
+            setup()
+        fn()
+        torch.cuda.synchronize()
+
+        def capture(n: int):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, stream=stream):
+                for _ in range(n):
+                    fn()
+            torch.cuda.synchronize()
+            return g
+
+        def replay_ms(g) -> float:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            g.replay()
+            end.record()
+            torch.cuda.synchronize()
+            return start.elapsed_time(end)
+
+        estimate = replay_ms(capture(5)) / 5
+        n_repeat = 1 if estimate == 0 else max(1, int(rep / estimate))
+        g = capture(n_repeat)
+        times = [replay_ms(g) / n_repeat for _ in range(10)]
+    torch.cuda.current_stream().wait_stream(stream)
+    return float(statistics.median(times))
 
 
 def host_us(fn, n: int = 300) -> float:
