@@ -29,12 +29,13 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 from .._checks import check_same_device, check_same_dtype, check_shape, check_tensor
 from .._dispatch import cdiv, empty, empty_like, next_power_of_2, num_sms, rows_view, use_triton
+from .._launch import PreparedArgs
 from .._op import custom_op
 from ..registry import Inputs, OpSpec, register, tensor_bytes
 from ._norm_kernels import (
@@ -119,13 +120,27 @@ def _tier_tile(n_rows: int, n_cols: int, cfg: dict, max_fused_n: int, rows_fn, w
     return stats_in, block_m, block_n, cfg.get("num_warps", warps_fn(block_m * block_n))
 
 
+class _FwdPlan(NamedTuple):
+    stats_in: bool             # the looped tier: row stats from norm_fwd_stats_kernel first
+    block_n: int
+    grid: tuple
+    prepared: PreparedArgs     # norm_fwd_kernel's integers, floats and constexprs
+
+
 @functools.lru_cache(maxsize=1024)
-def _fwd_plan(n_rows: int, n_cols: int, cfg: tuple = ()) -> tuple:
-    """(stats_in, BLOCK_M, BLOCK_N, num_warps, grid) of the forward; cached per shape (host time:
-    the heuristics are cheap, but every µs of Python is paid per call on the 4096-wide rows)."""
+def _fwd_plan(n_rows: int, n_cols: int, x_stride: int, r_stride: int, eps: float, offset: float, is_rms: bool,
+              has_res: bool, has_w: bool, has_b: bool, cfg: tuple = ()) -> _FwdPlan:
+    """The forward's launch, cached per shape and options (host time: the heuristics are cheap,
+    but every µs of Python is paid per call on the 4096-wide rows)."""
     stats_in, block_m, block_n, num_warps = _tier_tile(n_rows, n_cols, dict(cfg), MAX_FUSED_N_FWD,
                                                        _fwd_rows_per_program, _fwd_num_warps)
-    return stats_in, block_m, block_n, num_warps, (cdiv(n_rows, block_m), cdiv(n_cols, block_n))
+    # with stats first and a residual, h is written by the stats pass and normalized here
+    src_stride = n_cols if stats_in and has_res else x_stride
+    prepared = norm_fwd_kernel.prepare(
+        (src_stride, r_stride, n_cols, n_cols, n_rows, n_cols, eps, offset),
+        dict(IS_RMS=is_rms, HAS_RES=has_res and not stats_in, HAS_W=has_w, HAS_B=has_b, STATS_IN=stats_in,
+             BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps))
+    return _FwdPlan(stats_in, block_n, (cdiv(n_rows, block_m), cdiv(n_cols, block_n)), prepared)
 
 
 def _launch_fwd(x, weight, bias, residual, eps: float, offset: float, is_rms: bool, config=None):
@@ -150,29 +165,33 @@ def _launch_fwd(x, weight, bias, residual, eps: float, offset: float, is_rms: bo
     r2 = rows_view(residual) if has_res else y
     w = weight.contiguous() if weight is not None else y
     b = bias.contiguous() if bias is not None else y
-    stats_in, block_m, block_n, num_warps, grid = _fwd_plan(n_rows, n_cols, tuple(config.items()) if config else ())
+    plan = _fwd_plan(n_rows, n_cols, x2.stride(0), r2.stride(0), eps, offset, is_rms, has_res, weight is not None,
+                     bias is not None, tuple(config.items()) if config else ())
     stats = rstd if is_rms else mean                       # mean_ptr: never read for RMSNorm
-    src, src_stride = x2, x2.stride(0)
-    if stats_in:
+    src = x2
+    if plan.stats_in:
         norm_fwd_stats_kernel[(n_rows,)](
             x2, r2, h, stats, rstd,
-            src_stride, r2.stride(0), n_cols, n_cols, eps,
-            IS_RMS=is_rms, HAS_RES=has_res, BLOCK_N=block_n, num_warps=_num_warps(block_n),
+            x2.stride(0), r2.stride(0), n_cols, n_cols, eps,
+            IS_RMS=is_rms, HAS_RES=has_res, BLOCK_N=plan.block_n, num_warps=_num_warps(plan.block_n),
         )
         if has_res:
-            src, src_stride = h, n_cols             # h is written; normalize it instead of re-adding
-    norm_fwd_kernel[grid](
-        src, r2, w, b, y, h, stats, rstd,
-        src_stride, r2.stride(0), n_cols, n_cols, n_rows, n_cols, eps, offset,
-        IS_RMS=is_rms, HAS_RES=has_res and not stats_in, HAS_W=weight is not None, HAS_B=bias is not None,
-        STATS_IN=stats_in, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
-    )
+            src = h                                 # h is written; normalize it instead of re-adding
+    norm_fwd_kernel.launch_prepared(plan.grid, (src, r2, w, b, y, h, stats, rstd), plan.prepared)
     return y, h, mean, rstd
 
 
+class _BwdPlan(NamedTuple):
+    stats_in: bool             # the looped tier: per-row dot products from norm_bwd_stats_kernel first
+    block_n: int
+    grid: tuple                # (row programs, column tiles): the dw/db partials have grid[0] rows
+    prepared: PreparedArgs     # norm_bwd_kernel's integers, floats and constexprs
+
+
 @functools.lru_cache(maxsize=1024)
-def _bwd_plan(n_rows: int, n_cols: int, sms: int, cfg: tuple = ()) -> tuple:
-    """(stats_in, BLOCK_M, BLOCK_N, num_warps, prefetch, grid) of the backward, cached per shape."""
+def _bwd_plan(n_rows: int, n_cols: int, sms: int, x_stride: int, dy_stride: int, dr_stride: int, offset: float,
+              is_rms: bool, has_w: bool, has_dres: bool, need_dw: bool, need_db: bool, cfg: tuple = ()) -> _BwdPlan:
+    """The backward's launch, cached per shape and options."""
     cfg = dict(cfg)
     stats_in, block_m, block_n, num_warps = _tier_tile(n_rows, n_cols, cfg, MAX_FUSED_N_BWD,
                                                        _bwd_rows_per_step, _bwd_num_warps)
@@ -180,7 +199,11 @@ def _bwd_plan(n_rows: int, n_cols: int, sms: int, cfg: tuple = ()) -> tuple:
     pps = cfg.get("programs_per_sm", _bwd_programs_per_sm(num_warps))
     n_prog = _bwd_row_programs(cdiv(n_rows, block_m), n_col_tiles, sms, pps)
     prefetch = cfg.get("prefetch", _bwd_prefetch(num_warps))
-    return stats_in, block_m, block_n, num_warps, prefetch, (n_prog, n_col_tiles)
+    prepared = norm_bwd_kernel.prepare(
+        (x_stride, dy_stride, dr_stride, n_cols, n_rows, n_cols, offset),
+        dict(IS_RMS=is_rms, HAS_W=has_w, HAS_DRES=has_dres, DW=need_dw, DB=need_db, STATS_IN=stats_in,
+             BLOCK_M=block_m, BLOCK_N=block_n, PREFETCH=prefetch, num_warps=num_warps))
+    return _BwdPlan(stats_in, block_n, (n_prog, n_col_tiles), prepared)
 
 
 def _launch_bwd(dy, x, weight, mean, rstd, dres, offset: float, is_rms: bool, need_dw: bool, need_db: bool,
@@ -203,23 +226,21 @@ def _launch_bwd(dy, x, weight, mean, rstd, dres, offset: float, is_rms: bool, ne
     w = weight.contiguous() if weight is not None else dx
     rstd1 = rstd                        # flat [rows], as the forward wrote it
     mean1 = mean if mean is not None else rstd1
-    stats_in, block_m, block_n, num_warps, prefetch, grid = _bwd_plan(
-        n_rows, n_cols, num_sms(x), tuple(config.items()) if config else ())
+    plan = _bwd_plan(n_rows, n_cols, num_sms(x), x2.stride(0), dy2.stride(0), dr2.stride(0), offset, is_rms,
+                     weight is not None, dres is not None, need_dw, need_db,
+                     tuple(config.items()) if config else ())
     dots = dx                           # dummy unless stats_in
-    if stats_in:
+    if plan.stats_in:
         dots = empty((2, n_rows), torch.float32, dev)
         norm_bwd_stats_kernel[(n_rows,)](
             x2, w, dy2, mean1, rstd1, dots, x2.stride(0), dy2.stride(0), n_rows, n_cols, offset,
-            IS_RMS=is_rms, HAS_W=weight is not None, BLOCK_N=block_n, num_warps=_bwd_num_warps(block_n),
+            IS_RMS=is_rms, HAS_W=weight is not None, BLOCK_N=plan.block_n, num_warps=_bwd_num_warps(plan.block_n),
         )
-    dw_part = empty((grid[0], n_cols), torch.float32, dev) if need_dw else dx
-    db_part = empty((grid[0], n_cols), torch.float32, dev) if need_db else dx
-    norm_bwd_kernel[grid](
-        x2, w, dy2, dr2, mean1, rstd1, dots, dx, dw_part, db_part,
-        x2.stride(0), dy2.stride(0), dr2.stride(0), n_cols, n_rows, n_cols, offset,
-        IS_RMS=is_rms, HAS_W=weight is not None, HAS_DRES=dres is not None, DW=need_dw, DB=need_db,
-        STATS_IN=stats_in, BLOCK_M=block_m, BLOCK_N=block_n, PREFETCH=prefetch, num_warps=num_warps,
-    )
+    n_prog = plan.grid[0]
+    dw_part = empty((n_prog, n_cols), torch.float32, dev) if need_dw else dx
+    db_part = empty((n_prog, n_cols), torch.float32, dev) if need_db else dx
+    norm_bwd_kernel.launch_prepared(plan.grid, (x2, w, dy2, dr2, mean1, rstd1, dots, dx, dw_part, db_part),
+                                    plan.prepared)
     if need_dw or need_db:
         launch_sum_partials(dw_part if need_dw else None, db_part if need_db else None,
                             dw if need_dw else None, db if need_db else None)
