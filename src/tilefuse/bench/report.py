@@ -379,12 +379,29 @@ def to_markdown(result: dict) -> str:
 
     rows = ordered_rows(result["rows"])
     tf = [r for r in rows if r["impl"] == "tilefuse"]
+    graph_best = _graph_best_peers(rows)
     lines += ["## Speed-up vs best peer", ""]
-    lines += _md_table(["op", "shape", "dtype", "pass", "tilefuse ms", "best peer", "peer ms", "speed-up", "tilefuse % ceil"], [
+    if graph_best:
+        lines += ["The CUDA-graph columns compare replayed kernels alone (no host time between launches, "
+                  "L2 not flushed), the best peer chosen by its own graph time.", ""]
+
+    def graph_cells(r) -> list[str]:
+        g = graph_best.get(_case_key(r))
+        if not graph_best:
+            return []
+        if g is None:
+            return ["-", "-", "-"]
+        peer, speedup = g
+        pct = r.get("graph_pct_of_ceiling")
+        return [peer, f"**{_x(speedup)}**", "-" if pct is None else f"{pct:.1f}%"]
+
+    lines += _md_table(["op", "shape", "dtype", "pass", "tilefuse ms", "best peer", "peer ms", "speed-up", "tilefuse % ceil"]
+                       + (["best peer (graph)", "speed-up (graph)", "% ceil (graph)"] if graph_best else []), [
         [r["op"], shape_str(r["shape"]), r["dtype"], r["pass"],
          "-" if r.get("ms") is None else f"{r['ms']:.4f}", r.get("best_peer") or "-",
          "-" if not r.get("best_peer") else f"{r['ms'] * r['speedup_vs_best_peer']:.4f}",
          "-" if not r.get("speedup_vs_best_peer") else f"**{_x(r['speedup_vs_best_peer'])}**", _pct(r)]
+        + graph_cells(r)
         for r in tf])
     bad = [r for r in rows if r["status"] != "ok"]
     n_ok = sum(r["status"] == "ok" for r in rows)
@@ -417,6 +434,26 @@ def to_markdown(result: dict) -> str:
     if result.get("notes"):
         lines += ["## Notes", ""] + [f"- {n}" for n in result["notes"]] + [""]
     return "\n".join(lines)
+
+
+def _case_key(r: dict) -> tuple:
+    return r["op"], tuple(r["shape"]), r["dtype"], r["pass"]
+
+
+def _graph_best_peers(rows: list[dict]) -> dict:
+    """(op, shape, dtype, pass) -> (fastest peer by CUDA-graph time, its graph ms / tilefuse's),
+    where tilefuse and at least one peer were replayed from a graph."""
+    out = {}
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(_case_key(r), []).append(r)
+    for key, grp in groups.items():
+        ours = [r["graph_ms"] for r in grp if r["impl"] == "tilefuse" and r.get("graph_ms")]
+        peers = {r["impl"]: r["graph_ms"] for r in grp if r["impl"] != "tilefuse" and r.get("graph_ms")}
+        if ours and peers:
+            best = min(peers, key=peers.get)
+            out[key] = (best, peers[best] / ours[0])
+    return out
 
 
 def write_markdown(result: dict, path: str | Path) -> Path:
