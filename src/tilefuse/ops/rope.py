@@ -303,7 +303,6 @@ def _launch(q, k, q_out, k_out, cos, sin, position_ids, interleaved, rotary_dim,
                                                 cos if position_ids is None else position_ids), plan.prepared)
 
 
-@functools.lru_cache(maxsize=1024)
 def _alloc_order(shape: tuple, strides: tuple) -> tuple[tuple, Optional[tuple]]:
     """(shape in t's memory order of the leading dims (sorted by stride) with D last, the
     permutation back to t's dim order or None when it is the identity)."""
@@ -312,11 +311,14 @@ def _alloc_order(shape: tuple, strides: tuple) -> tuple[tuple, Optional[tuple]]:
     return tuple(shape[d] for d in order), (None if perm == tuple(range(len(shape))) else perm)
 
 
-def _new_like(t: torch.Tensor, alloc) -> torch.Tensor:
+_alloc_order_cached = functools.lru_cache(maxsize=1024)(_alloc_order)
+
+
+def _new_like(t: torch.Tensor, alloc, cached: bool = True) -> torch.Tensor:
     """A fresh tensor of t's shape in t's memory order of the leading dims and unit stride along
     D: a [B, H, S, D] transpose of bshd memory gets a bshd-ordered output, a packed-qkv view a
-    dense one."""
-    shape, perm = _alloc_order(tuple(t.shape), t.stride())
+    dense one. ``cached=False`` for symbolic shapes (the fake impl): SymInts are not hashable."""
+    shape, perm = (_alloc_order_cached if cached else _alloc_order)(tuple(t.shape), t.stride())
     buf = alloc(shape, t.dtype, t.device)
     return buf if perm is None else buf.permute(perm)
 
@@ -396,7 +398,7 @@ def _(q, k, cos, sin, position_ids, interleaved, rotary_dim, layout, inverse):
     def alloc(shape, dtype, device):
         return torch.empty(shape, dtype=dtype, device=device)
 
-    return _new_like(q, alloc), _new_like(k, alloc)
+    return _new_like(q, alloc, cached=False), _new_like(k, alloc, cached=False)
 
 
 def _setup_context(ctx, inputs, output):
