@@ -104,8 +104,12 @@ class FastKernel:
 
     def _launch(self, grid, args, kwargs):
         device = torch.cuda.current_device()
-        key = self._key(device, args, kwargs)
-        hit = self._cache.get(key)
+        return self._run_keyed(self._cache, self._key(device, args, kwargs), device, grid, args, kwargs)
+
+    def _run_keyed(self, cache: dict, key: tuple, device: int, grid, args: tuple, kwargs: dict):
+        """A hit calls the compiled kernel's launcher; a miss (or active hooks) takes Triton's
+        path and keeps what it compiled under ``key``."""
+        hit = cache.get(key)
         if hit is None or _hooks_active():
             compiled = self.fn[grid](*args, **kwargs)
             if getattr(compiled, "function", None) is not None:
@@ -113,14 +117,13 @@ class FastKernel:
                 # a keyword (keyed by value) or a default, so the key fixes them
                 rest = [kwargs[n] if n in kwargs else d
                         for n, d in zip(self._names[len(args):], self._defaults[len(args):])]
-                self._cache[key] = (compiled, rest)
+                cache[key] = (compiled, rest)
             return compiled
         compiled, rest = hit
         g0, g1, g2 = (tuple(grid) + (1, 1))[:3]
         compiled.run(g0, g1, g2, torch._C._cuda_getCurrentRawStream(device), compiled.function,
                      compiled.packed_metadata, None, None, None, *args, *rest)
         return compiled
-
 
     # ------------------------------------------------------------------------------------------
     # prepared launches: the integer arguments keyed once per plan, not once per call
@@ -136,24 +139,12 @@ class FastKernel:
     def launch_prepared(self, grid, tensors: tuple, prepared: "PreparedArgs"):
         """``self[grid](*tensors, *prepared.ints, **prepared.kwargs)``, keyed on the tensors' dtype
         and alignment plus the prepared key: the per-call key work is one pair per tensor."""
+        args = (*tensors, *prepared.ints)
         if not (_ENABLED and isinstance(self.fn, JITFunction)):
-            return self.fn[grid](*tensors, *prepared.ints, **prepared.kwargs)
+            return self.fn[grid](*args, **prepared.kwargs)
         device = torch.cuda.current_device()
         key = (device, tuple([(t.dtype, t.data_ptr() % 16 == 0) for t in tensors]), prepared.key)
-        hit = self._prepared_cache.get(key)
-        if hit is None or _hooks_active():
-            compiled = self.fn[grid](*tensors, *prepared.ints, **prepared.kwargs)
-            if getattr(compiled, "function", None) is not None:
-                n = len(tensors) + len(prepared.ints)
-                rest = [prepared.kwargs[name] if name in prepared.kwargs else d
-                        for name, d in zip(self._names[n:], self._defaults[n:])]
-                self._prepared_cache[key] = (compiled, rest)
-            return compiled
-        compiled, rest = hit
-        g0, g1, g2 = (tuple(grid) + (1, 1))[:3]
-        compiled.run(g0, g1, g2, torch._C._cuda_getCurrentRawStream(device), compiled.function,
-                     compiled.packed_metadata, None, None, None, *tensors, *prepared.ints, *rest)
-        return compiled
+        return self._run_keyed(self._prepared_cache, key, device, grid, args, prepared.kwargs)
 
 
 class PreparedArgs(NamedTuple):
