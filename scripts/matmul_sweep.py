@@ -24,14 +24,28 @@ SHAPES = {
     "llama": LLAMA,
     "small": [(m, 4096, 4096) for m in (1, 16, 128)] + [(m, 14336, 4096) for m in (1, 16, 128)],
 }
-ALTERNATIVES = {
-    "ptr": dict(USE_TMA=False),
-    "flatten": dict(FLATTEN=True),
+# large shapes: tiles x epilogue (pointer store / descriptor store in two column halves; with or
+# without flatten, which lets the next tile's loads start before this tile's stores)
+LARGE_TILE_GRID = {
+    "128x256-s3": dict(mk.CONFIGS["tile_128x256"]),
     "128x256-s4": dict(mk.CONFIGS["tile_128x256"], num_stages=4),
-    "128x128-w4": dict(mk.CONFIGS["tile_128x128"], num_warps=4),
-    "128x128-k128-s3": dict(mk.CONFIGS["tile_128x128"], BLOCK_K=128, num_stages=3),
-    "64x256": dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
-    "g16": dict(GROUP_M=16),
+    "128x128-s4": dict(mk.CONFIGS["tile_128x128"]),
+    "256x128-s3": dict(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
+}
+EPILOGUES = {
+    "": dict(STORE_TMA=False, FLATTEN=False),
+    "+tma2": dict(STORE_TMA=True, STORE_SPLIT=2, FLATTEN=False),
+    "+tma2-fl": dict(STORE_TMA=True, STORE_SPLIT=2, FLATTEN=True),
+}
+ALTERNATIVES = {
+    **{t + e: dict(tc, **ec) for t, tc in LARGE_TILE_GRID.items() for e, ec in EPILOGUES.items()},
+    "128x256-s3+fl": dict(mk.CONFIGS["tile_128x256"], FLATTEN=True),
+    "128x256-s3+tma1-fl": dict(mk.CONFIGS["tile_128x256"], STORE_TMA=True, STORE_SPLIT=1, FLATTEN=True),
+    "128x256-s3+ws": dict(mk.CONFIGS["tile_128x256"], WARP_SPECIALIZE=True),
+    "128x256-s3+tma2-fl-ws": dict(mk.CONFIGS["tile_128x256"], STORE_TMA=True, STORE_SPLIT=2, FLATTEN=True,
+                                  WARP_SPECIALIZE=True),
+    "128x256-s3+tma2-g16": dict(mk.CONFIGS["tile_128x256"], STORE_TMA=True, STORE_SPLIT=2, GROUP_M=16),
+    "ptr": dict(USE_TMA=False),
 }
 SMALL_ALTERNATIVES = {
     "ptr": dict(USE_TMA=False),

@@ -101,7 +101,9 @@ def test_tma_and_pointer_paths(dtype, transposed_a, transposed_b):
     bias, res = torch.randn(n, device=DEVICE).to(dtype), torch.randn(m, n, device=DEVICE).to(dtype)
     assert mk.tma_layout(a, b) == (True, transposed_a, transposed_b)
     ref = matmul_reference(a.double(), b.double(), bias.double(), "gelu", res.double())
-    for cfg in ({"USE_TMA": True}, {"USE_TMA": False}, {"USE_TMA": True, "BLOCK_K": 64, "BLOCK_M": 16}):
+    for cfg in ({"USE_TMA": True}, {"USE_TMA": False}, {"USE_TMA": True, "BLOCK_K": 64, "BLOCK_M": 16},
+                {"USE_TMA": True, "STORE_TMA": True, "STORE_SPLIT": 2},
+                {"USE_TMA": True, "STORE_TMA": True, "STORE_SPLIT": 1, "FLATTEN": True, "BLOCK_M": 16}):
         out, pre = mk.launch_matmul(a, b, bias, res, "gelu", save_preact=True, config=cfg)
         assert rel_err(out, ref) <= TOL[dtype], cfg
         assert rel_err(pre, a.double() @ b.double() + bias.double()) <= TOL[dtype], cfg
@@ -240,14 +242,18 @@ def test_registry_shapes(shape, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("use_tma", [True, False])
+@pytest.mark.parametrize("cfg", [{"USE_TMA": True}, {"USE_TMA": False},
+                                 {"USE_TMA": True, "STORE_TMA": True, "STORE_SPLIT": 2, "FLATTEN": True},
+                                 {"USE_TMA": True, "STORE_TMA": True, "STORE_SPLIT": 1}], ids=str)
 @pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (16, 4096, 4096), (128, 4096, 4096), (1000, 1031, 8192),
+                                   (1000, 1032, 8192),
                                    (4096, 4096, 4096), (2048, 14336, 4096)])
-def test_gpu_bf16_large(m, n, k, use_tma):
+def test_gpu_bf16_large(m, n, k, cfg):
+    """Both load paths and both store paths (the descriptor store needs 16-byte rows: N = 1032)."""
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
     for b in (w.t(), w.t().contiguous()):
-        out, _ = mk.launch_matmul(a, b, config={"USE_TMA": use_tma})
+        out, _ = mk.launch_matmul(a, b, config=cfg)
         assert rel_err(out, a.double() @ b.double()) <= 1e-2
 
 

@@ -85,6 +85,9 @@ def matmul_kernel(
     A_M_CONTIGUOUS: tl.constexpr,   # (TMA) A has unit M stride (a transposed activation x.t(): dW = dyᵀ @ x)
     B_K_CONTIGUOUS: tl.constexpr,   # (TMA) B has unit K stride (a transposed weight w.t())
     FLATTEN: tl.constexpr,          # tl.range(flatten=...) of the tile loop (pipelines across tiles)
+    WARP_SPECIALIZE: tl.constexpr,  # tl.range(warp_specialize=...) of the tile loop
+    STORE_TMA: tl.constexpr,        # out [M, N] row-major through a descriptor store (TMA)
+    STORE_SPLIT: tl.constexpr,      # (STORE_TMA) column subtiles of the store: 1 or 2
     DOT_PRECISION: tl.constexpr,    # "ieee" for fp32 operands (as torch without TF32)
 ):
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -105,7 +108,14 @@ def matmul_kernel(
         else:
             b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[stride_bk, 1],
                                                block_shape=[BLOCK_K, BLOCK_N])
-    for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=FLATTEN):
+    if STORE_TMA:
+        c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[stride_cm, 1],
+                                           block_shape=[BLOCK_M, BLOCK_N // STORE_SPLIT])
+    # the epilogue's tile has its own counter: with FLATTEN the pipeliner can then issue the next
+    # tile's loads before this tile's stores (one value used in both breaks that)
+    tile_id_c = tl.program_id(0) - NUM_PROGRAMS
+    for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=FLATTEN,
+                            warp_specialize=WARP_SPECIALIZE):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
@@ -142,6 +152,10 @@ def matmul_kernel(
                 b_ptrs += BLOCK_K * stride_bk
 
         # epilogue: z = acc + bias; [preact = z]; out = act(z) + residual
+        tile_id_c += NUM_PROGRAMS
+        pid_m, pid_n = _tile_coords(tile_id_c, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
         rows_c = (off_m + tl.arange(0, BLOCK_M)).to(tl.int64)
         cols_c = (off_n + tl.arange(0, BLOCK_N)).to(tl.int64)
         row_ok = rows_c < M
@@ -158,8 +172,16 @@ def matmul_kernel(
             res = tl.load(residual_ptr + rows_c[:, None] * stride_rm + cols_c[None, :] * stride_rn,
                           mask=mask, other=0.0)
             y += res.to(tl.float32)
-        tl.store(c_ptr + rows_c[:, None] * stride_cm + cols_c[None, :] * stride_cn,
-                 y.to(c_ptr.dtype.element_ty), mask=mask)
+        y = y.to(c_ptr.dtype.element_ty)
+        if STORE_TMA:
+            if STORE_SPLIT == 2:    # two [BLOCK_M, BLOCK_N / 2] stores: half the staging buffer
+                y0, y1 = tl.split(tl.permute(tl.reshape(y, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+                c_desc.store([off_m, off_n], y0)
+                c_desc.store([off_m, off_n + BLOCK_N // 2], y1)
+            else:
+                c_desc.store([off_m, off_n], y)
+        else:
+            tl.store(c_ptr + rows_c[:, None] * stride_cm + cols_c[None, :] * stride_cn, y, mask=mask)
 
 
 @fast_launch
@@ -215,6 +237,8 @@ LARGE_TILES = ("tile_128x256", "tile_128x128", "tile_64x128", "tile_64x64")   # 
 MID_TILES = ("mid_128x128", "mid_64x128", "mid_64x64")
 MID_MAX_M = 256
 DEFAULT_USE_TMA = True      # descriptors where eligible (GPU sm_90+); False: pointer loads everywhere
+DEFAULT_STORE_TMA = False  # out through a descriptor store (with operands through descriptors)
+DEFAULT_STORE_SPLIT = 2    # column subtiles of that store
 DEFAULT_FLATTEN = False    # H100 2026-11-22: flatten=True was within noise on large GEMMs, 4x slower at M=1, -15% gate-up
 
 
@@ -304,6 +328,12 @@ def tma_layout(a: torch.Tensor, b: torch.Tensor) -> TmaLayout:
                                    a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0, a.element_size())
 
 
+def _store_tma_ok(n: int, out_dtype: torch.dtype) -> bool:
+    """The output (allocated here: row-major, aligned) can be stored through a descriptor: its row
+    stride must be a multiple of 16 bytes."""
+    return (n * out_dtype.itemsize) % 16 == 0
+
+
 def _tma_by_default(layout_ok: bool, hopper: bool) -> bool:
     """Descriptors by default on sm_90+ GPUs when the layout allows (DEFAULT_USE_TMA)."""
     return DEFAULT_USE_TMA and layout_ok and hopper
@@ -320,8 +350,8 @@ def use_tma_default(a: torch.Tensor, layout_ok: bool) -> bool:
 
 
 @functools.lru_cache(maxsize=4096)
-def _matmul_plan(m: int, n: int, k: int, dtype: torch.dtype, a_strides: tuple, b_strides: tuple,
-                 aligned: bool, sms: int, hopper: bool, config: tuple) -> tuple[int, dict]:
+def _matmul_plan(m: int, n: int, k: int, dtype: torch.dtype, out_dtype: torch.dtype, a_strides: tuple,
+                 b_strides: tuple, aligned: bool, sms: int, hopper: bool, config: tuple) -> tuple[int, dict]:
     """(programs, the kernel's tile / layout keyword arguments) of one GEMM problem: everything
     but the pointers, cached (host time: a small-M GEMM's kernel takes a few µs)."""
     cfg = dict(_cached_config(m, n, k, dtype, sms))
@@ -330,11 +360,15 @@ def _matmul_plan(m: int, n: int, k: int, dtype: torch.dtype, a_strides: tuple, b
     use_tma = cfg.pop("USE_TMA", None)
     use_tma = k > 0 and (_tma_by_default(layout.ok, hopper) if use_tma is None else layout.ok and bool(use_tma))
     flatten = cfg.pop("FLATTEN", DEFAULT_FLATTEN)
+    store_tma = cfg.pop("STORE_TMA", None)
+    store_tma = use_tma and _store_tma_ok(n, out_dtype) and (DEFAULT_STORE_TMA if store_tma is None else bool(store_tma))
+    store_split = cfg.pop("STORE_SPLIT", DEFAULT_STORE_SPLIT) if store_tma else 1
     programs = max(1, min(sms, cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"])))
     return programs, dict(
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
         NUM_PROGRAMS=programs, EVEN_K=k % cfg["BLOCK_K"] == 0, USE_TMA=bool(use_tma),
         A_M_CONTIGUOUS=layout.a_m_contiguous, B_K_CONTIGUOUS=layout.b_k_contiguous, FLATTEN=bool(flatten),
+        WARP_SPECIALIZE=bool(cfg.pop("WARP_SPECIALIZE", False)), STORE_TMA=store_tma, STORE_SPLIT=store_split,
         DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
@@ -354,7 +388,7 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = 
     if m == 0 or n == 0:
         return out, preact
     a_strides, b_strides = a.stride(), b.stride()
-    programs, tiles = _matmul_plan(m, n, k, a.dtype, a_strides, b_strides,
+    programs, tiles = _matmul_plan(m, n, k, a.dtype, out_dtype, a_strides, b_strides,
                                    a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0, num_sms(a),
                                    is_hopper_or_newer(a), tuple(config.items()) if config else ())
     if tiles["USE_TMA"] and a.device.type == "cuda":   # (forced under the interpreter: pointer loads)
