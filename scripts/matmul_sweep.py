@@ -1,10 +1,12 @@
 """tilefuse.matmul launch-config sweep on the GPU, beside cuBLAS (torch.matmul) in the same run.
 
     python scripts/matmul_sweep.py [--shapes all|square|llama|small] [--dtype bf16] [--quick]
+                                   [--configs NAME,NAME] [--rounds 5]
 
 Per (M, N, K): the default config (choose_config + TMA where eligible) and a few declared
-alternatives, each checked (rel err vs an fp32 cuBLAS product <= 1e-2) and timed with
-triton.testing.do_bench (median); TFLOP/s = 2·M·N·K / time. b is a transposed weight view
+alternatives, each checked (rel err vs an fp32 cuBLAS product <= 1e-2), then timed with
+triton.testing.do_bench interleaved with cuBLAS over several rounds (the median of the rounds'
+medians); TFLOP/s = 2·M·N·K / time. b is a transposed weight view
 (``w.t()``, nn.Linear's layout), and "-rowmajor" rows repeat the default with b [K, N] contiguous.
 """
 
@@ -45,6 +47,8 @@ ALTERNATIVES = {
     "128x256-s3+tma2-fl-ws": dict(mk.CONFIGS["tile_128x256"], STORE_TMA=True, STORE_SPLIT=2, FLATTEN=True,
                                   WARP_SPECIALIZE=True),
     "128x256-s3+tma2-g16": dict(mk.CONFIGS["tile_128x256"], STORE_TMA=True, STORE_SPLIT=2, GROUP_M=16),
+    "128x256-s4+tma2-g16": dict(mk.CONFIGS["tile_128x256"], num_stages=4, STORE_TMA=True, STORE_SPLIT=2, GROUP_M=16),
+    "128x256-s4+tma2-g4": dict(mk.CONFIGS["tile_128x256"], num_stages=4, STORE_TMA=True, STORE_SPLIT=2, GROUP_M=4),
     "ptr": dict(USE_TMA=False),
 }
 SMALL_ALTERNATIVES = {
@@ -65,11 +69,6 @@ MID_ALTERNATIVES = {
     "64x128-k64-s4-w4": dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=4),
     "128x128-k128-s3": dict(mk.CONFIGS["tile_128x128"], BLOCK_K=128, num_stages=3),
 }
-
-
-def tflops(fn, m, n, k) -> float:
-    ms = triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
-    return 2 * m * n * k / ms / 1e9
 
 
 GATE_UP_ALTERNATIVES = {
@@ -110,11 +109,44 @@ def sweep_gate_up(m: int, i: int, k: int, dtype: torch.dtype) -> None:
         print(f"  {name:18s} {t:.3f} ms {flops / t / 1e9:5.0f} TF/s  {t_eager / t:5.2f}x eager  {t_gemm / t:5.2f}x cuBLAS GEMM")
 
 
+def interleaved_ms(fns: dict, rounds: int) -> dict:
+    """Median ms of each function over ``rounds`` rounds, every round timing all of them in a
+    rotated order: the H200's clock drifts by several % under sustained GEMM load (cuBLAS timed
+    before and after a sequential sweep differed by 3-5 %, 2026-11-24), so a config timed late
+    in a sequential sweep looks slower than it is."""
+    names = list(fns)
+    times = {name: [] for name in names}
+    for r in range(rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for name in order:
+            times[name].append(triton.testing.do_bench(fns[name], warmup=5, rep=25, return_mode="median"))
+    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+
+
+def valid_fns(candidates: dict, ref: torch.Tensor) -> dict:
+    """The candidates whose output is right (rel err <= 1e-2 against the fp32 product); the
+    others are reported and dropped."""
+    fns = {}
+    for name, fn in candidates.items():
+        try:
+            err = rel_err(fn(), ref)
+        except Exception as exc:  # noqa: BLE001 - a config that fails to compile is reported
+            print(f"  {name:22s} FAILED {type(exc).__name__}: {str(exc)[:160]}")
+            continue
+        if err > 1e-2:
+            print(f"  {name:22s} WRONG err={err:.3g}")
+            continue
+        fns[name] = fn
+    return fns
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="all", choices=["all", "none", *SHAPES])
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     p.add_argument("--quick", action="store_true", help="default config and cuBLAS only")
+    p.add_argument("--configs", default="", help="comma-separated names of the alternatives to time (default: all)")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
     p.add_argument("--gate-up", action="store_true", help="also sweep the swiglu_linear gate-up GEMM")
     args = p.parse_args()
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
@@ -126,47 +158,40 @@ def main() -> None:
         w = torch.randn(n, k, device="cuda", dtype=dtype)
         b = w.t()
         ref = (a.float() @ b.float())
-        cublas_first = tflops(lambda: torch.matmul(a, b), m, n, k)
-        print(f"\n({m}, {n}, {k}) {args.dtype}: cuBLAS {cublas_first:.0f} TF/s; default "
+        print(f"\n({m}, {n}, {k}) {args.dtype}: default "
               f"{mk.choose_config(m, n, k, dtype, torch.cuda.get_device_properties(0).multi_processor_count)}")
         alts = {} if args.quick else (SMALL_ALTERNATIVES if m <= 32 else MID_ALTERNATIVES if m <= 256
                                       else ALTERNATIVES)
-        results = {}
-        best = ("default", 0.0)
-        for name, cfg in {"default": {}, **alts}.items():
-            try:
-                fn = lambda cfg=cfg: mk.launch_matmul(a, b, config=cfg)[0]   # noqa: E731
-                err = rel_err(fn(), ref)
-                if err > 1e-2:
-                    print(f"  {name:18s} WRONG err={err:.3g}")
-                    continue
-                tf = tflops(fn, m, n, k)
-            except Exception as exc:  # noqa: BLE001 - a config that fails to compile is reported
-                print(f"  {name:18s} FAILED {type(exc).__name__}: {str(exc)[:160]}")
-                continue
-            results[name] = tf
-            best = max(best, (name, tf), key=lambda x: x[1])
-        # cuBLAS again after the configs: the clocks drift under load, so the ratios use the mean
-        cublas_last = tflops(lambda: torch.matmul(a, b), m, n, k)
-        cublas = (cublas_first + cublas_last) / 2
-        for name, tf in results.items():
-            print(f"  {name:18s} {tf:7.0f} TF/s  {tf / cublas:5.2f}x cuBLAS")
-        print(f"  (cuBLAS before {cublas_first:.0f}, after {cublas_last:.0f} TF/s)")
+        if args.configs:
+            alts = {name: cfg for name, cfg in alts.items() if name in args.configs.split(",")}
+        candidates = {"cuBLAS": lambda: torch.matmul(a, b)}
+        candidates.update({name: (lambda cfg=cfg: mk.launch_matmul(a, b, config=cfg)[0])
+                           for name, cfg in {"default": {}, **alts}.items()})
+        ms = interleaved_ms(valid_fns(candidates, ref), args.rounds)
+        cublas = 2 * m * n * k / ms.pop("cuBLAS") / 1e9
+        for name, t in ms.items():
+            tf = 2 * m * n * k / t / 1e9
+            print(f"  {name:22s} {tf:7.0f} TF/s  {tf / cublas:5.2f}x cuBLAS ({cublas:.0f})")
+        best = max(ms, key=lambda name: -ms[name])
+        # b [K, N] row-major, and the weight-gradient GEMM of nn.Linear: dW [N, K] = dyᵀ @ x (A a
+        # transposed view with unit M stride), each beside cuBLAS on the same operands
         b_row = w.t().contiguous()
-        tf_row = tflops(lambda: mk.launch_matmul(a, b_row)[0], m, n, k)
-        cublas_row = tflops(lambda: torch.matmul(a, b_row), m, n, k)
-        print(f"  {'default-rowmajor':18s} {tf_row:7.0f} TF/s  {tf_row / cublas_row:5.2f}x cuBLAS ({cublas_row:.0f})")
-        # the weight-gradient GEMM of nn.Linear: dW [N, K] = dyᵀ @ x, A a transposed view (unit M stride)
         dy, x = torch.randn(k, m, device="cuda", dtype=dtype), torch.randn(k, n, device="cuda", dtype=dtype)
-        tf_t = tflops(lambda: mk.launch_matmul(dy.t(), x)[0], m, n, k)
-        cublas_t = tflops(lambda: torch.matmul(dy.t(), x), m, n, k)
-        print(f"  {'default-a-transposed':18s} {tf_t:7.0f} TF/s  {tf_t / cublas_t:5.2f}x cuBLAS ({cublas_t:.0f})")
-        summary.append((m, n, k, cublas, best))
+        layouts = interleaved_ms({"default-rowmajor": lambda: mk.launch_matmul(a, b_row)[0],
+                                  "cuBLAS-rowmajor": lambda: torch.matmul(a, b_row),
+                                  "default-a-transposed": lambda: mk.launch_matmul(dy.t(), x)[0],
+                                  "cuBLAS-a-transposed": lambda: torch.matmul(dy.t(), x)}, args.rounds)
+        for name in ("rowmajor", "a-transposed"):
+            ratio = layouts[f"cuBLAS-{name}"] / layouts[f"default-{name}"]
+            print(f"  {'default-' + name:22s} {2 * m * n * k / layouts['default-' + name] / 1e9:7.0f} TF/s  "
+                  f"{ratio:5.2f}x cuBLAS")
+        summary.append((m, n, k, cublas, (best, 2 * m * n * k / ms[best] / 1e9), 2 * m * n * k / ms["default"] / 1e9))
     if args.gate_up:
         sweep_gate_up(8192, 14336, 4096, dtype)
-    print("\nsummary: shape, cuBLAS TF/s, best config, its TF/s, ratio")
-    for m, n, k, cublas, (name, tf) in summary:
-        print(f"  ({m}, {n}, {k})  {cublas:6.0f}  {name:18s} {tf:6.0f}  {tf / cublas:5.2f}x")
+    print("\nsummary: shape, cuBLAS TF/s, default TF/s and ratio, best config, its TF/s and ratio")
+    for m, n, k, cublas, (name, tf), tf_default in summary:
+        print(f"  ({m}, {n}, {k})  {cublas:6.0f}  default {tf_default:6.0f} {tf_default / cublas:5.2f}x  "
+              f"{name:22s} {tf:6.0f}  {tf / cublas:5.2f}x")
 
 
 if __name__ == "__main__":
