@@ -68,6 +68,9 @@ MID_ALTERNATIVES = {
     "64x32-k128-s6-w4": dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=6),
     "64x128-k64-s4-w4": dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=4),
     "128x128-k128-s3": dict(mk.CONFIGS["tile_128x128"], BLOCK_K=128, num_stages=3),
+    "128x128-k128-s3+tma2-fl": dict(mk.CONFIGS["tile_128x128"], BLOCK_K=128, num_stages=3, STORE_TMA=True,
+                                    STORE_SPLIT=2, FLATTEN=True),
+    "default+tma1": dict(STORE_TMA=True, STORE_SPLIT=1),
 }
 
 

@@ -190,6 +190,21 @@ def test_seeds():
     assert torch.equal(big != 0, dropout_keep_reference(2**63 - 1, 8, 64, 0.5, device=DEVICE))
 
 
+def test_seeds_alternating_through_one_launch_plan():
+    """The launch plan is cached per shape and p, the seed is keyed per call: seeds that Triton
+    specializes differently (== 1, multiples of 16, the i64 range) alternate through one plan, and
+    each forward and backward mask must be that seed's own."""
+    shape, p = (6, 40), 0.5
+    x = torch.rand(shape, device=DEVICE) + 0.5
+    dy = torch.rand(shape, device=DEVICE) + 0.5
+    for _ in range(2):                                  # second round: every launch a cache hit
+        for seed in (1, 16, 17, 2**31 + 5, 2**62, 0):
+            keep = dropout_keep_reference(seed, *shape, p, device=DEVICE)
+            assert torch.equal(ba._launch_fwd(x, None, None, "none", p, seed) != 0, keep), seed
+            dx, _ = ba._launch_bwd(dy, None, None, "none", p, seed, True, False, shape[-1])
+            assert torch.equal(dx != 0, keep), seed
+
+
 def test_cpu_reference_path_draws_the_same_mask(monkeypatch):
     """Without the interpreter, CPU tensors take the PyTorch path: same mask, bit for bit."""
     x, b, r = _inputs((9, 50), torch.float32, residual=True)

@@ -21,16 +21,23 @@ def test_arg_key_separates_what_triton_specializes():
 @pytest.mark.gpu
 def test_cached_launches_match_triton_path(monkeypatch):
     """Alternate shapes whose specialization differs (n_cols == 1, % 16, misaligned rows) through
-    the cache; every result must match the reference, i.e. no kernel is reused across keys."""
+    the cache; every result must match the reference, i.e. no kernel is reused across keys.
+    softmax's launcher takes the prepared path: the kernel is called through ``[grid]`` here with
+    the same arguments, so both caches are checked."""
     base = torch.randn(4097 * 65, device="cuda", dtype=torch.float16)
     cases = [(64, 1), (64, 16), (33, 1000), (64, 4096), (7, 17)]
     for _ in range(2):                                  # second round: all cache hits
         for rows, cols in cases:
             for offset in (0, 1):                       # offset 1: a 2-byte misaligned view
                 x = base[offset:offset + rows * cols].view(rows, cols)
-                y = sm._launch_fwd(x, False)
-                assert rel_err(y, torch.softmax(x.double(), -1)) <= 2e-3, (rows, cols, offset)
+                ref = torch.softmax(x.double(), -1)
+                plan = sm._fwd_plan(rows, cols, x.stride(0), False)
+                y = torch.empty_like(x)
+                sm.softmax_fwd_fused_kernel[plan.grid](x, y, *plan.prepared.ints, **plan.prepared.kwargs)
+                assert rel_err(y, ref) <= 2e-3, (rows, cols, offset)
+                assert rel_err(sm._launch_fwd(x, False), ref) <= 2e-3, (rows, cols, offset)
     assert len(sm.softmax_fwd_fused_kernel._cache) >= len(cases)
+    assert len(sm.softmax_fwd_fused_kernel._prepared_cache) >= len(cases)
 
 
 def test_prepared_args_key_their_integers_once():

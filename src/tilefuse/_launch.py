@@ -153,6 +153,11 @@ class PreparedArgs(NamedTuple):
     kwargs: dict       # constexprs and launch options (do not mutate: shared by the plan cache)
     key: tuple         # their cache-key part
 
+    def with_first_int(self, value: int) -> "PreparedArgs":
+        """The same arguments with the first integer replaced by ``value`` (a per-call value such
+        as a dropout seed, which must not key the op's plan: one entry per training step)."""
+        return PreparedArgs((value, *self.ints[1:]), self.kwargs, (self.key, _arg_key(value)))
+
 
 def _hooks_active() -> bool:
     """A profiler (e.g. proton) registered launch hooks: let Triton's own path call them."""

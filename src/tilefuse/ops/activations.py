@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import numbers
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -29,7 +29,7 @@ import triton.language as tl
 
 from .._checks import check_same_device, check_same_dtype, check_shape, check_tensor
 from .._dispatch import cdiv, empty, empty_like, num_sms, rows_view, use_triton
-from .._launch import fast_launch
+from .._launch import PreparedArgs, fast_launch
 from .._op import custom_op
 from ..registry import Inputs, OpSpec, register, tensor_bytes
 from ._activation_math import (
@@ -69,13 +69,13 @@ def bias_act_fwd_kernel(
     bias_ptr,           # *bias     [n_cols] contiguous (unused without HAS_BIAS)
     res_ptr,            # *residual [n_rows, n_cols], unit column stride (unused without HAS_RESIDUAL)
     y_ptr,              # *output   [n_rows, n_cols], contiguous, x's dtype
+    seed,               # Philox key of the dropout mask (first integer: the one that changes per call)
     x_row_stride,       # elements between rows of x
     res_row_stride,     # elements between rows of the residual
     y_row_stride,       # elements between rows of y
     n_rows,             # rows (all leading dims flattened)
     n_cols,             # row length (bias length)
     n_col_blocks,       # cdiv(n_cols, BLOCK_N): the grid is row blocks x column blocks
-    seed,               # Philox key of the dropout mask
     threshold,          # dropout_threshold(p)
     scale,              # 1 / (1 - p), 0 when p == 1
     ACT: tl.constexpr,          # one of ACTIVATIONS
@@ -107,6 +107,7 @@ def bias_act_bwd_kernel(
     bias_ptr,           # *bias [n_cols] (unused without HAS_BIAS or when ACT == "none")
     dx_ptr,             # *grad of x      [n_rows, n_cols], contiguous (unused without STORE_DX)
     dbias_part_ptr,     # *fp32 [n_chunks, n_cols]: one partial column sum per row chunk
+    seed,               # Philox key of the forward's dropout mask (first integer, as forward)
     dy_row_stride,      # elements between rows of dy
     x_row_stride,       # elements between rows of x
     dx_row_stride,      # elements between rows of dx
@@ -114,7 +115,6 @@ def bias_act_bwd_kernel(
     n_cols,             # row length
     n_col_blocks,       # cdiv(n_cols, BLOCK_N): the grid is row chunks x column blocks
     tiles_per_chunk,    # BLOCK_M-row tiles each program walks
-    seed,               # Philox key of the forward's dropout mask
     threshold,          # dropout_threshold(p)
     scale,              # 1 / (1 - p), 0 when p == 1
     ACT: tl.constexpr,          # the forward's activation
@@ -188,32 +188,55 @@ def _bwd_row_chunks(n_rows: int, block_m: int, n_col_blocks: int, programs: int)
     return tiles_per_chunk, cdiv(row_tiles, tiles_per_chunk)
 
 
+class _FwdPlan(NamedTuple):
+    grid: tuple
+    prepared: PreparedArgs     # bias_act_fwd_kernel's integers, floats and constexprs, for seed 0
+
+
 @functools.lru_cache(maxsize=1024)
-def _fwd_plan(n_rows: int, n_cols: int, config: tuple = ()) -> tuple[int, int, dict]:
-    """(programs, column blocks, tile) of the forward, cached per shape (host time)."""
+def _fwd_plan(n_rows: int, n_cols: int, x_stride: int, res_stride: int, activation: str, p: float, has_bias: bool,
+              has_residual: bool, config: tuple = ()) -> _FwdPlan:
+    """The forward's launch, cached per shape and options (host time); ``_seeded`` adds the seed."""
     cfg = _fwd_tile(n_rows, n_cols, dict(config))
     n_col_blocks = cdiv(n_cols, cfg["BLOCK_N"])
-    return cdiv(n_rows, cfg["BLOCK_M"]) * n_col_blocks, n_col_blocks, cfg
+    prepared = bias_act_fwd_kernel.prepare(
+        (0, x_stride, res_stride, n_cols, n_rows, n_cols, n_col_blocks, dropout_threshold(p), dropout_scale(p)),
+        dict(ACT=activation, HAS_BIAS=has_bias, HAS_RESIDUAL=has_residual, DROPOUT=p > 0.0,
+             RNG_GROUPED=cfg["RNG_GROUPED"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+             num_warps=cfg["num_warps"]))
+    return _FwdPlan((cdiv(n_rows, cfg["BLOCK_M"]) * n_col_blocks,), prepared)
+
+
+class _BwdPlan(NamedTuple):
+    n_chunks: int              # row chunks: rows of the dbias partials
+    grid: tuple
+    prepared: PreparedArgs     # bias_act_bwd_kernel's integers, floats and constexprs, for seed 0
 
 
 @functools.lru_cache(maxsize=1024)
-def _bwd_plan(n_rows: int, n_cols: int, sms: int, config: tuple = ()) -> tuple[int, int, int, int, dict]:
-    """(programs, row chunks, tiles per chunk, column blocks, tile) of the backward, cached."""
+def _bwd_plan(n_rows: int, n_cols: int, sms: int, dy_stride: int, x_stride: int, dx_stride: int, activation: str,
+              p: float, has_bias: bool, want_dx: bool, want_dbias: bool, config: tuple = ()) -> _BwdPlan:
+    """The backward's launch, cached per shape and options."""
     defaults = {"RNG_GROUPED": True, "REDUCE_PROGRAMS": REDUCE_PROGRAMS_PER_SM * sms}
     cfg = _bwd_tile(n_rows, n_cols, defaults, dict(config))
     n_col_blocks = cdiv(n_cols, cfg["BLOCK_N"])
     tiles_per_chunk, n_chunks = _bwd_row_chunks(n_rows, cfg["BLOCK_M"], n_col_blocks, cfg["REDUCE_PROGRAMS"])
-    return n_chunks * n_col_blocks, n_chunks, tiles_per_chunk, n_col_blocks, cfg
+    prepared = bias_act_bwd_kernel.prepare(
+        (0, dy_stride, x_stride, dx_stride, n_rows, n_cols, n_col_blocks, tiles_per_chunk,
+         dropout_threshold(p), dropout_scale(p)),
+        dict(ACT=activation, HAS_BIAS=has_bias, DROPOUT=p > 0.0, RNG_GROUPED=cfg["RNG_GROUPED"],
+             STORE_DX=want_dx, REDUCE_DBIAS=want_dbias, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+             num_warps=cfg["num_warps"]))
+    return _BwdPlan(n_chunks, (n_chunks * n_col_blocks,), prepared)
 
 
-@functools.lru_cache(maxsize=64)
-def _dropout_consts(p: float) -> tuple[int, float, bool]:
-    return dropout_threshold(p), dropout_scale(p), p > 0.0
-
-
-def _dropout_args(p: float, seed: int) -> dict:
-    threshold, scale, on = _dropout_consts(p)
-    return {"seed": seed, "threshold": threshold, "scale": scale, "DROPOUT": on}
+def _seeded(prepared: PreparedArgs, seed: int) -> PreparedArgs:
+    """A plan's arguments (built with seed 0, the kernels' first integer) for this call's dropout
+    seed: training draws a new seed every step, so the seed alone is keyed per call (a seed's
+    value must not key the plan: one cache entry per step)."""
+    if seed == 0:
+        return prepared
+    return prepared.with_first_int(seed)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -229,14 +252,10 @@ def _launch_fwd(x, bias, residual, activation: str, p: float, seed: int, config:
     x2 = rows_view(x)
     n_rows, n_cols = x2.shape
     res2 = rows_view(residual) if residual is not None else x2
-    programs, n_col_blocks, cfg = _fwd_plan(n_rows, n_cols, tuple(config.items()) if config else ())
+    plan = _fwd_plan(n_rows, n_cols, x2.stride(0), res2.stride(0), activation, p, bias is not None,
+                     residual is not None, tuple(config.items()) if config else ())
     bias_arg = bias.contiguous() if bias is not None else x2
-    bias_act_fwd_kernel[(programs,)](
-        x2, bias_arg, res2, y, x2.stride(0), res2.stride(0), n_cols, n_rows, n_cols, n_col_blocks,
-        **_dropout_args(p, seed), ACT=activation, HAS_BIAS=bias is not None,
-        HAS_RESIDUAL=residual is not None, RNG_GROUPED=cfg["RNG_GROUPED"],
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
-    )
+    bias_act_fwd_kernel.launch_prepared(plan.grid, (x2, bias_arg, res2, y), _seeded(plan.prepared, seed))
     return y
 
 
@@ -254,17 +273,11 @@ def _launch_bwd(dy, x, bias, activation: str, p: float, seed: int, want_dx: bool
     n_rows = dy2.shape[0]
     x2 = rows_view(x) if x is not None else dy2
     dx = empty_like(dy) if want_dx else dy2                 # contiguous: row stride n_cols
-    programs, n_chunks, tiles_per_chunk, n_col_blocks, cfg = _bwd_plan(
-        n_rows, n_cols, num_sms(dy), tuple(config.items()) if config else ())
-    partials = empty((n_chunks, n_cols), torch.float32, dy.device) if want_dbias else dy2
+    plan = _bwd_plan(n_rows, n_cols, num_sms(dy), dy2.stride(0), x2.stride(0), n_cols if want_dx else dy2.stride(0),
+                     activation, p, bias is not None, want_dx, want_dbias, tuple(config.items()) if config else ())
+    partials = empty((plan.n_chunks, n_cols), torch.float32, dy.device) if want_dbias else dy2
     bias_arg = bias.contiguous() if bias is not None else dy2
-    bias_act_bwd_kernel[(programs,)](
-        dy2, x2, bias_arg, dx, partials, dy2.stride(0), x2.stride(0), n_cols if want_dx else dy2.stride(0),
-        n_rows, n_cols, n_col_blocks, tiles_per_chunk,
-        **_dropout_args(p, seed), ACT=activation, HAS_BIAS=bias is not None,
-        RNG_GROUPED=cfg["RNG_GROUPED"], STORE_DX=want_dx, REDUCE_DBIAS=want_dbias,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
-    )
+    bias_act_bwd_kernel.launch_prepared(plan.grid, (dy2, x2, bias_arg, dx, partials), _seeded(plan.prepared, seed))
     if want_dbias:
         dbias = empty(n_cols, dy.dtype, dy.device)
         launch_sum_partials(partials, None, dbias, None)

@@ -16,8 +16,9 @@ activation is recomputed in the backward from the saved inputs; nothing else is 
 
 from __future__ import annotations
 
+import functools
 import importlib
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -25,8 +26,8 @@ import triton
 import triton.language as tl
 
 from .._checks import check_same_device, check_same_dtype, check_shape, check_tensor
-from .._dispatch import cdiv, empty, rows_view, use_triton
-from .._launch import fast_launch
+from .._dispatch import cdiv, empty, empty_like, rows_view, use_triton
+from .._launch import PreparedArgs, fast_launch
 from .._op import custom_op
 from ..registry import Inputs, OpSpec, register, tensor_bytes
 from ._activation_math import (
@@ -119,41 +120,60 @@ def _halves(gate: torch.Tensor, up: torch.Tensor | None) -> tuple[torch.Tensor, 
     return gate[..., :i], gate[..., i:]
 
 
+class _Plan(NamedTuple):
+    grid: tuple
+    prepared: PreparedArgs     # the kernel's integers and constexprs
+
+
+@functools.lru_cache(maxsize=1024)
+def _fwd_plan(n_rows: int, n_cols: int, gate_stride: int, up_stride: int, activation: str,
+              config: tuple = ()) -> _Plan:
+    """The forward's launch, cached per shape (host time: a small glu's kernel takes a few µs)."""
+    cfg = tile_config(n_rows, n_cols, FWD_TILE_ELEMS, dict(config))
+    n_col_blocks = cdiv(n_cols, cfg["BLOCK_N"])
+    prepared = glu_fwd_kernel.prepare(   # out is contiguous [n_rows, n_cols]: row stride n_cols
+        (gate_stride, up_stride, n_cols, n_rows, n_cols, n_col_blocks),
+        dict(ACT=activation, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"]))
+    return _Plan((cdiv(n_rows, cfg["BLOCK_M"]) * n_col_blocks,), prepared)
+
+
+@functools.lru_cache(maxsize=1024)
+def _bwd_plan(n_rows: int, n_cols: int, strides: tuple, activation: str, config: tuple = ()) -> _Plan:
+    """The backward's launch, cached; ``strides``: the row strides of dy, gate, up, dgate, dup."""
+    cfg = tile_config(n_rows, n_cols, BWD_TILE_ELEMS, dict(config))
+    n_col_blocks = cdiv(n_cols, cfg["BLOCK_N"])
+    prepared = glu_bwd_kernel.prepare(
+        (*strides, n_rows, n_cols, n_col_blocks),
+        dict(ACT=activation, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"]))
+    return _Plan((cdiv(n_rows, cfg["BLOCK_M"]) * n_col_blocks,), prepared)
+
+
 def _launch_fwd(gate, up, activation: str, config: dict | None = None) -> torch.Tensor:
     """``up`` None: ``gate`` is packed. ``config`` keys: BLOCK_M, BLOCK_N, num_warps."""
     g, u = _halves(gate, up)
-    out_shape = g.shape
     if g.numel() == 0:
-        return empty(out_shape, gate.dtype, gate.device)
+        return empty(g.shape, gate.dtype, gate.device)
     g2, u2 = rows_view(g), rows_view(u)
     n_rows, n_cols = g2.shape
-    y = empty((n_rows, n_cols), gate.dtype, gate.device)
-    cfg = tile_config(n_rows, n_cols, FWD_TILE_ELEMS, config)
-    n_col_blocks = cdiv(n_cols, cfg["BLOCK_N"])
-    glu_fwd_kernel[(cdiv(n_rows, cfg["BLOCK_M"]) * n_col_blocks,)](
-        g2, u2, y, g2.stride(0), u2.stride(0), y.stride(0), n_rows, n_cols, n_col_blocks,
-        ACT=activation, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
-    )
-    return y.view(out_shape)
+    y = empty_like(g)        # contiguous [..., I]: row stride n_cols (empty_like: the cheapest allocation)
+    plan = _fwd_plan(n_rows, n_cols, g2.stride(0), u2.stride(0), activation, tuple(config.items()) if config else ())
+    glu_fwd_kernel.launch_prepared(plan.grid, (g2, u2, y), plan.prepared)
+    return y
 
 
 def _launch_bwd(dy, gate, up, activation: str, config: dict | None = None):
     """(dgate, dup), or (dpacked, None) when ``up`` is None. ``config`` as _launch_fwd."""
     g, u = _halves(gate, up)
-    dgrad = empty(gate.shape, gate.dtype, gate.device)            # dgate, or the packed grad
-    dup = empty(up.shape, up.dtype, up.device) if up is not None else None
+    dgrad = empty_like(gate)                                      # dgate, or the packed grad; contiguous
+    dup = empty_like(up) if up is not None else None
     if g.numel() == 0:
         return dgrad, dup
     dg, du = _halves(dgrad, dup)
-    g2, u2, dy2, dg2, du2 = (rows_view(t) for t in (g, u, dy, dg, du))   # dg2, du2: views, no copy
+    dy2, g2, u2, dg2, du2 = rows_view(dy), rows_view(g), rows_view(u), rows_view(dg), rows_view(du)  # dg2, du2: views
     n_rows, n_cols = g2.shape
-    cfg = tile_config(n_rows, n_cols, BWD_TILE_ELEMS, config)
-    n_col_blocks = cdiv(n_cols, cfg["BLOCK_N"])
-    glu_bwd_kernel[(cdiv(n_rows, cfg["BLOCK_M"]) * n_col_blocks,)](
-        dy2, g2, u2, dg2, du2,
-        dy2.stride(0), g2.stride(0), u2.stride(0), dg2.stride(0), du2.stride(0), n_rows, n_cols, n_col_blocks,
-        ACT=activation, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
-    )
+    strides = (dy2.stride(0), g2.stride(0), u2.stride(0), dg2.stride(0), du2.stride(0))
+    plan = _bwd_plan(n_rows, n_cols, strides, activation, tuple(config.items()) if config else ())
+    glu_bwd_kernel.launch_prepared(plan.grid, (dy2, g2, u2, dg2, du2), plan.prepared)
     return dgrad, dup
 
 

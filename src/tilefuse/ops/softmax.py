@@ -20,6 +20,7 @@ Two tiers of the row reduction:
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -27,7 +28,7 @@ import triton.language as tl
 
 from .._checks import check_dim, check_tensor
 from .._dispatch import cdiv, empty_like, next_power_of_2, rows_view, use_triton
-from .._launch import fast_launch
+from .._launch import FastKernel, PreparedArgs, fast_launch
 from .._op import custom_op
 from ..registry import Inputs, OpSpec, register, tensor_bytes
 from ._common import LN2, LOG2E, row_tile_mask_offsets
@@ -242,23 +243,48 @@ def _cached_config(n_rows: int, n_cols: int, max_fused_n: int, config: tuple) ->
     return cfg
 
 
+class _Plan(NamedTuple):
+    kernel: FastKernel         # the fused or the looped tier's kernel
+    grid: tuple
+    prepared: PreparedArgs     # its integers and constexprs
+
+
+def _plan(fused: FastKernel, looped: FastKernel, max_fused_n: int, n_rows: int, n_cols: int, in_strides: tuple,
+          log: bool, config: tuple) -> _Plan:
+    """One pass's launch. Both passes' kernels take the inputs' row strides, the output's (n_cols:
+    it is contiguous), then n_rows (fused tier only) and n_cols."""
+    cfg = _cached_config(n_rows, n_cols, max_fused_n, config)
+    if not cfg["looped"]:
+        kwargs = dict(LOG=log, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"])
+        return _Plan(fused, (cdiv(n_rows, cfg["BLOCK_M"]),),
+                     fused.prepare((*in_strides, n_cols, n_rows, n_cols), kwargs))
+    kwargs = dict(LOG=log, BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"])
+    return _Plan(looped, (n_rows,), looped.prepare((*in_strides, n_cols, n_cols), kwargs))
+
+
+@functools.lru_cache(maxsize=1024)
+def _fwd_plan(n_rows: int, n_cols: int, x_stride: int, log: bool, config: tuple = ()) -> _Plan:
+    """The forward's launch, cached per shape (host time: a small softmax's kernel takes a few µs,
+    and keying every integer of its launch on each call cost as much again)."""
+    return _plan(softmax_fwd_fused_kernel, softmax_fwd_looped_kernel, FWD_MAX_FUSED_N, n_rows, n_cols,
+                 (x_stride,), log, config)
+
+
+@functools.lru_cache(maxsize=1024)
+def _bwd_plan(n_rows: int, n_cols: int, y_stride: int, dy_stride: int, log: bool, config: tuple = ()) -> _Plan:
+    """The backward's launch, cached per shape."""
+    return _plan(softmax_bwd_fused_kernel, softmax_bwd_looped_kernel, BWD_MAX_FUSED_N, n_rows, n_cols,
+                 (y_stride, dy_stride), log, config)
+
+
 def _launch_fwd(x: torch.Tensor, log: bool, config: dict | None = None) -> torch.Tensor:
     x2 = rows_view(x)
     n_rows, n_cols = x2.shape
     y = empty_like(x)                   # contiguous: row stride n_cols
     if n_rows == 0 or n_cols == 0:
         return y
-    cfg = _launch_config(n_rows, n_cols, FWD_MAX_FUSED_N, config)
-    if not cfg["looped"]:
-        softmax_fwd_fused_kernel[(cdiv(n_rows, cfg["BLOCK_M"]),)](
-            x2, y, x2.stride(0), n_cols, n_rows, n_cols,
-            LOG=log, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
-        )
-    else:
-        softmax_fwd_looped_kernel[(n_rows,)](
-            x2, y, x2.stride(0), n_cols, n_cols,
-            LOG=log, BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
-        )
+    plan = _fwd_plan(n_rows, n_cols, x2.stride(0), log, tuple(config.items()) if config else ())
+    plan.kernel.launch_prepared(plan.grid, (x2, y), plan.prepared)
     return y
 
 
@@ -268,17 +294,8 @@ def _launch_bwd(y: torch.Tensor, dy: torch.Tensor, log: bool, config: dict | Non
     dx = empty_like(y)                  # contiguous: row stride n_cols
     if n_rows == 0 or n_cols == 0:
         return dx
-    cfg = _launch_config(n_rows, n_cols, BWD_MAX_FUSED_N, config)
-    if not cfg["looped"]:
-        softmax_bwd_fused_kernel[(cdiv(n_rows, cfg["BLOCK_M"]),)](
-            y2, dy2, dx, y2.stride(0), dy2.stride(0), n_cols, n_rows, n_cols,
-            LOG=log, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
-        )
-    else:
-        softmax_bwd_looped_kernel[(n_rows,)](
-            y2, dy2, dx, y2.stride(0), dy2.stride(0), n_cols, n_cols,
-            LOG=log, BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
-        )
+    plan = _bwd_plan(n_rows, n_cols, y2.stride(0), dy2.stride(0), log, tuple(config.items()) if config else ())
+    plan.kernel.launch_prepared(plan.grid, (y2, dy2, dx), plan.prepared)
     return dx
 
 
