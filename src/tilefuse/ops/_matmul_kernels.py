@@ -10,6 +10,8 @@
   through pointer loads (any strides; rows past M / columns past N clamped to row 0 / column 0
   so only the K tail is masked) or, with ``USE_TMA``, through device-side tensor descriptors
   (Hopper; unit stride on a's K and on b's K or N axis, 16-byte aligned; zero fill past the edges).
+  The output goes out through masked pointer stores or, with ``STORE_TMA``, a descriptor store in
+  ``STORE_SPLIT`` column pieces (the default for 128x256 tiles: :func:`wide_tile_epilogue`).
 * ``act_grad_kernel``: dz = dy · act'(pre), the one elementwise step of the backward; the two
   backward GEMMs (dz @ bᵀ, aᵀ @ dz) run on ``matmul_kernel`` through transposed views.
 
