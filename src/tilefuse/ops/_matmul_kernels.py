@@ -383,6 +383,8 @@ def _matmul_plan(m: int, n: int, k: int, dtype: torch.dtype, out_dtype: torch.dt
     store_tma = cfg.pop("STORE_TMA", None)
     store_tma = use_tma and _store_tma_ok(n, out_dtype) and (DEFAULT_STORE_TMA if store_tma is None else bool(store_tma))
     store_split = cfg.pop("STORE_SPLIT", DEFAULT_STORE_SPLIT) if store_tma else 1
+    if store_split not in (1, 2):
+        raise ValueError(f"config: STORE_SPLIT must be 1 or 2, got {store_split}")
     programs = max(1, min(sms, cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"])))
     has_bias, act, has_res, save_preact = epilogue
     ints = (m, n, k, *a_strides, *b_strides, n, 1, *res_strides, n, 1)   # out and preact: row-major [M, N]
