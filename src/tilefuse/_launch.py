@@ -147,6 +147,12 @@ class FastKernel:
         return self._run_keyed(self._prepared_cache, key, device, grid, args, prepared.kwargs)
 
 
+def config_key(config: dict | None) -> tuple:
+    """A launch-config override (a sweep's ``config=``) as part of a cached plan's key: hashable,
+    () for none."""
+    return tuple(config.items()) if config else ()
+
+
 class PreparedArgs(NamedTuple):
     """What :meth:`FastKernel.prepare` returns (cache it in the op's launch plan)."""
     ints: tuple        # positional arguments after the tensors

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from .._dispatch import cdiv, empty, is_hopper_or_newer, next_power_of_2, num_sms, rows_view
-from .._launch import PreparedArgs, fast_launch, use_device_descriptors
+from .._launch import PreparedArgs, config_key, fast_launch, use_device_descriptors
 from ._activation_math import BWD_TILE_ELEMS, activation_fwd, activation_fwd_bwd, tile_config, tile_rows_cols
 from ._common import row_tile_mask_offsets
 
@@ -417,7 +417,7 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = 
                         residual.stride() if residual is not None else (n, 1),
                         a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0, num_sms(a), is_hopper_or_newer(a),
                         (bias is not None, activation, residual is not None, save_preact),
-                        tuple(config.items()) if config else ())
+                        config_key(config))
     if plan.uses_tma and a.device.type == "cuda":   # (forced under the interpreter: pointer loads)
         use_device_descriptors()        # per call: the allocator is a per-thread context value
     # out stands in for an absent bias / residual / preact

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from .._checks import check_same_device, check_same_dtype, check_shape, check_tensor
 from .._dispatch import cdiv, empty, empty_like, num_sms, rows_view, use_triton
-from .._launch import PreparedArgs, fast_launch
+from .._launch import PreparedArgs, config_key, fast_launch
 from .._op import custom_op
 from ..registry import Inputs, OpSpec, register, tensor_bytes
 from ._activation_math import (
@@ -253,7 +253,7 @@ def _launch_fwd(x, bias, residual, activation: str, p: float, seed: int, config:
     n_rows, n_cols = x2.shape
     res2 = rows_view(residual) if residual is not None else x2
     plan = _fwd_plan(n_rows, n_cols, x2.stride(0), res2.stride(0), activation, p, bias is not None,
-                     residual is not None, tuple(config.items()) if config else ())
+                     residual is not None, config_key(config))
     bias_arg = bias.contiguous() if bias is not None else x2
     bias_act_fwd_kernel.launch_prepared(plan.grid, (x2, bias_arg, res2, y), _seeded(plan.prepared, seed))
     return y
@@ -274,7 +274,7 @@ def _launch_bwd(dy, x, bias, activation: str, p: float, seed: int, want_dx: bool
     x2 = rows_view(x) if x is not None else dy2
     dx = empty_like(dy) if want_dx else dy2                 # contiguous: row stride n_cols
     plan = _bwd_plan(n_rows, n_cols, num_sms(dy), dy2.stride(0), x2.stride(0), n_cols if want_dx else dy2.stride(0),
-                     activation, p, bias is not None, want_dx, want_dbias, tuple(config.items()) if config else ())
+                     activation, p, bias is not None, want_dx, want_dbias, config_key(config))
     partials = empty((plan.n_chunks, n_cols), torch.float32, dy.device) if want_dbias else dy2
     bias_arg = bias.contiguous() if bias is not None else dy2
     bias_act_bwd_kernel.launch_prepared(plan.grid, (dy2, x2, bias_arg, dx, partials), _seeded(plan.prepared, seed))

@@ -27,7 +27,7 @@ import triton.language as tl
 
 from .._checks import check_same_device, check_same_dtype, check_shape, check_tensor
 from .._dispatch import cdiv, empty, empty_like, rows_view, use_triton
-from .._launch import PreparedArgs, fast_launch
+from .._launch import PreparedArgs, config_key, fast_launch
 from .._op import custom_op
 from ..registry import Inputs, OpSpec, register, tensor_bytes
 from ._activation_math import (
@@ -156,7 +156,7 @@ def _launch_fwd(gate, up, activation: str, config: dict | None = None) -> torch.
     g2, u2 = rows_view(g), rows_view(u)
     n_rows, n_cols = g2.shape
     y = empty_like(g)        # contiguous [..., I]: row stride n_cols (empty_like: the cheapest allocation)
-    plan = _fwd_plan(n_rows, n_cols, g2.stride(0), u2.stride(0), activation, tuple(config.items()) if config else ())
+    plan = _fwd_plan(n_rows, n_cols, g2.stride(0), u2.stride(0), activation, config_key(config))
     glu_fwd_kernel.launch_prepared(plan.grid, (g2, u2, y), plan.prepared)
     return y
 
@@ -172,7 +172,7 @@ def _launch_bwd(dy, gate, up, activation: str, config: dict | None = None):
     dy2, g2, u2, dg2, du2 = rows_view(dy), rows_view(g), rows_view(u), rows_view(dg), rows_view(du)  # dg2, du2: views
     n_rows, n_cols = g2.shape
     strides = (dy2.stride(0), g2.stride(0), u2.stride(0), dg2.stride(0), du2.stride(0))
-    plan = _bwd_plan(n_rows, n_cols, strides, activation, tuple(config.items()) if config else ())
+    plan = _bwd_plan(n_rows, n_cols, strides, activation, config_key(config))
     glu_bwd_kernel.launch_prepared(plan.grid, (dy2, g2, u2, dg2, du2), plan.prepared)
     return dgrad, dup
 

@@ -35,7 +35,7 @@ import torch
 
 from .._checks import check_same_device, check_same_dtype, check_shape, check_tensor
 from .._dispatch import cdiv, empty, empty_like, next_power_of_2, num_sms, rows_view, use_triton
-from .._launch import PreparedArgs
+from .._launch import PreparedArgs, config_key
 from .._op import custom_op
 from ..registry import Inputs, OpSpec, register, tensor_bytes
 from ._norm_kernels import (
@@ -166,7 +166,7 @@ def _launch_fwd(x, weight, bias, residual, eps: float, offset: float, is_rms: bo
     w = weight.contiguous() if weight is not None else y
     b = bias.contiguous() if bias is not None else y
     plan = _fwd_plan(n_rows, n_cols, x2.stride(0), r2.stride(0), eps, offset, is_rms, has_res, weight is not None,
-                     bias is not None, tuple(config.items()) if config else ())
+                     bias is not None, config_key(config))
     stats = rstd if is_rms else mean                       # mean_ptr: never read for RMSNorm
     src = x2
     if plan.stats_in:
@@ -228,7 +228,7 @@ def _launch_bwd(dy, x, weight, mean, rstd, dres, offset: float, is_rms: bool, ne
     mean1 = mean if mean is not None else rstd1
     plan = _bwd_plan(n_rows, n_cols, num_sms(x), x2.stride(0), dy2.stride(0), dr2.stride(0), offset, is_rms,
                      weight is not None, dres is not None, need_dw, need_db,
-                     tuple(config.items()) if config else ())
+                     config_key(config))
     dots = dx                           # dummy unless stats_in
     if plan.stats_in:
         dots = empty((2, n_rows), torch.float32, dev)

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from .._checks import check_dim, check_tensor
 from .._dispatch import cdiv, empty_like, next_power_of_2, rows_view, use_triton
-from .._launch import FastKernel, PreparedArgs, fast_launch
+from .._launch import FastKernel, PreparedArgs, config_key, fast_launch
 from .._op import custom_op
 from ..registry import Inputs, OpSpec, register, tensor_bytes
 from ._common import LN2, LOG2E, row_tile_mask_offsets
@@ -228,7 +228,7 @@ LOOPED_BLOCK_N = 16384   # tile of the looped tier (best or tied-best at N = 32K
 def _launch_config(n_rows: int, n_cols: int, max_fused_n: int, config: dict | None) -> dict:
     """Tier and tile for a [n_rows, n_cols] problem; ``config`` overrides keys (GPU sweeps).
     Cached per shape (host time); the returned dict is shared: read it, never change it."""
-    return _cached_config(n_rows, n_cols, max_fused_n, tuple(config.items()) if config else ())
+    return _cached_config(n_rows, n_cols, max_fused_n, config_key(config))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -283,7 +283,7 @@ def _launch_fwd(x: torch.Tensor, log: bool, config: dict | None = None) -> torch
     y = empty_like(x)                   # contiguous: row stride n_cols
     if n_rows == 0 or n_cols == 0:
         return y
-    plan = _fwd_plan(n_rows, n_cols, x2.stride(0), log, tuple(config.items()) if config else ())
+    plan = _fwd_plan(n_rows, n_cols, x2.stride(0), log, config_key(config))
     plan.kernel.launch_prepared(plan.grid, (x2, y), plan.prepared)
     return y
 
@@ -294,7 +294,7 @@ def _launch_bwd(y: torch.Tensor, dy: torch.Tensor, log: bool, config: dict | Non
     dx = empty_like(y)                  # contiguous: row stride n_cols
     if n_rows == 0 or n_cols == 0:
         return dx
-    plan = _bwd_plan(n_rows, n_cols, y2.stride(0), dy2.stride(0), log, tuple(config.items()) if config else ())
+    plan = _bwd_plan(n_rows, n_cols, y2.stride(0), dy2.stride(0), log, config_key(config))
     plan.kernel.launch_prepared(plan.grid, (y2, dy2, dx), plan.prepared)
     return dx
 
