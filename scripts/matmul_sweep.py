@@ -24,7 +24,8 @@ LLAMA = [(8192, n, k) for n, k in [(4096, 4096), (14336, 4096), (4096, 14336), (
 SHAPES = {
     "square": [(4096, 4096, 4096), (8192, 8192, 8192)],
     "llama": LLAMA,
-    "small": [(m, 4096, 4096) for m in (1, 16, 128)] + [(m, 14336, 4096) for m in (1, 16, 128)],
+    "small": [(m, n, k) for n, k in [(4096, 4096), (14336, 4096), (4096, 14336), (6144, 4096)]
+              for m in (1, 16, 128)],
 }
 # large shapes: tiles x epilogue (pointer store / descriptor store in two column halves; with or
 # without flatten, which lets the next tile's loads start before this tile's stores)
@@ -55,6 +56,10 @@ SMALL_ALTERNATIVES = {
     "ptr": dict(USE_TMA=False),
     "n32": dict(BLOCK_N=32), "n64": dict(BLOCK_N=64), "n128": dict(BLOCK_N=128),
     "k256": dict(BLOCK_K=256, num_stages=3), "w2": dict(num_warps=2),
+    # split-K: wider column tiles, each tile's K shared by SPLIT_K programs (~128 units on 132 SMs)
+    "n64-sk2": dict(BLOCK_N=64, SPLIT_K=2), "n128-sk4": dict(BLOCK_N=128, SPLIT_K=4),
+    "n128-k256-sk4": dict(BLOCK_N=128, BLOCK_K=256, num_stages=3, SPLIT_K=4),
+    "n256-sk8": dict(BLOCK_N=256, SPLIT_K=8, num_stages=3),
 }
 # 32 < M <= 256 (small batches, the M=128 rows of the issue): too few large tiles to fill the SMs,
 # so narrow column tiles, long K steps and deep pipelines (memory-bound: bytes in flight per SM)
@@ -71,6 +76,13 @@ MID_ALTERNATIVES = {
     "128x128-k128-s3+tma2-fl": dict(mk.CONFIGS["tile_128x128"], BLOCK_K=128, num_stages=3, STORE_TMA=True,
                                     STORE_SPLIT=2, FLATTEN=True),
     "default+tma1": dict(STORE_TMA=True, STORE_SPLIT=1),
+    # split-K: the largest tiles, each tile's K shared by SPLIT_K programs
+    **{f"128x128-k128-sk{s}": dict(mk.CONFIGS["mid_128x128"], SPLIT_K=s) for s in (2, 3, 4)},
+    "128x128-k64-s4-sk4": dict(mk.CONFIGS["tile_128x128"], SPLIT_K=4),
+    "128x128-k128-sk4+tma2": dict(mk.CONFIGS["mid_128x128"], SPLIT_K=4, STORE_TMA=True, STORE_SPLIT=2),
+    "64x128-k128-sk2": dict(mk.CONFIGS["mid_64x128"], SPLIT_K=2),
+    "128x64-k128-s4-w4-sk2": dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4, SPLIT_K=2),
+    "128x256-k64-sk4": dict(mk.CONFIGS["tile_128x256"], SPLIT_K=4),
 }
 
 

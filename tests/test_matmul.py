@@ -122,6 +122,39 @@ def test_launch_configs(cfg):
     assert rel_err(out, matmul_reference(a.double(), b.double(), bias.double(), "relu")) <= 1e-5
 
 
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("cfg", [
+    dict(SPLIT_K=3, BLOCK_K=16),                                    # K tail in the last slice
+    dict(SPLIT_K=4, BLOCK_K=16, USE_TMA=False),                     # pointer loads from a slice's offset
+    dict(SPLIT_K=8, BLOCK_K=64),                                    # more slices than K steps: empty slices
+    dict(SPLIT_K=2, BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, GROUP_M=1, num_warps=1),   # many tiles per program
+    dict(SPLIT_K=2, BLOCK_K=32, STORE_TMA=True, STORE_SPLIT=2, FLATTEN=True),      # (flatten is dropped)
+], ids=str)
+def test_split_k(dtype, cfg):
+    """Split-K: every epilogue on the summed tile, bit-identical on repeated launches (the last
+    slice sums the partials in slice order), and the arrival counters left at zero."""
+    m, n, k = 37, 40, 200
+    a, w = torch.randn(m, k, device=DEVICE).to(dtype), torch.randn(n, k, device=DEVICE).to(dtype)
+    bias, res = torch.randn(n, device=DEVICE).to(dtype), torch.randn(m, n, device=DEVICE).to(dtype)
+    ref = matmul_reference(a.double(), w.double().t(), bias.double(), "gelu", res.double())
+    out, pre = mk.launch_matmul(a, w.t(), bias, res, "gelu", save_preact=True, config=cfg)
+    assert rel_err(out, ref) <= TOL[dtype]
+    assert rel_err(pre, a.double() @ w.double().t() + bias.double()) <= TOL[dtype]
+    assert torch.equal(out, mk.launch_matmul(a, w.t(), bias, res, "gelu", config=cfg)[0])
+    assert not mk.split_k_locks(a.device, 64).any()
+
+
+def test_split_k_choice_and_bad_value():
+    h100 = 132
+    assert mk.split_k_slices(tiles=32, k_tiles=32, sms=h100) == 4        # 128 of 132 SMs busy
+    assert mk.split_k_slices(tiles=32, k_tiles=8, sms=h100) == 2         # slices keep >= 4 K steps
+    assert mk.split_k_slices(tiles=67, k_tiles=64, sms=h100) == 1        # over half the SMs: no split
+    assert mk.choose_config(128, 1024, 4096, torch.bfloat16, h100).get("SPLIT_K", 1) > 1
+    assert "SPLIT_K" not in mk.choose_config(8192, 8192, 8192, torch.bfloat16, h100)
+    with pytest.raises(ValueError, match="SPLIT_K"):
+        mk.launch_matmul(torch.randn(4, 8, device=DEVICE), torch.randn(8, 4, device=DEVICE), config={"SPLIT_K": 0})
+
+
 def test_choose_config():
     h100 = 132
     for m, n, k, dt in [(1, 4096, 4096, torch.bfloat16), (16, 14336, 4096, torch.float16),
@@ -255,6 +288,35 @@ def test_gpu_bf16_large(m, n, k, cfg):
     for b in (w.t(), w.t().contiguous()):
         out, _ = mk.launch_matmul(a, b, config=cfg)
         assert rel_err(out, a.double() @ b.double()) <= 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", [2, 4, 7])
+@pytest.mark.parametrize("store_tma", [False, True])
+@pytest.mark.parametrize("use_tma", [False, True])
+def test_gpu_split_k(split, store_tma, use_tma):
+    """Split-K on the GPU (real concurrency between the slices of a tile): bias + gelu + residual
+    at M = 128 and an odd shape, bit-identical over repeated launches, and inside a CUDA graph
+    (its own counters, zeroed by the captured memset) replayed twice."""
+    for m, n, k in [(128, 4096, 4096), (77, 1000, 3000)]:
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+        bias, res = torch.randn(n, device="cuda", dtype=torch.bfloat16), torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+        cfg = dict(SPLIT_K=split, USE_TMA=use_tma, STORE_TMA=store_tma)
+        ref = matmul_reference(a.double(), w.double().t(), bias.double(), "gelu", res.double())
+        out = mk.launch_matmul(a, w.t(), bias, res, "gelu", config=cfg)[0]
+        assert rel_err(out, ref) <= 1e-2
+        for _ in range(3):
+            assert torch.equal(out, mk.launch_matmul(a, w.t(), bias, res, "gelu", config=cfg)[0])
+        mk.launch_matmul(a, w.t(), bias, res, "gelu", config=cfg)      # compiled before capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = mk.launch_matmul(a, w.t(), bias, res, "gelu", config=cfg)[0]
+        for _ in range(2):
+            captured.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(captured, out)
 
 
 @pytest.mark.gpu

@@ -51,6 +51,65 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     return first_m + in_group % group_rows, in_group // group_rows
 
 
+@triton.jit
+def _split_k_fixup(acc, ws_ptr, lock_ptr, tile_id, split, SPLIT_K: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Serial split-K reduction (as cuBLAS's): every split stores its fp32 partial tile to the
+    workspace and counts its arrival on the tile's counter; the last to arrive sums all SPLIT_K
+    partials in split order (bit-identical results whatever the arrival order), resets the
+    counter for the next launch, and returns (sum, True) to run the epilogue. The others return
+    (zeros, False). The barrier before the counter's release makes every thread's partial visible
+    (CUTLASS's semaphore pattern); the sum's loads bypass L1 (.cg)."""
+    tile_ws = ws_ptr + tile_id.to(tl.int64) * (SPLIT_K * BLOCK_M * BLOCK_N)
+    offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    tl.store(tile_ws + split * (BLOCK_M * BLOCK_N) + offs, acc)
+    tl.debug_barrier()
+    arrived = tl.atomic_add(lock_ptr + tile_id, 1, sem="acq_rel", scope="gpu")
+    is_last = arrived == SPLIT_K - 1
+    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if is_last:
+        for s in tl.static_range(SPLIT_K):
+            total += tl.load(tile_ws + s * (BLOCK_M * BLOCK_N) + offs, cache_modifier=".cg")
+        tl.store(lock_ptr + tile_id, 0)
+    return total, is_last
+
+
+@triton.jit
+def _matmul_epilogue(acc, c_desc, bias_ptr, residual_ptr, preact_ptr, c_ptr, off_m, off_n, M, N,
+                     stride_cm, stride_cn, stride_rm, stride_rn, stride_pm, stride_pn,
+                     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                     SAVE_PREACT: tl.constexpr, STORE_TMA: tl.constexpr, STORE_SPLIT: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The output tile at (off_m, off_n): z = acc + bias; [preact = z]; out = act(z) + residual,
+    stored through ``c_desc`` (STORE_TMA) or masked pointer stores to ``c_ptr``."""
+    rows_c = (off_m + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols_c = (off_n + tl.arange(0, BLOCK_N)).to(tl.int64)
+    row_ok = rows_c < M
+    col_ok = cols_c < N
+    mask = row_ok[:, None] & col_ok[None, :]
+    z = acc
+    if HAS_BIAS:
+        z += tl.load(bias_ptr + cols_c, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if SAVE_PREACT:
+        tl.store(preact_ptr + rows_c[:, None] * stride_pm + cols_c[None, :] * stride_pn,
+                 z.to(preact_ptr.dtype.element_ty), mask=mask)
+    y = activation_fwd(z, ACT)
+    if HAS_RESIDUAL:
+        res = tl.load(residual_ptr + rows_c[:, None] * stride_rm + cols_c[None, :] * stride_rn,
+                      mask=mask, other=0.0)
+        y += res.to(tl.float32)
+    y = y.to(c_ptr.dtype.element_ty)
+    if STORE_TMA:
+        if STORE_SPLIT == 2:    # two [BLOCK_M, BLOCK_N / 2] stores: half the staging buffer
+            y0, y1 = tl.split(tl.permute(tl.reshape(y, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+            c_desc.store([off_m, off_n], y0)
+            c_desc.store([off_m, off_n + BLOCK_N // 2], y1)
+        else:
+            c_desc.store([off_m, off_n], y)
+    else:
+        tl.store(c_ptr + rows_c[:, None] * stride_cm + cols_c[None, :] * stride_cn, y, mask=mask)
+
+
 @fast_launch
 @triton.jit
 def matmul_kernel(
@@ -60,6 +119,8 @@ def matmul_kernel(
     bias_ptr,           # *bias [N], contiguous (ignored unless HAS_BIAS)
     residual_ptr,       # *residual [M, N], output dtype (ignored unless HAS_RESIDUAL)
     preact_ptr,         # *pre-activation a @ b + bias [M, N], output dtype (ignored unless SAVE_PREACT)
+    ws_ptr,             # *fp32 split-K partials [tiles, SPLIT_K, BLOCK_M, BLOCK_N] (ignored unless SPLIT_K > 1)
+    lock_ptr,           # *int32 split-K arrival counter per tile, zero between launches (same)
     M,                  # rows of A and out
     N,                  # columns of B and out
     K,                  # the reduced dimension (0: out is the epilogue alone)
@@ -81,6 +142,7 @@ def matmul_kernel(
     BLOCK_N: tl.constexpr,          # tile columns (>= 16)
     BLOCK_K: tl.constexpr,          # K per step (>= 16)
     GROUP_M: tl.constexpr,          # row tiles per group of the tile order
+    SPLIT_K: tl.constexpr,          # programs sharing one output tile, each a slice of K (1: none)
     NUM_PROGRAMS: tl.constexpr,     # the persistent grid size (stride of the tile loop)
     EVEN_K: tl.constexpr,           # K % BLOCK_K == 0: pointer loads without a mask
     USE_TMA: tl.constexpr,          # operands through tensor descriptors instead of pointers
@@ -113,17 +175,23 @@ def matmul_kernel(
     if STORE_TMA:
         c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[stride_cm, 1],
                                            block_shape=[BLOCK_M, BLOCK_N // STORE_SPLIT])
+    else:
+        c_desc = c_ptr      # (unused)
     # the epilogue's tile has its own counter: with FLATTEN the pipeliner can then issue the next
     # tile's loads before this tile's stores (one value used in both breaks that)
-    tile_id_c = tl.program_id(0) - NUM_PROGRAMS
-    for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=FLATTEN,
-                            warp_specialize=WARP_SPECIALIZE):
-        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+    # a work unit is one K slice of one tile; the SPLIT_K slices of a tile are consecutive units
+    k_tiles_per_split = tl.cdiv(k_tiles, SPLIT_K)
+    unit_c = tl.program_id(0) - NUM_PROGRAMS
+    for unit in tl.range(tl.program_id(0), num_tiles * SPLIT_K, NUM_PROGRAMS, flatten=FLATTEN,
+                         warp_specialize=WARP_SPECIALIZE):
+        pid_m, pid_n = _tile_coords(unit // SPLIT_K, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
+        k_lo = (unit % SPLIT_K) * k_tiles_per_split
+        k_hi = tl.minimum(k_lo + k_tiles_per_split, k_tiles)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if USE_TMA:
-            for ki in range(k_tiles):
+            for ki in range(k_lo, k_hi):
                 if A_M_CONTIGUOUS:
                     a = tl.trans(a_desc.load([ki * BLOCK_K, off_m]))
                 else:
@@ -139,9 +207,10 @@ def matmul_kernel(
             cols = off_n + tl.arange(0, BLOCK_N)
             rows = tl.where(rows < M, rows, 0).to(tl.int64)
             cols = tl.where(cols < N, cols, 0).to(tl.int64)
-            a_ptrs = a_ptr + rows[:, None] * stride_am + ks[None, :] * stride_ak
-            b_ptrs = b_ptr + ks[:, None] * stride_bk + cols[None, :] * stride_bn
-            for ki in range(k_tiles):
+            k0 = (k_lo * BLOCK_K).to(tl.int64)
+            a_ptrs = a_ptr + rows[:, None] * stride_am + (k0 + ks[None, :]) * stride_ak
+            b_ptrs = b_ptr + (k0 + ks[:, None]) * stride_bk + cols[None, :] * stride_bn
+            for ki in range(k_lo, k_hi):
                 if EVEN_K:
                     a = tl.load(a_ptrs)
                     b = tl.load(b_ptrs)
@@ -154,36 +223,20 @@ def matmul_kernel(
                 b_ptrs += BLOCK_K * stride_bk
 
         # epilogue: z = acc + bias; [preact = z]; out = act(z) + residual
-        tile_id_c += NUM_PROGRAMS
+        unit_c += NUM_PROGRAMS
+        tile_id_c = unit_c // SPLIT_K
         pid_m, pid_n = _tile_coords(tile_id_c, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
-        rows_c = (off_m + tl.arange(0, BLOCK_M)).to(tl.int64)
-        cols_c = (off_n + tl.arange(0, BLOCK_N)).to(tl.int64)
-        row_ok = rows_c < M
-        col_ok = cols_c < N
-        mask = row_ok[:, None] & col_ok[None, :]
-        z = acc
-        if HAS_BIAS:
-            z += tl.load(bias_ptr + cols_c, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        if SAVE_PREACT:
-            tl.store(preact_ptr + rows_c[:, None] * stride_pm + cols_c[None, :] * stride_pn,
-                     z.to(preact_ptr.dtype.element_ty), mask=mask)
-        y = activation_fwd(z, ACT)
-        if HAS_RESIDUAL:
-            res = tl.load(residual_ptr + rows_c[:, None] * stride_rm + cols_c[None, :] * stride_rn,
-                          mask=mask, other=0.0)
-            y += res.to(tl.float32)
-        y = y.to(c_ptr.dtype.element_ty)
-        if STORE_TMA:
-            if STORE_SPLIT == 2:    # two [BLOCK_M, BLOCK_N / 2] stores: half the staging buffer
-                y0, y1 = tl.split(tl.permute(tl.reshape(y, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
-                c_desc.store([off_m, off_n], y0)
-                c_desc.store([off_m, off_n + BLOCK_N // 2], y1)
-            else:
-                c_desc.store([off_m, off_n], y)
+        if SPLIT_K > 1:     # only the tile's last slice to finish goes on, with the summed tile
+            acc, tile_done = _split_k_fixup(acc, ws_ptr, lock_ptr, tile_id_c, unit_c % SPLIT_K,
+                                            SPLIT_K, BLOCK_M, BLOCK_N)
         else:
-            tl.store(c_ptr + rows_c[:, None] * stride_cm + cols_c[None, :] * stride_cn, y, mask=mask)
+            tile_done = True
+        if tile_done:
+            _matmul_epilogue(acc, c_desc, bias_ptr, residual_ptr, preact_ptr, c_ptr,
+                             off_m, off_n, M, N, stride_cm, stride_cn, stride_rm, stride_rn, stride_pm, stride_pn,
+                             HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT, STORE_TMA, STORE_SPLIT, BLOCK_M, BLOCK_N)
 
 
 @fast_launch
@@ -280,6 +333,18 @@ def wide_tile_epilogue(cfg: dict) -> dict:
     return {}
 
 
+MIN_K_TILES_PER_SLICE = 4   # a K slice shorter than this spends more on its partial tile than it saves
+
+
+def split_k_slices(tiles: int, k_tiles: int, sms: int) -> int:
+    """K slices per output tile (SPLIT_K) when the tiles alone leave over half the SMs idle (small
+    M against a narrow N: the weight would stream through a few SMs at their per-SM bandwidth):
+    the most with tiles x slices <= SMs, each slice >= MIN_K_TILES_PER_SLICE K steps."""
+    if 2 * tiles > sms:
+        return 1
+    return max(1, min(sms // tiles, k_tiles // MIN_K_TILES_PER_SLICE))
+
+
 def _fit(block: int, dim: int) -> int:
     """A block no larger than the dimension needs (power of two, >= 16 for tl.dot)."""
     return min(block, max(16, next_power_of_2(dim)))
@@ -302,6 +367,9 @@ def choose_config(m: int, n: int, k: int, dtype: torch.dtype, sms: int) -> dict:
     else:
         cfg = dict(CONFIGS[largest_filling_tile(m, n, sms)])
     cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"] = _fit(cfg["BLOCK_M"], m), _fit(cfg["BLOCK_N"], n), _fit(cfg["BLOCK_K"], k)
+    split = split_k_slices(cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"]), cdiv(k, cfg["BLOCK_K"]), sms)
+    if split > 1:
+        cfg["SPLIT_K"] = split
     return cfg
 
 
@@ -365,6 +433,28 @@ class _MatmulPlan(NamedTuple):
     grid: tuple                 # (persistent programs,)
     uses_tma: bool              # operands through device-side descriptors (needs the allocator)
     prepared: PreparedArgs      # matmul_kernel's sizes, strides and constexprs
+    split_tiles: int            # output tiles when split over K (0: not split)
+    workspace: int              # fp32 elements of the split-K partials (0: not split)
+
+
+_SPLIT_K_LOCKS: dict = {}       # (device, stream) -> int32 arrival counters, zero between launches
+
+
+def split_k_locks(device: torch.device, tiles: int) -> torch.Tensor:
+    """Zeroed per-tile arrival counters for a split-K launch. The kernel leaves them zero, so one
+    buffer per (device, stream) serves every launch ordered on that stream (as cuBLAS's
+    workspace); under CUDA-graph capture a fresh buffer is made (captured with its zeroing), so
+    the cache never holds the graph pool's memory."""
+    if device.type != "cuda":
+        return torch.zeros(tiles, dtype=torch.int32, device=device)
+    stream = torch.cuda.current_stream(device)
+    if stream.is_capturing():
+        return torch.zeros(tiles, dtype=torch.int32, device=device)
+    key = (device.index, stream.cuda_stream)
+    locks = _SPLIT_K_LOCKS.get(key)
+    if locks is None or locks.numel() < tiles:
+        locks = _SPLIT_K_LOCKS[key] = torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device)
+    return locks
 
 
 @functools.lru_cache(maxsize=4096)
@@ -385,19 +475,26 @@ def _matmul_plan(m: int, n: int, k: int, dtype: torch.dtype, out_dtype: torch.dt
     store_split = cfg.pop("STORE_SPLIT", DEFAULT_STORE_SPLIT) if store_tma else 1
     if store_split not in (1, 2):
         raise ValueError(f"config: STORE_SPLIT must be 1 or 2, got {store_split}")
-    programs = max(1, min(sms, cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"])))
+    split = int(cfg.pop("SPLIT_K", 1)) if k > 0 else 1
+    if split < 1:
+        raise ValueError(f"config: SPLIT_K must be >= 1, got {split}")
+    flatten = flatten and split == 1    # (the split-K arrival must not be pipelined across units)
+    tiles = cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"])
+    programs = max(1, min(sms, tiles * split))
     has_bias, act, has_res, save_preact = epilogue
     ints = (m, n, k, *a_strides, *b_strides, n, 1, *res_strides, n, 1)   # out and preact: row-major [M, N]
     kwargs = dict(
         HAS_BIAS=has_bias, ACT=act, HAS_RESIDUAL=has_res, SAVE_PREACT=save_preact,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
-        NUM_PROGRAMS=programs, EVEN_K=k % cfg["BLOCK_K"] == 0, USE_TMA=bool(use_tma),
+        SPLIT_K=split, NUM_PROGRAMS=programs, EVEN_K=k % cfg["BLOCK_K"] == 0, USE_TMA=bool(use_tma),
         A_M_CONTIGUOUS=layout.a_m_contiguous, B_K_CONTIGUOUS=layout.b_k_contiguous, FLATTEN=bool(flatten),
         WARP_SPECIALIZE=bool(cfg.pop("WARP_SPECIALIZE", False)), STORE_TMA=store_tma, STORE_SPLIT=store_split,
         DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    return _MatmulPlan((programs,), bool(use_tma), matmul_kernel.prepare(ints, kwargs))
+    split_tiles = tiles if split > 1 else 0
+    return _MatmulPlan((programs,), bool(use_tma), matmul_kernel.prepare(ints, kwargs),
+                       split_tiles, split_tiles * split * cfg["BLOCK_M"] * cfg["BLOCK_N"])
 
 
 def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
@@ -406,7 +503,7 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = 
                   config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(out, preact or None) of act(a @ b + bias) + residual; a [M, K], b [K, N] with any
     strides, residual [M, N]. ``config`` overrides any key of :func:`choose_config`'s result,
-    plus USE_TMA, FLATTEN, STORE_TMA, STORE_SPLIT and WARP_SPECIALIZE."""
+    plus SPLIT_K, USE_TMA, FLATTEN, STORE_TMA, STORE_SPLIT and WARP_SPECIALIZE."""
     (m, k), n = a.shape, b.shape[1]
     out_dtype = out_dtype or a.dtype
     out = empty((m, n), out_dtype, a.device)
@@ -420,10 +517,15 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = 
                         config_key(config))
     if plan.uses_tma and a.device.type == "cuda":   # (forced under the interpreter: pointer loads)
         use_device_descriptors()        # per call: the allocator is a per-thread context value
-    # out stands in for an absent bias / residual / preact
+    if plan.split_tiles:
+        workspace = torch.empty(plan.workspace, dtype=torch.float32, device=a.device)
+        locks = split_k_locks(a.device, plan.split_tiles)
+    else:
+        workspace = locks = out
+    # out stands in for an absent bias / residual / preact / split-K buffers
     matmul_kernel.launch_prepared(plan.grid, (
         a, b, out, bias if bias is not None else out, residual if residual is not None else out,
-        preact if preact is not None else out), plan.prepared)
+        preact if preact is not None else out, workspace, locks), plan.prepared)
     return out, preact
 
 
