@@ -1,7 +1,7 @@
 """tilefuse.matmul launch-config sweep on the GPU, beside cuBLAS (torch.matmul) in the same run.
 
     python scripts/matmul_sweep.py [--shapes all|square|llama|small] [--dtype bf16] [--quick]
-                                   [--configs NAME,NAME] [--rounds 5]
+                                   [--configs NAME,NAME] [--rounds 5] [--graph]
 
 Per (M, N, K): the default config (choose_config + TMA where eligible) and a few declared
 alternatives, each checked (rel err vs an fp32 cuBLAS product <= 1e-2), then timed with
@@ -83,6 +83,7 @@ MID_ALTERNATIVES = {
     "64x128-k128-sk2": dict(mk.CONFIGS["mid_64x128"], SPLIT_K=2),
     "128x64-k128-s4-w4-sk2": dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4, SPLIT_K=2),
     "128x256-k64-sk4": dict(mk.CONFIGS["tile_128x256"], SPLIT_K=4),
+    "128x256-k64-sk8": dict(mk.CONFIGS["tile_128x256"], SPLIT_K=8),
 }
 
 
@@ -138,9 +139,20 @@ def interleaved_ms(fns: dict, rounds: int) -> dict:
     return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
 
 
-def valid_fns(candidates: dict, ref: torch.Tensor) -> dict:
+def graphed(fn):
+    """``fn`` replayed from a CUDA graph: kernels only, no host time (every caller's host path,
+    cuBLAS's and ours, hidden alike); do_bench still flushes L2 before each replay."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def valid_fns(candidates: dict, ref: torch.Tensor, graph: bool = False) -> dict:
     """The candidates whose output is right (rel err <= 1e-2 against the fp32 product); the
-    others are reported and dropped."""
+    others are reported and dropped. ``graph``: each returned as a CUDA-graph replay."""
     fns = {}
     for name, fn in candidates.items():
         try:
@@ -151,7 +163,7 @@ def valid_fns(candidates: dict, ref: torch.Tensor) -> dict:
         if err > 1e-2:
             print(f"  {name:22s} WRONG err={err:.3g}")
             continue
-        fns[name] = fn
+        fns[name] = graphed(fn) if graph else fn
     return fns
 
 
@@ -163,6 +175,7 @@ def main() -> None:
     p.add_argument("--configs", default="", help="comma-separated names of the alternatives to time (default: all)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
     p.add_argument("--gate-up", action="store_true", help="also sweep the swiglu_linear gate-up GEMM")
+    p.add_argument("--graph", action="store_true", help="time CUDA-graph replays (kernel time, no host path)")
     args = p.parse_args()
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     shapes = ([s for v in SHAPES.values() for s in v] if args.shapes == "all"
@@ -182,7 +195,7 @@ def main() -> None:
         candidates = {"cuBLAS": lambda: torch.matmul(a, b)}
         candidates.update({name: (lambda cfg=cfg: mk.launch_matmul(a, b, config=cfg)[0])
                            for name, cfg in {"default": {}, **alts}.items()})
-        ms = interleaved_ms(valid_fns(candidates, ref), args.rounds)
+        ms = interleaved_ms(valid_fns(candidates, ref, args.graph), args.rounds)
         cublas = 2 * m * n * k / ms.pop("cuBLAS") / 1e9
         for name, t in ms.items():
             tf = 2 * m * n * k / t / 1e9
@@ -192,10 +205,13 @@ def main() -> None:
         # transposed view with unit M stride), each beside cuBLAS on the same operands
         b_row = w.t().contiguous()
         dy, x = torch.randn(k, m, device="cuda", dtype=dtype), torch.randn(k, n, device="cuda", dtype=dtype)
-        layouts = interleaved_ms({"default-rowmajor": lambda: mk.launch_matmul(a, b_row)[0],
-                                  "cuBLAS-rowmajor": lambda: torch.matmul(a, b_row),
-                                  "default-a-transposed": lambda: mk.launch_matmul(dy.t(), x)[0],
-                                  "cuBLAS-a-transposed": lambda: torch.matmul(dy.t(), x)}, args.rounds)
+        layout_fns = {"default-rowmajor": lambda: mk.launch_matmul(a, b_row)[0],
+                      "cuBLAS-rowmajor": lambda: torch.matmul(a, b_row),
+                      "default-a-transposed": lambda: mk.launch_matmul(dy.t(), x)[0],
+                      "cuBLAS-a-transposed": lambda: torch.matmul(dy.t(), x)}
+        if args.graph:
+            layout_fns = {name: graphed(fn) for name, fn in layout_fns.items()}
+        layouts = interleaved_ms(layout_fns, args.rounds)
         for name in ("rowmajor", "a-transposed"):
             ratio = layouts[f"cuBLAS-{name}"] / layouts[f"default-{name}"]
             print(f"  {'default-' + name:22s} {2 * m * n * k / layouts['default-' + name] / 1e9:7.0f} TF/s  "

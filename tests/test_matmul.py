@@ -336,3 +336,13 @@ def test_gpu_configs_compile_and_agree(cfg):
     for use_tma in (True, False):
         out, _ = mk.launch_matmul(a, b, config=dict(cfg, USE_TMA=use_tma))
         assert rel_err(out, a.double() @ b.double()) <= 2e-3
+
+
+def test_one_row_a_with_any_row_stride():
+    """M = 1 with a's (unused) row stride 1, as dyᵀ of a [K, 1] gradient: the same result as a
+    contiguous row (the launcher gives the row an aligned stride so descriptors can read it)."""
+    dy, x = torch.randn(64, 1, device=DEVICE), torch.randn(64, 24, device=DEVICE)
+    assert dy.t().stride() == (1, 1)
+    out, _ = mk.launch_matmul(dy.t(), x)
+    assert torch.equal(out, mk.launch_matmul(dy.t().contiguous(), x)[0])
+    assert rel_err(out, dy.double().t() @ x.double()) <= 1e-5

@@ -448,7 +448,7 @@ def split_k_locks(device: torch.device, tiles: int) -> torch.Tensor:
     if device.type != "cuda":
         return torch.zeros(tiles, dtype=torch.int32, device=device)
     stream = torch.cuda.current_stream(device)
-    if stream.is_capturing():
+    if torch.cuda.is_current_stream_capturing():
         return torch.zeros(tiles, dtype=torch.int32, device=device)
     key = (device.index, stream.cuda_stream)
     locks = _SPLIT_K_LOCKS.get(key)
@@ -510,7 +510,10 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = 
     preact = empty((m, n), out_dtype, a.device) if save_preact else None
     if m == 0 or n == 0:
         return out, preact
-    plan = _matmul_plan(m, n, k, a.dtype, out_dtype, a.stride(), b.stride(),
+    a_strides = a.stride()
+    if m == 1 and a_strides[1] == 1:    # a one-row a's row stride is free: a 16-byte aligned one lets descriptors read it
+        a_strides = (cdiv(k, 16 // a.element_size()) * (16 // a.element_size()), 1)
+    plan = _matmul_plan(m, n, k, a.dtype, out_dtype, a_strides, b.stride(),
                         residual.stride() if residual is not None else (n, 1),
                         a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0, num_sms(a), is_hopper_or_newer(a),
                         (bias is not None, activation, residual is not None, save_preact),
