@@ -82,6 +82,8 @@ MID_ALTERNATIVES = {
     "128x128-k128-sk4+tma2": dict(mk.CONFIGS["mid_128x128"], SPLIT_K=4, STORE_TMA=True, STORE_SPLIT=2),
     "64x128-k128-sk2": dict(mk.CONFIGS["mid_64x128"], SPLIT_K=2),
     "128x64-k128-s4-w4-sk2": dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4, SPLIT_K=2),
+    "128x64-k128-s4-w4-sk4": dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4, SPLIT_K=4),
+    "64x128-k128": dict(mk.CONFIGS["mid_64x128"]),
     "128x256-k64-sk4": dict(mk.CONFIGS["tile_128x256"], SPLIT_K=4),
     "128x256-k64-sk8": dict(mk.CONFIGS["tile_128x256"], SPLIT_K=8),
 }
