@@ -146,10 +146,18 @@ def test_split_k(dtype, cfg):
 
 def test_split_k_choice_and_bad_value():
     h100 = 132
-    assert mk.split_k_slices(tiles=32, k_tiles=32, sms=h100) == 4        # 128 of 132 SMs busy
-    assert mk.split_k_slices(tiles=32, k_tiles=8, sms=h100) == 2         # slices keep >= 4 K steps
-    assert mk.split_k_slices(tiles=67, k_tiles=64, sms=h100) == 1        # over half the SMs: no split
-    assert mk.choose_config(128, 1024, 4096, torch.bfloat16, h100).get("SPLIT_K", 1) > 1
+    assert mk.split_k_slices(tiles=32, k_tiles=32, sms=h100, min_slice_k_tiles=8) == 4   # 128 of 132 SMs busy
+    assert mk.split_k_slices(tiles=32, k_tiles=16, sms=h100, min_slice_k_tiles=8) == 2   # slices keep >= 8 K steps
+    assert mk.split_k_slices(tiles=67, k_tiles=64, sms=h100, min_slice_k_tiles=8) == 1   # over half the SMs: no split
+    shapes = {(m, n, k): mk.choose_config(m, n, k, torch.bfloat16, h100)
+              for m in (1, 16, 128) for n, k in [(4096, 4096), (14336, 4096), (4096, 14336), (6144, 4096)]}
+    picks = {shape: (c["BLOCK_M"], c["BLOCK_N"], c.get("SPLIT_K", 1)) for shape, c in shapes.items()}
+    assert picks[(16, 4096, 4096)] == picks[(1, 4096, 14336)] == (16, 128, 4)
+    assert picks[(1, 6144, 4096)] == (16, 128, 2) and picks[(16, 14336, 4096)] == (16, 128, 1)
+    assert picks[(128, 4096, 14336)] == (128, 64, 2) and picks[(128, 6144, 4096)] == (128, 64, 1)
+    assert picks[(128, 4096, 4096)] == (64, 64, 1) and picks[(128, 14336, 4096)] == (128, 128, 1)
+    for (m, n, k), c in shapes.items():     # every pick gives >= 2/3 of the SMs work
+        assert 3 * -(-m // c["BLOCK_M"]) * -(-n // c["BLOCK_N"]) * c.get("SPLIT_K", 1) >= 2 * h100
     assert "SPLIT_K" not in mk.choose_config(8192, 8192, 8192, torch.bfloat16, h100)
     with pytest.raises(ValueError, match="SPLIT_K"):
         mk.launch_matmul(torch.randn(4, 8, device=DEVICE), torch.randn(8, 4, device=DEVICE), config={"SPLIT_K": 0})
@@ -165,7 +173,7 @@ def test_choose_config():
         assert cfg["BLOCK_K"] <= max(16, k * 2) and cfg["BLOCK_N"] <= max(16, n * 2)
     assert mk.choose_config(1, 4096, 4096, torch.bfloat16, h100)["BLOCK_M"] == 16
     assert mk.choose_config(30, 4096, 4096, torch.bfloat16, h100)["BLOCK_M"] == 32
-    assert mk.choose_config(1, 4096, 4096, torch.bfloat16, h100)["BLOCK_N"] == 32    # 128 programs
+    assert mk.choose_config(1, 4096, 4096, torch.bfloat16, h100)["BLOCK_N"] == 128   # 32 tiles x 4 K slices
     assert mk.choose_config(8192, 8192, 8192, torch.bfloat16, h100) == mk.CONFIGS["tile_128x256"]
     assert mk.choose_config(64, 64, 64, torch.float32, h100)["BLOCK_K"] == 32
 

@@ -59,9 +59,10 @@ def _split_k_fixup(acc, ws_ptr, lock_ptr, tile_id, split, SPLIT_K: tl.constexpr,
     partials in split order (bit-identical results whatever the arrival order), resets the
     counter for the next launch, and returns (sum, True) to run the epilogue. The others return
     (zeros, False). The barrier before the counter's release makes every thread's partial visible
-    (CUTLASS's semaphore pattern); the sum's loads bypass L1 (.cg), and the last slice's own
-    partial comes from its registers (one BLOCK_M x BLOCK_N x 4-byte load less: at ~70 GB/s per
-    SM, the serial sum is most of split-K's cost)."""
+    (CUTLASS's semaphore pattern); the sum's loads bypass L1 (.cg). (Taking the last slice's own
+    partial from registers instead of loading it was slower: H200 2026-11-24, 31.6 against
+    27.1 µs at 128x4096x4096 with 4 slices.) The serial sum runs at one SM's bandwidth (~70 GB/s),
+    so slices must be long for it to pay: see :func:`fill_with_slices`."""
     tile_ws = ws_ptr + tile_id.to(tl.int64) * (SPLIT_K * BLOCK_M * BLOCK_N)
     offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
     tl.store(tile_ws + split * (BLOCK_M * BLOCK_N) + offs, acc)
@@ -71,9 +72,7 @@ def _split_k_fixup(acc, ws_ptr, lock_ptr, tile_id, split, SPLIT_K: tl.constexpr,
     total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if is_last:
         for s in tl.static_range(SPLIT_K):
-            part = tl.load(tile_ws + s * (BLOCK_M * BLOCK_N) + offs, mask=split != s, other=0.0,
-                           cache_modifier=".cg")
-            total += tl.where(split == s, acc, part)
+            total += tl.load(tile_ws + s * (BLOCK_M * BLOCK_N) + offs, cache_modifier=".cg")
         tl.store(lock_ptr + tile_id, 0)
     return total, is_last
 
@@ -287,13 +286,22 @@ CONFIGS = {
     # 32 < M <= 256: the weight streams through once (memory-bound); long K steps keep more bytes
     # in flight per SM (H100 2026-11-22, M=128: 64x64x256 14.0 us = cuBLAS, 64x64x64 18.4 us)
     "mid_128x128": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3),
+    "mid_128x64": dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4),
     "mid_64x128": dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3),
     "mid_64x64": dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=256, GROUP_M=8, num_warps=4, num_stages=3),
     # fp32 operands: ieee dot (FMA, no tensor cores): smaller tiles, registers are the limit
     "fp32": dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=3),
 }
 LARGE_TILES = ("tile_128x256", "tile_128x128", "tile_64x128", "tile_64x64")   # largest first
-MID_TILES = ("mid_128x128", "mid_64x128", "mid_64x64")
+# H200 2026-11-24 sweeps as CUDA-graph replays (-s7-matmul-sweep-small-m-graph*.log), M = 128:
+# 128x128 fills at N = 14336 (112 tiles); 128x64 at N = 6144 (96 tiles: 0.82x cuBLAS against
+# 0.67x for 192 tiles of 64x64 in two rounds) and, split in two, at N = 4096, K = 14336 (0.90x
+# against 0.84x); 64x64x256 at N = K = 4096 (128 tiles; 128x64 in two slices 0.80-0.83x, 0.85x)
+MID_TILES = ("mid_128x128", "mid_128x64", "mid_64x64")
+# M <= 32: 128 columns per tile, split over K, beat narrower tiles at every shape measured
+# (N = 14336: 0.97x against 0.88x; N = 4096: 0.86-0.93x with 4 slices against 0.77-0.83x)
+SMALL_M_BLOCK_N = (128, 64, 32, 16)
+MIN_SLICE_K_TILES = {"small": 8, "mid": 48}     # K steps per split-K slice (see fill_with_slices)
 MID_MAX_M = 256
 DEFAULT_USE_TMA = True      # descriptors where eligible (GPU sm_90+); False: pointer loads everywhere
 DEFAULT_STORE_TMA = False  # out through a descriptor store (with operands through descriptors)
@@ -318,15 +326,6 @@ def largest_filling_tile(m: int, n: int, sms: int, tiles: tuple = LARGE_TILES) -
     return tiles[-1]
 
 
-def small_m_block_n(n: int, sms: int) -> int:
-    """Small M reads B once and is memory-bound: halve BLOCK_N (64 -> 32 -> 16) until >= 3/4 of
-    the SMs stream a column panel (not all: 128 tiles on 132 SMs beat 256 in two uneven rounds)."""
-    block_n = 64
-    while block_n > 16 and 4 * cdiv(n, block_n) < 3 * sms:
-        block_n //= 2
-    return block_n
-
-
 def wide_tile_epilogue(cfg: dict) -> dict:
     """128x256 tiles store through a descriptor in two column halves, with the tile loop
     flattened so the next tile's loads start under this tile's stores (H200 2026-11-24, sweep
@@ -337,16 +336,31 @@ def wide_tile_epilogue(cfg: dict) -> dict:
     return {}
 
 
-MIN_K_TILES_PER_SLICE = 4   # a K slice shorter than this spends more on its partial tile than it saves
-
-
-def split_k_slices(tiles: int, k_tiles: int, sms: int) -> int:
+def split_k_slices(tiles: int, k_tiles: int, sms: int, min_slice_k_tiles: int) -> int:
     """K slices per output tile (SPLIT_K) when the tiles alone leave over half the SMs idle (small
     M against a narrow N: the weight would stream through a few SMs at their per-SM bandwidth):
-    the most with tiles x slices <= SMs, each slice >= MIN_K_TILES_PER_SLICE K steps."""
+    the most with tiles x slices <= SMs, each slice >= ``min_slice_k_tiles`` K steps."""
     if 2 * tiles > sms:
         return 1
-    return max(1, min(sms // tiles, k_tiles // MIN_K_TILES_PER_SLICE))
+    return max(1, min(sms // tiles, k_tiles // min_slice_k_tiles))
+
+
+def fill_with_slices(candidates: list, m: int, n: int, k: int, sms: int, min_slice_k_tiles: int) -> dict:
+    """The first candidate config (largest tiles first) whose tiles, split over K when they alone
+    leave over half the SMs idle, give >= 2/3 of the SMs work; the last one when none does.
+    Memory-bound small-M GEMMs want wide tiles (each weight byte read once, few re-reads of a)
+    on most SMs. ``min_slice_k_tiles``: the split-K sum runs serially on one SM at ~70 GB/s, so a
+    slice must be long against its [BLOCK_M, BLOCK_N] fp32 partial (8 K steps at BLOCK_M = 16,
+    48 at BLOCK_M = 128: shorter ones measured slower than an unsplit smaller tile)."""
+    for cfg in candidates:
+        cfg = dict(cfg, BLOCK_M=_fit(cfg["BLOCK_M"], m), BLOCK_N=_fit(cfg["BLOCK_N"], n), BLOCK_K=_fit(cfg["BLOCK_K"], k))
+        tiles = cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"])
+        split = split_k_slices(tiles, cdiv(k, cfg["BLOCK_K"]), sms, min_slice_k_tiles)
+        if 3 * tiles * split >= 2 * sms:
+            break
+    if split > 1:
+        cfg["SPLIT_K"] = split
+    return cfg
 
 
 def _fit(block: int, dim: int) -> int:
@@ -364,16 +378,14 @@ def choose_config(m: int, n: int, k: int, dtype: torch.dtype, sms: int) -> dict:
     if dtype == torch.float32:
         cfg = dict(CONFIGS["fp32"])
     elif m_bucket(m) in ("m16", "m32"):
-        cfg = dict(CONFIGS["small_m16" if m_bucket(m) == "m16" else "small_m32"])
-        cfg["BLOCK_N"] = small_m_block_n(n, sms)
+        small = CONFIGS["small_m16" if m_bucket(m) == "m16" else "small_m32"]
+        return fill_with_slices([dict(small, BLOCK_N=bn) for bn in SMALL_M_BLOCK_N], m, n, k, sms,
+                                MIN_SLICE_K_TILES["small"])
     elif m_bucket(m) == "mid":
-        cfg = dict(CONFIGS[largest_filling_tile(m, n, sms, MID_TILES)])
+        return fill_with_slices([CONFIGS[name] for name in MID_TILES], m, n, k, sms, MIN_SLICE_K_TILES["mid"])
     else:
         cfg = dict(CONFIGS[largest_filling_tile(m, n, sms)])
     cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"] = _fit(cfg["BLOCK_M"], m), _fit(cfg["BLOCK_N"], n), _fit(cfg["BLOCK_K"], k)
-    split = split_k_slices(cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"]), cdiv(k, cfg["BLOCK_K"]), sms)
-    if split > 1:
-        cfg["SPLIT_K"] = split
     return cfg
 
 
