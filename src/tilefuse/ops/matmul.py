@@ -252,7 +252,7 @@ register(OpSpec(
     gpu_test_shapes=[(1, 4096, 4096), (130, 4097, 1000), (2048, 1024, 8192), (16, 14336, 4096)],
     bench_shapes=[(4096, 4096, 4096), (8192, 8192, 8192)]
     + [(8192, n, k) for n, k in _LLAMA_8B_NK]
-    + [(m, 4096, 4096) for m in (1, 16, 128)],
+    + [(m, n, k) for n, k in _LLAMA_8B_NK for m in (1, 16, 128)],     # decode / small batches
     peers={"torch": lambda: _torch_matmul},
     description="act(a @ b + bias) + residual, persistent tensor-core GEMM",
 ))
