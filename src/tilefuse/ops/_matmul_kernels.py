@@ -12,6 +12,9 @@
   (Hopper; unit stride on a's K and on b's K or N axis, 16-byte aligned; zero fill past the edges).
   The output goes out through masked pointer stores or, with ``STORE_TMA``, a descriptor store in
   ``STORE_SPLIT`` column pieces (the default for 128x256 tiles: :func:`wide_tile_epilogue`).
+  With ``SPLIT_K`` > 1 each tile's K loop is cut into slices run by different programs and the
+  last slice to finish sums the fp32 partials in slice order (:func:`_split_k_fixup`; deterministic),
+  for small-M GEMMs whose tiles alone would leave SMs idle (:func:`fill_with_slices`).
 * ``act_grad_kernel``: dz = dy · act'(pre), the one elementwise step of the backward; the two
   backward GEMMs (dz @ bᵀ, aᵀ @ dz) run on ``matmul_kernel`` through transposed views.
 
