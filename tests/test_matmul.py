@@ -354,3 +354,14 @@ def test_one_row_a_with_any_row_stride():
     out, _ = mk.launch_matmul(dy.t(), x)
     assert torch.equal(out, mk.launch_matmul(dy.t().contiguous(), x)[0])
     assert rel_err(out, dy.double().t() @ x.double()) <= 1e-5
+
+
+def test_descriptors_by_default_only_above_mid_m():
+    """On an sm_90 GPU (hopper=True) the plan reads through descriptors for large M only; small
+    and mid M keep pointer loads (cheaper launch), and USE_TMA still forces either way."""
+    def plan(m, config=()):
+        return mk._matmul_plan(m, 4096, 4096, torch.bfloat16, torch.bfloat16, (4096, 1), (1, 4096), (4096, 1),
+                               True, 132, True, (False, "none", False, False), config)
+    assert not plan(1).uses_tma and not plan(mk.MID_MAX_M).uses_tma
+    assert plan(mk.MID_MAX_M + 1).uses_tma and plan(8192).uses_tma
+    assert plan(128, (("USE_TMA", True),)).uses_tma and not plan(8192, (("USE_TMA", False),)).uses_tma

@@ -434,7 +434,10 @@ def _store_tma_ok(n: int, out_dtype: torch.dtype) -> bool:
 
 
 def _tma_by_default(layout_ok: bool, hopper: bool) -> bool:
-    """Descriptors by default on sm_90+ GPUs when the layout allows (DEFAULT_USE_TMA)."""
+    """Descriptors by default on sm_90+ GPUs when the layout allows (DEFAULT_USE_TMA). matmul
+    itself keeps pointer loads up to M = MID_MAX_M: creating the descriptors costs ~1.6 µs per
+    launch, and at the 12 small-M shapes pointer loads were 1-11 points closer to cuBLAS (H200
+    2026-11-24, graph sweep, -s7-matmul-sweep-small-m-ptr-graph.log)."""
     return DEFAULT_USE_TMA and layout_ok and hopper
 
 
@@ -489,7 +492,9 @@ def _matmul_plan(m: int, n: int, k: int, dtype: torch.dtype, out_dtype: torch.dt
     cfg.update(config)
     layout = tma_layout_from_strides(a_strides, b_strides, (m, k), (k, n), aligned, dtype.itemsize)
     use_tma = cfg.pop("USE_TMA", None)
-    use_tma = k > 0 and (_tma_by_default(layout.ok, hopper) if use_tma is None else layout.ok and bool(use_tma))
+    if use_tma is None:
+        use_tma = _tma_by_default(layout.ok, hopper) and m > MID_MAX_M
+    use_tma = k > 0 and layout.ok and bool(use_tma)
     flatten = cfg.pop("FLATTEN", DEFAULT_FLATTEN)
     store_tma = cfg.pop("STORE_TMA", None)
     store_tma = use_tma and _store_tma_ok(n, out_dtype) and (DEFAULT_STORE_TMA if store_tma is None else bool(store_tma))
