@@ -357,11 +357,13 @@ def test_one_row_a_with_any_row_stride():
 
 
 def test_descriptors_by_default_only_above_mid_m():
-    """On an sm_90 GPU (hopper=True) the plan reads through descriptors for large M only; small
-    and mid M keep pointer loads (cheaper launch), and USE_TMA still forces either way."""
-    def plan(m, config=()):
-        return mk._matmul_plan(m, 4096, 4096, torch.bfloat16, torch.bfloat16, (4096, 1), (1, 4096), (4096, 1),
+    """On an sm_90 GPU (hopper=True) the plan reads K-contiguous operands (x @ w.t()) through
+    descriptors for large M only; small and mid M keep pointer loads (cheaper launch). Other
+    layouts (b row-major [K, N], a transposed) keep descriptors; USE_TMA still forces either way."""
+    def plan(m, config=(), b_strides=(1, 4096), a_strides=(4096, 1)):
+        return mk._matmul_plan(m, 4096, 4096, torch.bfloat16, torch.bfloat16, a_strides, b_strides, (4096, 1),
                                True, 132, True, (False, "none", False, False), config)
     assert not plan(1).uses_tma and not plan(mk.MID_MAX_M).uses_tma
+    assert plan(16, b_strides=(4096, 1)).uses_tma and plan(16, a_strides=(1, 4096)).uses_tma
     assert plan(mk.MID_MAX_M + 1).uses_tma and plan(8192).uses_tma
     assert plan(128, (("USE_TMA", True),)).uses_tma and not plan(8192, (("USE_TMA", False),)).uses_tma
