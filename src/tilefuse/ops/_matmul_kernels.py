@@ -434,19 +434,18 @@ def _store_tma_ok(n: int, out_dtype: torch.dtype) -> bool:
 
 
 def _tma_by_default(layout_ok: bool, hopper: bool) -> bool:
-    """Descriptors by default on sm_90+ GPUs when the layout allows (DEFAULT_USE_TMA). matmul
-    itself keeps pointer loads up to M = MID_MAX_M when both operands are K-contiguous (the
-    forward of nn.Linear): creating the descriptors costs ~1.6 µs per launch, and at the 12
-    small-M shapes pointer loads were 1-11 points closer to cuBLAS (H200 2026-11-24, graph sweep,
-    -s7-matmul-sweep-small-m-ptr-graph.log). Other layouts keep descriptors: the pointer path
-    clamps rows / columns with a where, which hides an M- or N-contiguous axis from the
-    vectorizer (0.03-0.20x cuBLAS measured, -s7-matmul-sweep-small-m-final.log)."""
+    """Descriptors by default on sm_90+ GPUs when the layout allows (DEFAULT_USE_TMA)."""
     return DEFAULT_USE_TMA and layout_ok and hopper
 
 
-def _k_contiguous(a_strides: tuple, b_strides: tuple) -> bool:
-    """a [M, K] and b [K, N] both have unit K stride (x @ w.t())."""
-    return a_strides[1] == 1 and b_strides[0] == 1
+def _pointer_loads_cheaper(m: int, a_strides: tuple, b_strides: tuple) -> bool:
+    """Small M with both operands K-contiguous (x @ w.t(), nn.Linear's forward) skips the
+    descriptors: creating them costs ~1.6 µs per launch, and at the 12 small-M shapes pointer
+    loads were 1-11 points closer to cuBLAS (H200 2026-11-24, graph sweep,
+    -s7-matmul-sweep-small-m-ptr-graph.log). Other layouts keep descriptors: the pointer path
+    clamps rows / columns with a where, which hides an M- or N-contiguous axis from the
+    vectorizer (0.03-0.20x cuBLAS measured, -s7-matmul-sweep-small-m-final.log)."""
+    return m <= MID_MAX_M and a_strides[1] == 1 and b_strides[0] == 1
 
 
 def use_tma_default(a: torch.Tensor, layout_ok: bool) -> bool:
@@ -501,7 +500,7 @@ def _matmul_plan(m: int, n: int, k: int, dtype: torch.dtype, out_dtype: torch.dt
     layout = tma_layout_from_strides(a_strides, b_strides, (m, k), (k, n), aligned, dtype.itemsize)
     use_tma = cfg.pop("USE_TMA", None)
     if use_tma is None:
-        use_tma = _tma_by_default(layout.ok, hopper) and not (m <= MID_MAX_M and _k_contiguous(a_strides, b_strides))
+        use_tma = _tma_by_default(layout.ok, hopper) and not _pointer_loads_cheaper(m, a_strides, b_strides)
     use_tma = k > 0 and layout.ok and bool(use_tma)
     flatten = cfg.pop("FLATTEN", DEFAULT_FLATTEN)
     store_tma = cfg.pop("STORE_TMA", None)
