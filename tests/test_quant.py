@@ -369,6 +369,29 @@ def test_gpu_shapes_bf16(shape, fmt):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("g", [32, 64, 128])
+@pytest.mark.parametrize("m,config", [(5, {}), (16, dict(BLOCK_K=128)), (33, {}), (33, dict(SWAP_AB=True, BLOCK_N=64)),
+                                      (300, {})], ids=lambda v: str(v).replace(" ", ""))
+def test_gpu_packed_dequant_is_the_fp32_path_bit_for_bit(dtype, g, m, config):
+    """The 16-bit-pair PTX dequantization gives the very weight the fp32 path rounds to x's dtype:
+    y is bitwise equal (same tiles, same MMA order), with scales spanning many binades (tiny ones
+    into fp16's subnormals) and zero points from 0 to 15."""
+    n, k = 200, 8 * g
+    w = torch.randn(n, k, device=DEVICE)
+    w[::3], w[1::3] = w[::3].abs(), -w[1::3].abs()     # one-signed rows: zero points 0 and 15
+    qw = quantize_weight((w * torch.logspace(-6, 2, n, device=DEVICE)[:, None]).to(dtype), 4, g)
+    assert set(qw.zeros.unique().tolist()) >= {0, 15}
+    x = torch.randn(m, k, device=DEVICE).to(dtype)
+    packed = _launch(x, qw, None, config)
+    assert _plan(x, qw, config).meta["PACKED_DEQUANT"]
+    fp32 = _launch(x, qw, None, dict(config, PACKED=False))
+    assert not _plan(x, qw, dict(config, PACKED=False)).meta["PACKED_DEQUANT"]
+    assert torch.equal(packed, fp32)
+    assert rel_err(packed, _reference(x, qw)) <= TOL[dtype]
+
+
+@pytest.mark.gpu
 def test_tinygemm_peer_matches():
     peer = quant._tinygemm_peer()
     qw = quantize_weight(_weight(4096, 4096, torch.bfloat16, 4096 ** -0.5), 4, 128)
