@@ -46,15 +46,13 @@ GEMV_ALTERNATIVES = {
 # M = 4..64: tensor-core tile shapes, the operand order (W xᵀ "wx" / x Wᵀ "xw"), split-K on / off
 DOT_ALTERNATIVES = {
     "fp32-dequant": dict(PACKED=False),
-    "xw-m64-n128": dict(SWAP_AB=False, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128),
-    "wx-n128-w8": dict(SWAP_AB=True, BLOCK_N=128, BLOCK_K=128, num_warps=8),
-    "wx-n64-s4": dict(NUM_STAGES=4),
-    "n16": dict(BLOCK_N=16),
-    "n32": dict(BLOCK_N=32),
+    "split2": dict(SPLITS=2),
+    "split4": dict(SPLITS=4),
     "k128": dict(BLOCK_K=128),
+    "k128-split4": dict(BLOCK_K=128, SPLITS=4),
     "no-split": dict(SPLITS=1),
+    "wx-n128-w8": dict(SWAP_AB=True, BLOCK_N=128, BLOCK_K=128, num_warps=8),
     "xw-m64-n64": dict(SWAP_AB=False, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128),
-    "wx-n64-k256": dict(SWAP_AB=True, BLOCK_N=64, BLOCK_K=256),
 }
 SMALL_M_ALTERNATIVES = {"gemv": dict(PATH="gemv")}     # M <= quant.GEMV_MAX_ROWS: one program per row
 

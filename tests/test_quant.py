@@ -384,7 +384,8 @@ def test_gpu_packed_dequant_is_the_fp32_path_bit_for_bit(dtype, g, m, config):
     assert set(qw.zeros.unique().tolist()) >= {0, 15}
     x = torch.randn(m, k, device=DEVICE).to(dtype)
     packed = _launch(x, qw, None, config)
-    assert _plan(x, qw, config).meta["PACKED_DEQUANT"]
+    meta = _plan(x, qw, config).meta
+    assert meta["PACKED_DEQUANT"] == (meta["SWAP_AB"] or g >= 64)    # Triton 3.6 cannot compile xw at g32
     fp32 = _launch(x, qw, None, dict(config, PACKED=False))
     assert not _plan(x, qw, dict(config, PACKED=False)).meta["PACKED_DEQUANT"]
     assert torch.equal(packed, fp32)

@@ -358,8 +358,8 @@ def quant_dot_kernel(
         w = w.to(x_ptr.dtype.element_ty)
         k_mask = offs_k < K                                 # int4: K is whole chunks, so: the chunk is valid
         if SWAP_AB:
-            xt = tl.load(x_rows[None, :] + offs_k[:, None], mask=(offs_m < M)[None, :] & k_mask[:, None], other=0.0)
-            acc = tl.dot(w, xt, acc, input_precision=DOT_PRECISION)                   # [BLOCK_N, BLOCK_M]
+            xk = tl.load(x_rows[:, None] + offs_k[None, :], mask=(offs_m < M)[:, None] & k_mask[None, :], other=0.0)
+            acc = tl.dot(w, tl.trans(xk), acc, input_precision=DOT_PRECISION)         # [BLOCK_N, BLOCK_M]
         else:
             xk = tl.load(x_rows[:, None] + offs_k[None, :], mask=(offs_m < M)[:, None] & k_mask[None, :], other=0.0)
             acc = tl.dot(xk, tl.trans(w), acc, input_precision=DOT_PRECISION)         # [BLOCK_M, BLOCK_N]

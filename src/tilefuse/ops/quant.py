@@ -210,11 +210,14 @@ def _default_config(bits: int, m: int, n: int, dtype: torch.dtype, sms: int) -> 
     return _gemv_config(bits, n, sms) if _use_gemv(m) else _dot_config(m, dtype)
 
 
-def _packed_dequant(bits: int, dtype: torch.dtype) -> bool:
+def _packed_dequant(bits: int, dtype: torch.dtype, group_size: int, swap_ab: bool) -> bool:
     """int4 into fp16/bf16 x: dequantize two values per 16-bit pair instruction (inline PTX, 4.95
     against 6.51 SASS instructions per weight value in the default 16-row loop). The interpreter
-    cannot run PTX: it takes the fp32 path, which gives the same weight bit for bit."""
-    return bits == 4 and dtype in (torch.float16, torch.bfloat16) and not interpreting()
+    cannot run PTX: it takes the fp32 path, which gives the same weight bit for bit. Not for
+    group 32 with the weight as the B operand: Triton 3.6 fails to compile that tile ("Illegal
+    shared layout" in TritonGPUOptimizeDotOperands)."""
+    return (bits == 4 and dtype in (torch.float16, torch.bfloat16) and not interpreting()
+            and (swap_ab or group_size >= 64))
 
 
 def _int4_block_k(want: int, group_size: int, n_groups: int) -> int:
@@ -260,8 +263,9 @@ def launch_plan(bits: int, group_size: int, m: int, n: int, k: int, dtype: torch
     else:
         block_m = cfg.get("BLOCK_M") or max(16, next_power_of_2(m))
         kernel, tiles = quant_dot_kernel, cdiv(m, block_m) * cdiv(n, block_n)
-        meta.update(DOT_PRECISION=_dot_precision(dtype), SWAP_AB=bool(cfg.get("SWAP_AB", True)), BLOCK_M=block_m,
-                    PACKED_DEQUANT=_packed_dequant(bits, dtype) and bool(cfg.get("PACKED", True)))
+        swap_ab = bool(cfg.get("SWAP_AB", True))
+        packed = bool(cfg.get("PACKED", True)) and _packed_dequant(bits, dtype, group_size, swap_ab)
+        meta.update(DOT_PRECISION=_dot_precision(dtype), SWAP_AB=swap_ab, BLOCK_M=block_m, PACKED_DEQUANT=packed)
     splits = min(cfg.get("SPLITS") or _splits(tiles, n_chunks, sms, bits, m, k), n_chunks)
     chunks_per_split = cdiv(n_chunks, splits)
     splits = cdiv(n_chunks, chunks_per_split)            # no split without work
