@@ -147,7 +147,9 @@ def sweep_shape(bits: int, m: int, n: int, k: int, copy_bw: float, args) -> dict
     print("  " + "  ".join(f"{p} {e:.1f} / {gr:.1f} us" for p, (e, gr) in peers.items()) + "   (e2e / graph)")
 
     alts = {} if args.quick else dict(GEMV_ALTERNATIVES if m == 1 else DOT_ALTERNATIVES)
-    if 1 < m <= quant.GEMV_MAX_ROWS and not args.quick:
+    if args.grid:                                   # the named alternatives replaced by a grid
+        alts = {"-".join(f"{k}{v}" for k, v in cfg.items()): cfg for cfg in _grid(args.grid)}
+    elif 1 < m <= quant.GEMV_MAX_ROWS and not args.quick:
         alts.update(SMALL_M_ALTERNATIVES)
     rows = {}
     for name, cfg in {"default": {}, **alts}.items():
@@ -175,19 +177,30 @@ def sweep_shape(bits: int, m: int, n: int, k: int, copy_bw: float, args) -> dict
     return dict(bits=bits, shape=(m, n, k), nbytes=nbytes, peers=peers, rows=rows)
 
 
+def _grid(spec: str) -> list:
+    """``"SPLITS=2,4 BLOCK_K=128,256"`` -> every combination, as config dicts (ints where they parse)."""
+    import itertools
+    axes = [(k, [int(v) if v.lstrip("-").isdigit() else v for v in vals.split(",")])
+            for k, vals in (item.split("=", 1) for item in spec.split())]
+    return [dict(zip([k for k, _ in axes], combo)) for combo in itertools.product(*[v for _, v in axes])]
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--bits", type=int, nargs="+", default=[4, 8], choices=[4, 8])
     p.add_argument("--m", type=int, nargs="+", default=[1, 4, 16, 64])
     p.add_argument("--quick", action="store_true", help="default config and the peers only")
     p.add_argument("--graph-calls", type=int, default=20, help="calls per CUDA graph (weight copies cycled)")
+    p.add_argument("--grid", default="", help='a config grid instead of the named alternatives: "SPLITS=2,4 BLOCK_K=128,256"')
+    p.add_argument("--shapes", default="", help='N×K pairs instead of the three Llama ones: "14336x4096 4096x14336"')
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"], help="x (tinygemm takes bf16 only)")
     args = p.parse_args()
     args.dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     t0 = time.time()
     copy_bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name(0)}: device copy {copy_bw / 1e12:.2f} TB/s (read + write)")
-    results = [sweep_shape(bits, m, n, k, copy_bw, args) for bits in args.bits for m in args.m for n, k in SHAPES]
+    shapes = [tuple(int(v) for v in nk.split("x")) for nk in args.shapes.split()] or SHAPES
+    results = [sweep_shape(bits, m, n, k, copy_bw, args) for bits in args.bits for m in args.m for n, k in shapes]
 
     print("\nsummary (us e2e / graph; GB/s and %copy on graph time; xPeer = peer time / ours, e2e/graph)")
     print(f"  {'shape':22s} {'default':>15s} {'%copy':>6s} {'best':>14s} {'us':>15s} {'%copy':>6s}  ratios of best")

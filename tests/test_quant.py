@@ -324,17 +324,19 @@ def test_split_k_is_deterministic_and_config_errors():
 
 
 def test_launch_plans_for_an_h100():
-    """Cached per shape; M = 1 on 4096 x 4096 is one launch of 256 programs; split-K fills the SMs
-    at 16 rows, and at 64 rows stays within the partials' traffic cap (K·bits / (128·M) = 2)."""
+    """Cached per shape; M = 1 on 4096 x 4096 is one launch of 256 programs; split-K gives the
+    16-row tiles about 6 programs per SM (8 splits of 4 chunks at 4096², 4 at 14336 x 4096), and
+    at 64 rows stays within the partials' traffic cap (K·bits / (128·M) = 2)."""
     args = (4, 128, 1, 4096, 4096, torch.bfloat16, 132)
     assert quant.launch_plan(*args) is quant.launch_plan(*args)
     plan = quant.launch_plan(*args)
     assert plan.splits == 1 and plan.kernel is quant.quant_gemv_kernel and plan.grid == (256, 1)
     plan = quant.launch_plan(4, 128, 16, 4096, 4096, torch.bfloat16, 132)
-    assert plan.meta["SWAP_AB"] and plan.grid == (64, 4)
+    assert plan.meta["SWAP_AB"] and plan.grid == (64, 8) and plan.chunks_per_split == 4
     plan = quant.launch_plan(4, 128, 64, 4096, 4096, torch.bfloat16, 132)
     assert not plan.meta["SWAP_AB"] and plan.splits == 2
-    assert quant.launch_plan(4, 128, 16, 14336, 4096, torch.bfloat16, 132).splits == 1
+    assert quant.launch_plan(4, 128, 16, 14336, 4096, torch.bfloat16, 132).splits == 4
+    assert quant.launch_plan(4, 128, 32, 4096, 4096, torch.bfloat16, 132).splits == 4    # the cap
 
 
 @pytest.mark.gpu

@@ -190,7 +190,7 @@ def _gemv_config(bits: int, n: int, sms: int) -> dict:
 
 def _dot_config(m: int, dtype: torch.dtype) -> dict:
     """Up to 32 rows: SWAP_AB, x padded to a 16/32-row tile against 64 weight rows (the wgmma M of
-    one warp group) x 256 columns (sm_90 SASS: 6.5 instructions per int4 value). 33..64 rows: a
+    one warp group) x 128 columns, split along K into many programs (:func:`_splits`). 33..64 rows: a
     64 x 64 tile x 128 columns, the weight tile as the B operand in shared memory (6.2; 5.2 with
     128 weight rows, but then N = 4096 gives 32 tiles). Above: 128 x 128 tiles, 8 warps. fp32 x
     has no tensor-core path (an FMA dot): 64 x 64 tiles, 64 columns, to stay in registers."""
@@ -198,7 +198,7 @@ def _dot_config(m: int, dtype: torch.dtype) -> dict:
         return dict(PATH="dot", SWAP_AB=True, BLOCK_M=min(64, max(16, next_power_of_2(m))), BLOCK_N=64, BLOCK_K=64,
                     NUM_STAGES=2, num_warps=4)
     if m <= 32:
-        return dict(PATH="dot", SWAP_AB=True, BLOCK_M=max(16, next_power_of_2(m)), BLOCK_N=64, BLOCK_K=256,
+        return dict(PATH="dot", SWAP_AB=True, BLOCK_M=max(16, next_power_of_2(m)), BLOCK_N=64, BLOCK_K=128,
                     NUM_STAGES=3, num_warps=4)
     if m <= SKINNY_MAX_ROWS:
         return dict(PATH="dot", SWAP_AB=False, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, NUM_STAGES=3, num_warps=4)
@@ -229,13 +229,22 @@ def _int4_block_k(want: int, group_size: int, n_groups: int) -> int:
     return groups * group_size
 
 
-def _splits(tiles: int, n_chunks: int, sms: int, bits: int, m: int, k: int) -> int:
-    """Split K only when the output tiles leave SMs idle: then about 2 programs per SM, but no
-    more splits than keep the fp32 partials' traffic (splits·M·N·8 bytes, written and read back)
-    within half the weight's (N·K·bits/8): at most K·bits / (128·M)."""
+def _splits(tiles: int, n_chunks: int, sms: int, bits: int, m: int, k: int, swap_ab: bool) -> int:
+    """K splits. No more than keep the fp32 partials' traffic (splits·M·N·8 bytes, written and read
+    back) within half the weight's (N·K·bits/8): at most K·bits / (128·M).
+
+    W·xᵀ tiles (up to 32 rows): about 6 programs per SM, each of at least 4 chunks. A program's K
+    step is a chain of waits (layout change through shared memory, wgmma) that only other
+    programs on the SM hide: at M = 16 the H200 sweep (``-s8-quant-sweep-splits.log``) found 8, 4
+    and 8 splits of 128-column chunks best at 4096², 14336×4096 and 4096×14336 (0.96, 0.89 and
+    0.78× the time of the former 256-column default). Larger tiles: split only when the tiles
+    leave SMs idle, to about 2 programs per SM."""
+    cap = k * bits // (128 * m)
+    if swap_ab:
+        return max(1, min(cap, cdiv(6 * sms, tiles), n_chunks // 4))
     if tiles >= sms:
         return 1
-    return max(1, min(n_chunks, cdiv(2 * sms, tiles), k * bits // (128 * m)))
+    return max(1, min(n_chunks, cdiv(2 * sms, tiles), cap))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -266,7 +275,8 @@ def launch_plan(bits: int, group_size: int, m: int, n: int, k: int, dtype: torch
         swap_ab = bool(cfg.get("SWAP_AB", True))
         packed = bool(cfg.get("PACKED", True)) and _packed_dequant(bits, dtype, group_size, swap_ab)
         meta.update(DOT_PRECISION=_dot_precision(dtype), SWAP_AB=swap_ab, BLOCK_M=block_m, PACKED_DEQUANT=packed)
-    splits = min(cfg.get("SPLITS") or _splits(tiles, n_chunks, sms, bits, m, k), n_chunks)
+    swap = cfg["PATH"] == "dot" and meta["SWAP_AB"]
+    splits = min(cfg.get("SPLITS") or _splits(tiles, n_chunks, sms, bits, m, k, swap), n_chunks)
     chunks_per_split = cdiv(n_chunks, splits)
     splits = cdiv(n_chunks, chunks_per_split)            # no split without work
     meta.update(BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=cfg["NUM_STAGES"], num_warps=cfg["num_warps"])
