@@ -125,6 +125,7 @@ def bias_act_bwd_kernel(
     REDUCE_DBIAS: tl.constexpr, # the bias needs a gradient
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    NUM_STAGES: tl.constexpr,   # software pipelining of the row-tile loop (1: none)
 ):
     chunk = tl.program_id(0) // n_col_blocks               # column blocks fastest, as forward
     col_start = (tl.program_id(0) % n_col_blocks) * BLOCK_N
@@ -133,7 +134,7 @@ def bias_act_bwd_kernel(
     if HAS_BIAS and ACT != "none":
         bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     dbias_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for t in range(0, tiles_per_chunk):
+    for t in tl.range(0, tiles_per_chunk, num_stages=NUM_STAGES):
         rows = chunk.to(tl.int64) * tiles_per_chunk * BLOCK_M + t * BLOCK_M + tl.arange(0, BLOCK_M)
         dy, mask = _load_tile(dy_ptr, rows, cols, n_rows, n_cols, dy_row_stride)
         dz = dy
@@ -159,6 +160,10 @@ def bias_act_bwd_kernel(
 # ----------------------------------------------------------------------------------------------
 
 REDUCE_PROGRAMS_PER_SM = 8   # backward grid: enough programs to fill the SMs, few dbias partials
+# Row tiles of a backward program software-pipelined 3 deep (async copies to shared memory): the
+# unpipelined loop held dy and x in 211 registers (2 programs of 4 warps per SM), pipelined 128.
+# H200 (-s8-bias-act-bwd-stages.log, graph): 16384x14336 398.5 -> 390.0 us, 16384x4096 level.
+BWD_STAGES = 3
 # 32 values per thread, not the elementwise default's 16: with the GELU's ~20 instructions per
 # element the per-thread index and mask setup is worth amortizing (sm_90 SASS: 28.5 -> 25.2
 # instructions per element), and the H200 sweep agreed (benchmarks/NOTES.md, bias_act).
@@ -217,7 +222,7 @@ class _BwdPlan(NamedTuple):
 def _bwd_plan(n_rows: int, n_cols: int, sms: int, dy_stride: int, x_stride: int, dx_stride: int, activation: str,
               p: float, has_bias: bool, want_dx: bool, want_dbias: bool, config: tuple = ()) -> _BwdPlan:
     """The backward's launch, cached per shape and options."""
-    defaults = {"RNG_GROUPED": True, "REDUCE_PROGRAMS": REDUCE_PROGRAMS_PER_SM * sms}
+    defaults = {"RNG_GROUPED": True, "REDUCE_PROGRAMS": REDUCE_PROGRAMS_PER_SM * sms, "NUM_STAGES": BWD_STAGES}
     cfg = _bwd_tile(n_rows, n_cols, defaults, dict(config))
     n_col_blocks = cdiv(n_cols, cfg["BLOCK_N"])
     tiles_per_chunk, n_chunks = _bwd_row_chunks(n_rows, cfg["BLOCK_M"], n_col_blocks, cfg["REDUCE_PROGRAMS"])
@@ -226,7 +231,7 @@ def _bwd_plan(n_rows: int, n_cols: int, sms: int, dy_stride: int, x_stride: int,
          dropout_threshold(p), dropout_scale(p)),
         dict(ACT=activation, HAS_BIAS=has_bias, DROPOUT=p > 0.0, RNG_GROUPED=cfg["RNG_GROUPED"],
              STORE_DX=want_dx, REDUCE_DBIAS=want_dbias, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-             num_warps=cfg["num_warps"]))
+             NUM_STAGES=cfg["NUM_STAGES"], num_warps=cfg["num_warps"]))
     return _BwdPlan(n_chunks, (n_chunks * n_col_blocks,), prepared)
 
 
@@ -262,7 +267,7 @@ def _launch_fwd(x, bias, residual, activation: str, p: float, seed: int, config:
 def _launch_bwd(dy, x, bias, activation: str, p: float, seed: int, want_dx: bool, want_dbias: bool,
                 n_cols: int, config: dict | None = None):
     """(dx or None, dbias or None); ``x``/``bias`` may be None when the activation is "none".
-    ``config`` keys: BLOCK_M, BLOCK_N, num_warps, RNG_GROUPED, REDUCE_PROGRAMS."""
+    ``config`` keys: BLOCK_M, BLOCK_N, num_warps, RNG_GROUPED, REDUCE_PROGRAMS, NUM_STAGES."""
     dbias = None
     if dy.numel() == 0:
         dx = empty(dy.shape, dy.dtype, dy.device) if want_dx else None
