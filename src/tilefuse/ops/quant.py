@@ -212,8 +212,10 @@ def _default_config(bits: int, m: int, n: int, dtype: torch.dtype, sms: int) -> 
 
 def _packed_dequant(bits: int, dtype: torch.dtype, group_size: int, swap_ab: bool) -> bool:
     """int4 into fp16/bf16 x: dequantize two values per 16-bit pair instruction (inline PTX, 4.95
-    against 6.51 SASS instructions per weight value in the default 16-row loop). The interpreter
-    cannot run PTX: it takes the fp32 path, which gives the same weight bit for bit. Not for
+    against 6.51 SASS instructions per weight value in the 16-row loop). On the H200 this did not
+    change the time (the loop is latency-bound, not issue-bound: benchmarks/NOTES.md, session 8);
+    it leaves issue slots to the co-resident programs. The interpreter cannot run PTX: it takes
+    the fp32 path, which gives the same weight bit for bit (a GPU test compares y bitwise). Not for
     group 32 with the weight as the B operand: Triton 3.6 fails to compile that tile ("Illegal
     shared layout" in TritonGPUOptimizeDotOperands)."""
     return (bits == 4 and dtype in (torch.float16, torch.bfloat16) and not interpreting()
