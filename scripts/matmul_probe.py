@@ -11,6 +11,7 @@ import triton.testing
 
 import tilefuse
 from tilefuse.bench import host_us
+from tilefuse.bench.ceilings import graph_time_ms
 from tilefuse.ops import _matmul_kernels as mk
 
 CONFIGS = {
@@ -22,17 +23,10 @@ CONFIGS = {
 }
 
 
-def _graph_ms(fn, rep):
-    """triton.testing.do_bench_cudagraph after a device sync: it runs ``fn`` on a new stream that
-    does not wait for the current one, so work still queued there (a reference computed into
-    memory the caching allocator then hands to ``fn``) can be overwritten mid-flight."""
-    torch.cuda.synchronize()
-    return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
-
 
 def row(name, fn, flops):
     ms = triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
-    g = _graph_ms(fn, rep=40)
+    g = graph_time_ms(fn, rep=40)
     print(f"  {name:34s} do_bench {ms * 1e3:7.1f} us ({flops / ms / 1e9:5.0f} TF/s)  graph {g * 1e3:7.1f} us "
           f"host {host_us(fn, 100):7.1f} us", flush=True)
 

@@ -17,15 +17,9 @@ import triton
 import triton.testing
 
 from tilefuse import registry
+from tilefuse.bench.ceilings import graph_time_ms
 from tilefuse.testing import rel_err
 
-
-def _graph_ms(fn, rep):
-    """triton.testing.do_bench_cudagraph after a device sync: it runs ``fn`` on a new stream that
-    does not wait for the current one, so work still queued there (a reference computed into
-    memory the caching allocator then hands to ``fn``) can be overwritten mid-flight."""
-    torch.cuda.synchronize()
-    return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
 
 
 def copy_gbps(nbytes: int) -> float:
@@ -126,7 +120,7 @@ def sweep_softmax(dtype):
             copy = copy_gbps(nbytes)
             eager, _ = time_gbps(torch_fn, nbytes)
             best_fn = fn_for(results[0][2])
-            graph_ms = _graph_ms(best_fn, rep=40)
+            graph_ms = graph_time_ms(best_fn, rep=40)
             print(f"{shape} {pass_}: same-size copy {copy:.0f} GB/s, torch eager {eager:.0f} GB/s, "
                   f"best in a CUDA graph {nbytes / graph_ms / 1e6:.0f} GB/s", flush=True)
             rows.append(report(f"{shape} {pass_}", shape, pass_, results, default, copy, eager))
@@ -257,7 +251,7 @@ def sweep_bias_act(dtype):
             results = sweep(fn_for, check, elementwise_configs(pass_, stages=True), nbytes, {})
             copy = copy_gbps(nbytes)
             eager = time_gbps(torch_fn, nbytes)[0] if torch_fn else float("nan")
-            graph_ms = _graph_ms(fn_for(results[0][2]), rep=40)
+            graph_ms = graph_time_ms(fn_for(results[0][2]), rep=40)
             print(f"bias_act {shape} {pass_}: best in a CUDA graph {nbytes / graph_ms / 1e6:.0f} GB/s", flush=True)
             rows.append(report(f"bias_act {shape} {pass_}", shape, pass_, results, {}, copy, eager))
     return rows

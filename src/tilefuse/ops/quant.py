@@ -269,6 +269,7 @@ def launch_plan(bits: int, group_size: int, m: int, n: int, k: int, dtype: torch
     n_chunks = cdiv(k, block_k)
     block_n = cfg["BLOCK_N"]
     meta = dict(BITS=bits, GROUP_SIZE=group_size, INT8_WORDS=bits == 8 and k % 4 == 0)
+    swap_ab = False
     if cfg["PATH"] == "gemv":
         kernel, tiles = quant_gemv_kernel, m * cdiv(n, block_n)
     else:
@@ -277,8 +278,7 @@ def launch_plan(bits: int, group_size: int, m: int, n: int, k: int, dtype: torch
         swap_ab = bool(cfg.get("SWAP_AB", True))
         packed = bool(cfg.get("PACKED", True)) and _packed_dequant(bits, dtype, group_size, swap_ab)
         meta.update(DOT_PRECISION=_dot_precision(dtype), SWAP_AB=swap_ab, BLOCK_M=block_m, PACKED_DEQUANT=packed)
-    swap = cfg["PATH"] == "dot" and meta["SWAP_AB"]
-    splits = min(cfg.get("SPLITS") or _splits(tiles, n_chunks, sms, bits, m, k, swap), n_chunks)
+    splits = min(cfg.get("SPLITS") or _splits(tiles, n_chunks, sms, bits, m, k, swap_ab), n_chunks)
     chunks_per_split = cdiv(n_chunks, splits)
     splits = cdiv(n_chunks, chunks_per_split)            # no split without work
     meta.update(BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=cfg["NUM_STAGES"], num_warps=cfg["num_warps"])
