@@ -79,15 +79,36 @@ def report(label, shape, pass_, results, default, copy, eager):
     return (shape, pass_, results[0][0], results[0][2], dflt[0][0] if dflt else float("nan"), copy, eager)
 
 
-def softmax_base_configs(n_rows, n_cols):
+SMEM_BUDGET = 200 * 1024   # shared memory a pipelined row loop may fill per SM (H100/H200: 227 KB)
+
+
+def pipelined_variants(base: dict, tile_bytes: int, max_warps_per_sm: int = 32) -> list:
+    """``base`` as it is, then on a persistent grid (programs_per_sm 1/2/4) with its row loop
+    pipelined 1-3 deep: the stages' tiles of every resident program must fit in shared memory."""
+    out = [dict(base, programs_per_sm=0, STAGES=1)]
+    for pps, stages in itertools.product((1, 2, 4, 8), (2, 3)):
+        if pps * base["num_warps"] > max_warps_per_sm:
+            continue
+        if stages > 1 and pps * stages * tile_bytes > SMEM_BUDGET:
+            continue
+        out.append(dict(base, programs_per_sm=pps, STAGES=stages))
+    return out
+
+
+def softmax_base_configs(n_rows, n_cols, pass_, dtype_bytes=2):
+    """The fused tier around the default tile (1-2x its rows and warps), each with its pipelined
+    variants; rows of 16K-32K also fused whole (forward), and the looped tier's tiles."""
     from tilefuse.ops import softmax as sm
     out = []
+    inputs = 1 if pass_ == "fwd" else 2
     if n_cols <= sm.BWD_MAX_FUSED_N:
         bn = triton.next_power_of_2(n_cols)
-        for bm, w in itertools.product((1, 2, 4, 8, 16), (4, 8, 16)):
-            elems = bm * bn
-            if 2048 <= elems <= 32768 and 4 <= elems // (32 * w) <= 64:
-                out.append({"looped": False, "BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w})
+        d = sm._launch_config(n_rows, n_cols, sm.BWD_MAX_FUSED_N, None)
+        for bm, w in itertools.product({d["BLOCK_M"], 2 * d["BLOCK_M"]}, {d["num_warps"], 2 * d["num_warps"]}):
+            if bm * bn > 32768 or w > 32 or not 4 <= bm * bn // (32 * w) <= 64:
+                continue
+            base = {"looped": False, "BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w}
+            out += pipelined_variants(base, bm * bn * dtype_bytes * inputs)
     if n_cols >= 16384:
         for bn, w in itertools.product((8192, 16384, 32768), (8, 16, 32)):
             if 4 <= bn // (32 * w) <= 64:
@@ -116,7 +137,7 @@ def sweep_softmax(dtype):
                 fn_for = lambda cfg: (lambda: sm._launch_bwd(y, dy, False, cfg))
                 check = lambda out: rel_err(out, dx_ref)
                 torch_fn = lambda: torch._softmax_backward_data(dy, y, -1, dtype)
-            results = sweep(fn_for, check, softmax_base_configs(*shape), nbytes, default)
+            results = sweep(fn_for, check, softmax_base_configs(*shape, pass_), nbytes, default)
             copy = copy_gbps(nbytes)
             eager, _ = time_gbps(torch_fn, nbytes)
             best_fn = fn_for(results[0][2])
@@ -127,22 +148,28 @@ def sweep_softmax(dtype):
     return rows
 
 
-def norm_configs(n_cols, pass_):
+def norm_configs(n_rows, n_cols, pass_, dtype_bytes=2):
+    """Row tiles of 4K-32K elements at 4-32 values per thread; the forward's with their pipelined
+    variants (persistent grid, STAGES), the backward's persistent grid with register prefetch or
+    with Triton's pipeliner (STAGES 2-3)."""
     out = []
     bn = triton.next_power_of_2(n_cols)
-    for bm, w in itertools.product((1, 2, 4, 8), (4, 8, 16, 32)):
+    for bm, w in itertools.product((1, 2), (4, 8, 16, 32)):
         elems = bm * bn
         per_thread = elems // (32 * w)
-        if not (2048 <= elems <= 32768 and 4 <= per_thread <= 32):
+        if not (2048 <= elems <= 32768 and 8 <= per_thread <= 32):
             continue
         if pass_ == "fwd":
-            out.append({"max_fused_n": 65536, "BLOCK_M": bm, "num_warps": w})
+            out += pipelined_variants({"max_fused_n": 65536, "BLOCK_M": bm, "num_warps": w}, elems * dtype_bytes)
         else:
-            for pps, pf in itertools.product((1, 2, 4), (False, True)):
-                if pf and per_thread > 16:
+            for pps, pf, stages in itertools.product(sorted({max(1, 16 // w), max(1, 32 // w)}), (False, True),
+                                                     (1, 2, 3)):
+                if (pf and (per_thread > 16 or stages > 1)) or (not pf and stages == 1) or pps * w > 32:
+                    continue
+                if stages > 1 and pps * stages * elems * dtype_bytes * 2 > SMEM_BUDGET:
                     continue
                 out.append({"max_fused_n": 65536, "BLOCK_M": bm, "num_warps": w,
-                            "programs_per_sm": pps, "prefetch": pf})
+                            "programs_per_sm": pps, "prefetch": pf, "STAGES": stages})
     return out
 
 
@@ -174,7 +201,7 @@ def sweep_norm(name, dtype):
                 check = lambda out: rel_err(out, dx_ref)
                 torch_fn = None
             default = {}
-            results = sweep(fn_for, check, norm_configs(n, pass_), nbytes, default)
+            results = sweep(fn_for, check, norm_configs(shape[0], n, pass_), nbytes, default)
             copy = copy_gbps(nbytes)
             eager = time_gbps(torch_fn, nbytes)[0] if torch_fn else float("nan")
             rows.append(report(f"{name} {shape} {pass_}", shape, pass_, results, default, copy, eager))

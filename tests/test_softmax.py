@@ -138,6 +138,8 @@ def test_random_shapes(rows, cols, log, half, scale):
     {"BLOCK_M": 8, "num_warps": 8},
     {"BLOCK_M": 1, "num_warps": 4},
     {"looped": True, "BLOCK_N": 64, "num_warps": 4},    # the looped tier on a short row, many tiles
+    {"BLOCK_M": 2, "num_warps": 4, "programs_per_sm": 1, "STAGES": 2},   # persistent, pipelined rows
+    {"BLOCK_M": 1, "num_warps": 4, "programs_per_sm": 3, "STAGES": 3},   # uneven blocks per program
 ])
 def test_launch_configs_agree(config):
     """Every launch configuration a sweep may pick computes the same function (fwd and bwd)."""

@@ -2,9 +2,11 @@
 
 Four kernels serve both norms, with and without the fused residual add:
 
-* ``norm_fwd_kernel``: normalizes a [BLOCK_M, BLOCK_N] tile. With the whole row in the tile it
-  computes the row statistics itself (the fused tier); with ``STATS_IN`` it reads mean/rstd
-  written by ``norm_fwd_stats_kernel`` and normalizes one column tile of a long row.
+* ``norm_fwd_kernel``: normalizes [BLOCK_M, BLOCK_N] tiles, one row block per program or, on a
+  persistent grid, a strided walk over row blocks whose loads Triton pipelines ``STAGES`` deep.
+  With the whole row in the tile it computes the row statistics itself (the fused tier); with
+  ``STATS_IN`` it reads mean/rstd written by ``norm_fwd_stats_kernel`` and normalizes one column
+  tile of a long row.
 * ``norm_fwd_stats_kernel``: long rows only; walks a row in tiles for mean/rstd (and writes
   ``h = x + residual``).
 * ``norm_bwd_kernel``: a persistent grid ``(row programs, column tiles)``; each program walks its
@@ -72,41 +74,48 @@ def norm_fwd_kernel(
     HAS_W: tl.constexpr,     # scale by (offset + w)
     HAS_B: tl.constexpr,     # add b
     STATS_IN: tl.constexpr,  # mean/rstd come from norm_fwd_stats_kernel (long rows, column tiles)
-    BLOCK_M: tl.constexpr,   # rows per program
+    BLOCK_M: tl.constexpr,   # rows per step
     BLOCK_N: tl.constexpr,   # columns per program: >= n_cols unless STATS_IN
+    STAGES: tl.constexpr,    # row blocks in flight per program (> 1: loads pipelined through shared memory)
 ):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < n_rows
-    mask, x_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, x_row_stride)
-    x = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_RES:
-        _, r_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, res_row_stride)
-        _, h_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, h_row_stride)
-        h = (x + tl.load(res_ptr + r_offs, mask=mask, other=0.0).to(tl.float32)).to(h_ptr.dtype.element_ty)
-        tl.store(h_ptr + h_offs, h, mask=mask)
-        x = h.to(tl.float32)            # normalize the stored (rounded) h: the backward reads it back
-    if STATS_IN:
-        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
-        mean = rstd                     # unused for RMS
-        if not IS_RMS:
-            mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
-    else:
-        mean = tl.zeros([BLOCK_M], dtype=tl.float32)
-        xc = x                          # masked x loads as 0
-        if not IS_RMS:
-            mean = tl.sum(x, axis=1) * (1.0 / n_cols)
-            tl.store(mean_ptr + rows, mean, mask=row_mask)
-            xc = tl.where(mask, x - mean[:, None], 0.0)
-        rstd = tl.rsqrt(tl.sum(xc * xc, axis=1) * (1.0 / n_cols) + eps)
-        tl.store(rstd_ptr + rows, rstd, mask=row_mask)
-    y = _xhat(x, mean, rstd, mask, IS_RMS)
-    if HAS_W:
-        y = y * _scale(w_ptr, cols, n_cols, offset, HAS_W)[None, :]
+    scale = _scale(w_ptr, cols, n_cols, offset, HAS_W)      # loaded once per program
+    shift = tl.zeros([BLOCK_N], dtype=tl.float32)
     if HAS_B:
-        y = y + tl.load(b_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)[None, :]
-    _, y_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, y_row_stride)
-    tl.store(y_ptr + y_offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+        shift = tl.load(b_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+    # grid axis 0 = row blocks (one step each), or fewer programs striding over them (persistent)
+    for blk in tl.range(tl.program_id(0), tl.cdiv(n_rows, BLOCK_M), tl.num_programs(0), num_stages=STAGES):
+        rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = rows < n_rows
+        mask, x_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, x_row_stride)
+        x = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RES:
+            _, r_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, res_row_stride)
+            _, h_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, h_row_stride)
+            h = (x + tl.load(res_ptr + r_offs, mask=mask, other=0.0).to(tl.float32)).to(h_ptr.dtype.element_ty)
+            tl.store(h_ptr + h_offs, h, mask=mask)
+            x = h.to(tl.float32)            # normalize the stored (rounded) h: the backward reads it back
+        if STATS_IN:
+            rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+            mean = rstd                     # unused for RMS
+            if not IS_RMS:
+                mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
+        else:
+            mean = tl.zeros([BLOCK_M], dtype=tl.float32)
+            xc = x                          # masked x loads as 0
+            if not IS_RMS:
+                mean = tl.sum(x, axis=1) * (1.0 / n_cols)
+                tl.store(mean_ptr + rows, mean, mask=row_mask)
+                xc = tl.where(mask, x - mean[:, None], 0.0)
+            rstd = tl.rsqrt(tl.sum(xc * xc, axis=1) * (1.0 / n_cols) + eps)
+            tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+        y = _xhat(x, mean, rstd, mask, IS_RMS)
+        if HAS_W:
+            y = y * scale[None, :]
+        if HAS_B:
+            y = y + shift[None, :]
+        _, y_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, y_row_stride)
+        tl.store(y_ptr + y_offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @fast_launch
@@ -203,6 +212,7 @@ def norm_bwd_kernel(
     BLOCK_M: tl.constexpr,   # rows per step
     BLOCK_N: tl.constexpr,   # columns per program: >= n_cols unless STATS_IN
     PREFETCH: tl.constexpr,  # load the next row block's tiles before reducing this one (registers)
+    STAGES: tl.constexpr,    # row blocks in flight through shared memory (Triton's pipeliner; > 1 without PREFETCH)
 ):
     pid_m = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -214,7 +224,7 @@ def norm_bwd_kernel(
         x_nxt, dy_nxt, mean_nxt, rstd_nxt = _bwd_block_loads(
             x_ptr, dy_ptr, mean_ptr, rstd_ptr, pid_m, cols, n_rows, n_cols, x_row_stride, dy_row_stride,
             IS_RMS, BLOCK_M)
-    for blk in range(pid_m, tl.cdiv(n_rows, BLOCK_M), step):
+    for blk in tl.range(pid_m, tl.cdiv(n_rows, BLOCK_M), step, num_stages=STAGES):
         if PREFETCH:
             # software pipelining by hand: the next block's loads are issued before this block's
             # row reductions, so their latency hides behind the math

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from .._checks import check_dim, check_tensor
-from .._dispatch import cdiv, empty_like, next_power_of_2, rows_view, use_triton
+from .._dispatch import cdiv, empty_like, next_power_of_2, num_sms, rows_view, use_triton
 from .._launch import FastKernel, PreparedArgs, config_key, fast_launch
 from .._op import custom_op
 from ..registry import Inputs, OpSpec, register, tensor_bytes
@@ -57,23 +57,26 @@ def softmax_fwd_fused_kernel(
     n_rows,             # rows (all leading dims flattened)
     n_cols,             # row length
     LOG: tl.constexpr,      # log_softmax instead of softmax
-    BLOCK_M: tl.constexpr,  # rows per program
+    BLOCK_M: tl.constexpr,  # rows per step
     BLOCK_N: tl.constexpr,  # power of two >= n_cols: the whole row is in registers
+    STAGES: tl.constexpr,   # row blocks in flight per program (> 1: loads pipelined through shared memory)
 ):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
-    mask, x_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, x_row_stride)
-    x = tl.load(x_ptr + x_offs, mask=mask, other=-float("inf")).to(tl.float32)
-    m = tl.max(x, axis=1)
-    z = (x - m[:, None]) * LOG2E            # log2-domain shifted logits; exp2 is one MUFU op
-    e = tl.exp2(z)
-    s = tl.sum(e, axis=1)
-    if LOG:
-        y = (z - tl.log2(s)[:, None]) * LN2
-    else:
-        y = e * (1.0 / s)[:, None]
-    _, y_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, y_row_stride)
-    tl.store(y_ptr + y_offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+    # grid = row blocks (one step each), or fewer programs that stride over them (persistent)
+    for blk in tl.range(tl.program_id(0), tl.cdiv(n_rows, BLOCK_M), tl.num_programs(0), num_stages=STAGES):
+        rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask, x_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, x_row_stride)
+        x = tl.load(x_ptr + x_offs, mask=mask, other=-float("inf")).to(tl.float32)
+        m = tl.max(x, axis=1)
+        z = (x - m[:, None]) * LOG2E            # log2-domain shifted logits; exp2 is one MUFU op
+        e = tl.exp2(z)
+        s = tl.sum(e, axis=1)
+        if LOG:
+            y = (z - tl.log2(s)[:, None]) * LN2
+        else:
+            y = e * (1.0 / s)[:, None]
+        _, y_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, y_row_stride)
+        tl.store(y_ptr + y_offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @fast_launch
@@ -144,19 +147,21 @@ def softmax_bwd_fused_kernel(
     n_rows,             # rows
     n_cols,             # row length
     LOG: tl.constexpr,      # y is log_softmax output
-    BLOCK_M: tl.constexpr,  # rows per program
+    BLOCK_M: tl.constexpr,  # rows per step
     BLOCK_N: tl.constexpr,  # power of two >= n_cols
+    STAGES: tl.constexpr,   # row blocks in flight per program (as the forward)
 ):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
-    mask, y_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, y_row_stride)
-    _, dy_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, dy_row_stride)
-    _, dx_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, dx_row_stride)
-    y = tl.load(y_ptr + y_offs, mask=mask, other=0.0).to(tl.float32)
-    dy = tl.load(dy_ptr + dy_offs, mask=mask, other=0.0).to(tl.float32)
-    row_sum = tl.sum(_softmax_bwd_terms(y, dy, LOG), axis=1)
-    dx = _softmax_bwd_dx(y, dy, row_sum[:, None], LOG)
-    tl.store(dx_ptr + dx_offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+    for blk in tl.range(tl.program_id(0), tl.cdiv(n_rows, BLOCK_M), tl.num_programs(0), num_stages=STAGES):
+        rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask, y_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, y_row_stride)
+        _, dy_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, dy_row_stride)
+        _, dx_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, dx_row_stride)
+        y = tl.load(y_ptr + y_offs, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + dy_offs, mask=mask, other=0.0).to(tl.float32)
+        row_sum = tl.sum(_softmax_bwd_terms(y, dy, LOG), axis=1)
+        dx = _softmax_bwd_dx(y, dy, row_sum[:, None], LOG)
+        tl.store(dx_ptr + dx_offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
 @fast_launch
@@ -220,14 +225,25 @@ def _num_warps(tile_elems: int) -> int:
 LOOPED_BLOCK_N = 16384   # tile of the looped tier (best or tied-best at N = 32K and 256K)
 
 
+def _fused_grid(n_blocks: int, sms: int, programs_per_sm: int) -> int:
+    """Programs of the fused tier: one per row block (programs_per_sm = 0), or a persistent grid
+    of programs_per_sm per SM striding over the blocks, so a pipelined row loop (STAGES > 1) has
+    the next block's loads in flight while this block reduces."""
+    if programs_per_sm <= 0:
+        return n_blocks
+    return max(1, min(n_blocks, sms * programs_per_sm))
+
+
 # ----------------------------------------------------------------------------------------------
 # launchers (inputs already validated by the public function)
 # ----------------------------------------------------------------------------------------------
 
 
 def _launch_config(n_rows: int, n_cols: int, max_fused_n: int, config: dict | None) -> dict:
-    """Tier and tile for a [n_rows, n_cols] problem; ``config`` overrides keys (GPU sweeps).
-    Cached per shape (host time); the returned dict is shared: read it, never change it."""
+    """Tier and tile for a [n_rows, n_cols] problem; ``config`` overrides keys (GPU sweeps):
+    ``looped``, ``BLOCK_M``, ``BLOCK_N``, ``num_warps``, and for the fused tier ``STAGES`` and
+    ``programs_per_sm`` (see :func:`_fused_grid`). Cached per shape (host time); the returned dict
+    is shared: read it, never change it."""
     return _cached_config(n_rows, n_cols, max_fused_n, config_key(config))
 
 
@@ -236,7 +252,8 @@ def _cached_config(n_rows: int, n_cols: int, max_fused_n: int, config: tuple) ->
     if n_cols <= max_fused_n:
         block_n = _fused_block_n(n_cols)
         block_m = _rows_per_program(block_n, n_rows)
-        cfg = {"looped": False, "BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": _num_warps(block_m * block_n)}
+        cfg = {"looped": False, "BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": _num_warps(block_m * block_n),
+               "STAGES": 1, "programs_per_sm": 0}
     else:
         cfg = {"looped": True, "BLOCK_M": 1, "BLOCK_N": LOOPED_BLOCK_N, "num_warps": _num_warps(LOOPED_BLOCK_N)}
     cfg.update(config)
@@ -249,31 +266,33 @@ class _Plan(NamedTuple):
     prepared: PreparedArgs     # its integers and constexprs
 
 
-def _plan(fused: FastKernel, looped: FastKernel, max_fused_n: int, n_rows: int, n_cols: int, in_strides: tuple,
-          log: bool, config: tuple) -> _Plan:
+def _plan(fused: FastKernel, looped: FastKernel, max_fused_n: int, n_rows: int, n_cols: int, sms: int,
+          in_strides: tuple, log: bool, config: tuple) -> _Plan:
     """One pass's launch. Both passes' kernels take the inputs' row strides, the output's (n_cols:
     it is contiguous), then n_rows (fused tier only) and n_cols."""
     cfg = _cached_config(n_rows, n_cols, max_fused_n, config)
     if not cfg["looped"]:
-        kwargs = dict(LOG=log, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"])
-        return _Plan(fused, (cdiv(n_rows, cfg["BLOCK_M"]),),
-                     fused.prepare((*in_strides, n_cols, n_rows, n_cols), kwargs))
+        kwargs = dict(LOG=log, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["STAGES"],
+                      num_warps=cfg["num_warps"])
+        grid = (_fused_grid(cdiv(n_rows, cfg["BLOCK_M"]), sms, cfg["programs_per_sm"]),)
+        return _Plan(fused, grid, fused.prepare((*in_strides, n_cols, n_rows, n_cols), kwargs))
     kwargs = dict(LOG=log, BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"])
     return _Plan(looped, (n_rows,), looped.prepare((*in_strides, n_cols, n_cols), kwargs))
 
 
 @functools.lru_cache(maxsize=1024)
-def _fwd_plan(n_rows: int, n_cols: int, x_stride: int, log: bool, config: tuple = ()) -> _Plan:
+def _fwd_plan(n_rows: int, n_cols: int, sms: int, x_stride: int, log: bool, config: tuple = ()) -> _Plan:
     """The forward's launch, cached per shape (host time: a small softmax's kernel takes a few µs,
     and keying every integer of its launch on each call cost as much again)."""
-    return _plan(softmax_fwd_fused_kernel, softmax_fwd_looped_kernel, FWD_MAX_FUSED_N, n_rows, n_cols,
+    return _plan(softmax_fwd_fused_kernel, softmax_fwd_looped_kernel, FWD_MAX_FUSED_N, n_rows, n_cols, sms,
                  (x_stride,), log, config)
 
 
 @functools.lru_cache(maxsize=1024)
-def _bwd_plan(n_rows: int, n_cols: int, y_stride: int, dy_stride: int, log: bool, config: tuple = ()) -> _Plan:
+def _bwd_plan(n_rows: int, n_cols: int, sms: int, y_stride: int, dy_stride: int, log: bool,
+              config: tuple = ()) -> _Plan:
     """The backward's launch, cached per shape."""
-    return _plan(softmax_bwd_fused_kernel, softmax_bwd_looped_kernel, BWD_MAX_FUSED_N, n_rows, n_cols,
+    return _plan(softmax_bwd_fused_kernel, softmax_bwd_looped_kernel, BWD_MAX_FUSED_N, n_rows, n_cols, sms,
                  (y_stride, dy_stride), log, config)
 
 
@@ -283,7 +302,7 @@ def _launch_fwd(x: torch.Tensor, log: bool, config: dict | None = None) -> torch
     y = empty_like(x)                   # contiguous: row stride n_cols
     if n_rows == 0 or n_cols == 0:
         return y
-    plan = _fwd_plan(n_rows, n_cols, x2.stride(0), log, config_key(config))
+    plan = _fwd_plan(n_rows, n_cols, num_sms(x), x2.stride(0), log, config_key(config))
     plan.kernel.launch_prepared(plan.grid, (x2, y), plan.prepared)
     return y
 
@@ -294,7 +313,7 @@ def _launch_bwd(y: torch.Tensor, dy: torch.Tensor, log: bool, config: dict | Non
     dx = empty_like(y)                  # contiguous: row stride n_cols
     if n_rows == 0 or n_cols == 0:
         return dx
-    plan = _bwd_plan(n_rows, n_cols, y2.stride(0), dy2.stride(0), log, config_key(config))
+    plan = _bwd_plan(n_rows, n_cols, num_sms(y), y2.stride(0), dy2.stride(0), log, config_key(config))
     plan.kernel.launch_prepared(plan.grid, (y2, dy2, dx), plan.prepared)
     return dx
 
