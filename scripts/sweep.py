@@ -126,9 +126,10 @@ def sweep_softmax(dtype):
         y = y_ref.to(dtype)
         dy = torch.randn_like(x)
         dx_ref = sm._softmax_bwd_reference(y.float(), dy.float(), False)
-        for pass_, max_fused in (("fwd", sm.FWD_MAX_FUSED_N), ("bwd", sm.BWD_MAX_FUSED_N)):
+        esize = x.element_size()
+        for pass_, max_fused in (("fwd", sm.fwd_max_fused_n(esize)), ("bwd", sm.BWD_MAX_FUSED_N)):
             nbytes = spec.bytes_fn(shape, dtype, pass_)
-            default = sm._launch_config(shape[0], shape[1], max_fused, None)
+            default = sm._launch_config(shape[0], shape[1], max_fused, None, esize, pipeline=pass_ == "fwd")
             if pass_ == "fwd":
                 fn_for = lambda cfg: (lambda: sm._launch_fwd(x, False, cfg))
                 check = lambda out: rel_err(out, y_ref)

@@ -34,12 +34,22 @@ from ..registry import Inputs, OpSpec, register, tensor_bytes
 from ._common import LN2, LOG2E, row_tile_mask_offsets
 
 # Widest row kept whole in registers, per pass. Measured on an H200 (benchmarks/NOTES.md): at
-# N = 32768 the forward ran faster looped (3.45 vs 3.26 TB/s: the second read of a 64 KB row hits
-# L2, and the fused tile's 64 fp32 registers per thread cost occupancy); the backward, which
-# needs no second read to be cheap, ran best fused (4.12 TB/s).
-FWD_MAX_FUSED_N = 16384
+# N = 32768 the plain fused forward ran slower than the looped one (3.26 vs 3.45 TB/s: one
+# 1024-thread program per SM idles its loads while the row reduces); with three rows in flight
+# through shared memory (a persistent grid, Triton's pipeliner) it ran faster (3.63 TB/s, session 9).
+# Those stages fit in shared memory for 16-bit rows only; fp32 rows past 16K stay looped. The
+# backward ran best fused without stages (3.93 TB/s at 32 warps).
+FWD_MAX_FUSED_N = 32768          # 16-bit rows; fp32: FWD_MAX_FUSED_N_FP32
+FWD_MAX_FUSED_N_FP32 = 16384
 BWD_MAX_FUSED_N = 32768
 MAX_FUSED_N = BWD_MAX_FUSED_N   # widest row any pass keeps whole (tests cover both sides)
+ROW_STAGE_SMEM = 192 * 1024     # shared memory a program's pipelined rows may fill (227 KB per SM)
+PIPELINE_MIN_ROW = 32768        # forward rows this long go persistent + pipelined
+
+
+def fwd_max_fused_n(elem_bytes: int) -> int:
+    """Widest forward row of the fused tier: 32K while two 32K-row stages fit in shared memory."""
+    return FWD_MAX_FUSED_N if 2 * FWD_MAX_FUSED_N * elem_bytes <= ROW_STAGE_SMEM else FWD_MAX_FUSED_N_FP32
 
 
 # ----------------------------------------------------------------------------------------------
@@ -217,9 +227,21 @@ def _rows_per_program(block_n: int, n_rows: int) -> int:
 
 
 def _num_warps(tile_elems: int) -> int:
-    """~32 values per thread (four 16-byte bf16 loads in flight), 4 to 16 warps: at 16-32 warps the
-    cross-warp row reductions stalled the loads (H200: 4 warps 3.55 TB/s vs 16 warps 2.35 at 1x4096)."""
-    return max(4, min(16, tile_elems // (32 * 32)))
+    """~32 values per thread (four 16-byte bf16 loads in flight), 4 to 32 warps: more warps than
+    that stalled the loads on the cross-warp row reductions (H200: 4 warps 3.55 TB/s vs 16 warps
+    2.35 at 1x4096); a 32K row wants all 32 (3.93 vs 3.79 TB/s at 16, backward)."""
+    return max(4, min(32, tile_elems // (32 * 32)))
+
+
+def _fwd_row_pipeline(tile_elems: int, elem_bytes: int) -> tuple[int, int]:
+    """(programs_per_sm, STAGES) of the forward's fused tier. Rows of 32K elements fill a 1024-thread
+    program, one per SM: a persistent grid with up to 3 rows in flight keeps the loads going while
+    a row reduces (H200 4096x32768 bf16: 3.63 TB/s vs 3.45 looped). Shorter rows run one block per
+    program: many resident programs already overlap (8192x4096: 3.59 TB/s, pipelined 3.51 at best)."""
+    if tile_elems < PIPELINE_MIN_ROW:
+        return 0, 1
+    stages = min(3, ROW_STAGE_SMEM // (tile_elems * elem_bytes))
+    return (1, stages) if stages >= 2 else (0, 1)
 
 
 LOOPED_BLOCK_N = 16384   # tile of the looped tier (best or tied-best at N = 32K and 256K)
@@ -239,21 +261,25 @@ def _fused_grid(n_blocks: int, sms: int, programs_per_sm: int) -> int:
 # ----------------------------------------------------------------------------------------------
 
 
-def _launch_config(n_rows: int, n_cols: int, max_fused_n: int, config: dict | None) -> dict:
+def _launch_config(n_rows: int, n_cols: int, max_fused_n: int, config: dict | None, elem_bytes: int = 2,
+                   pipeline: bool = False) -> dict:
     """Tier and tile for a [n_rows, n_cols] problem; ``config`` overrides keys (GPU sweeps):
     ``looped``, ``BLOCK_M``, ``BLOCK_N``, ``num_warps``, and for the fused tier ``STAGES`` and
-    ``programs_per_sm`` (see :func:`_fused_grid`). Cached per shape (host time); the returned dict
-    is shared: read it, never change it."""
-    return _cached_config(n_rows, n_cols, max_fused_n, config_key(config))
+    ``programs_per_sm`` (see :func:`_fused_grid`); ``pipeline``: the forward's row pipelining
+    (:func:`_fwd_row_pipeline`) applies. Cached per shape (host time); the returned dict is shared:
+    read it, never change it."""
+    return _cached_config(n_rows, n_cols, max_fused_n, elem_bytes, pipeline, config_key(config))
 
 
 @functools.lru_cache(maxsize=1024)
-def _cached_config(n_rows: int, n_cols: int, max_fused_n: int, config: tuple) -> dict:
+def _cached_config(n_rows: int, n_cols: int, max_fused_n: int, elem_bytes: int, pipeline: bool,
+                   config: tuple) -> dict:
     if n_cols <= max_fused_n:
         block_n = _fused_block_n(n_cols)
         block_m = _rows_per_program(block_n, n_rows)
+        pps, stages = _fwd_row_pipeline(block_m * block_n, elem_bytes) if pipeline else (0, 1)
         cfg = {"looped": False, "BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": _num_warps(block_m * block_n),
-               "STAGES": 1, "programs_per_sm": 0}
+               "STAGES": stages, "programs_per_sm": pps}
     else:
         cfg = {"looped": True, "BLOCK_M": 1, "BLOCK_N": LOOPED_BLOCK_N, "num_warps": _num_warps(LOOPED_BLOCK_N)}
     cfg.update(config)
@@ -266,11 +292,11 @@ class _Plan(NamedTuple):
     prepared: PreparedArgs     # its integers and constexprs
 
 
-def _plan(fused: FastKernel, looped: FastKernel, max_fused_n: int, n_rows: int, n_cols: int, sms: int,
-          in_strides: tuple, log: bool, config: tuple) -> _Plan:
+def _plan(fused: FastKernel, looped: FastKernel, max_fused_n: int, pipeline: bool, n_rows: int, n_cols: int,
+          elem_bytes: int, sms: int, in_strides: tuple, log: bool, config: tuple) -> _Plan:
     """One pass's launch. Both passes' kernels take the inputs' row strides, the output's (n_cols:
     it is contiguous), then n_rows (fused tier only) and n_cols."""
-    cfg = _cached_config(n_rows, n_cols, max_fused_n, config)
+    cfg = _cached_config(n_rows, n_cols, max_fused_n, elem_bytes, pipeline, config)
     if not cfg["looped"]:
         kwargs = dict(LOG=log, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["STAGES"],
                       num_warps=cfg["num_warps"])
@@ -281,19 +307,20 @@ def _plan(fused: FastKernel, looped: FastKernel, max_fused_n: int, n_rows: int, 
 
 
 @functools.lru_cache(maxsize=1024)
-def _fwd_plan(n_rows: int, n_cols: int, sms: int, x_stride: int, log: bool, config: tuple = ()) -> _Plan:
+def _fwd_plan(n_rows: int, n_cols: int, elem_bytes: int, sms: int, x_stride: int, log: bool,
+              config: tuple = ()) -> _Plan:
     """The forward's launch, cached per shape (host time: a small softmax's kernel takes a few µs,
     and keying every integer of its launch on each call cost as much again)."""
-    return _plan(softmax_fwd_fused_kernel, softmax_fwd_looped_kernel, FWD_MAX_FUSED_N, n_rows, n_cols, sms,
-                 (x_stride,), log, config)
+    return _plan(softmax_fwd_fused_kernel, softmax_fwd_looped_kernel, fwd_max_fused_n(elem_bytes), True,
+                 n_rows, n_cols, elem_bytes, sms, (x_stride,), log, config)
 
 
 @functools.lru_cache(maxsize=1024)
-def _bwd_plan(n_rows: int, n_cols: int, sms: int, y_stride: int, dy_stride: int, log: bool,
+def _bwd_plan(n_rows: int, n_cols: int, elem_bytes: int, sms: int, y_stride: int, dy_stride: int, log: bool,
               config: tuple = ()) -> _Plan:
     """The backward's launch, cached per shape."""
-    return _plan(softmax_bwd_fused_kernel, softmax_bwd_looped_kernel, BWD_MAX_FUSED_N, n_rows, n_cols, sms,
-                 (y_stride, dy_stride), log, config)
+    return _plan(softmax_bwd_fused_kernel, softmax_bwd_looped_kernel, BWD_MAX_FUSED_N, False,
+                 n_rows, n_cols, elem_bytes, sms, (y_stride, dy_stride), log, config)
 
 
 def _launch_fwd(x: torch.Tensor, log: bool, config: dict | None = None) -> torch.Tensor:
@@ -302,7 +329,7 @@ def _launch_fwd(x: torch.Tensor, log: bool, config: dict | None = None) -> torch
     y = empty_like(x)                   # contiguous: row stride n_cols
     if n_rows == 0 or n_cols == 0:
         return y
-    plan = _fwd_plan(n_rows, n_cols, num_sms(x), x2.stride(0), log, config_key(config))
+    plan = _fwd_plan(n_rows, n_cols, x.element_size(), num_sms(x), x2.stride(0), log, config_key(config))
     plan.kernel.launch_prepared(plan.grid, (x2, y), plan.prepared)
     return y
 
@@ -313,7 +340,8 @@ def _launch_bwd(y: torch.Tensor, dy: torch.Tensor, log: bool, config: dict | Non
     dx = empty_like(y)                  # contiguous: row stride n_cols
     if n_rows == 0 or n_cols == 0:
         return dx
-    plan = _bwd_plan(n_rows, n_cols, num_sms(y), y2.stride(0), dy2.stride(0), log, config_key(config))
+    plan = _bwd_plan(n_rows, n_cols, y.element_size(), num_sms(y), y2.stride(0), dy2.stride(0), log,
+                     config_key(config))
     plan.kernel.launch_prepared(plan.grid, (y2, dy2, dx), plan.prepared)
     return dx
 
