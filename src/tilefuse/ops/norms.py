@@ -164,7 +164,8 @@ def _fwd_plan(n_rows: int, n_cols: int, sms: int, x_stride: int, r_stride: int, 
     prepared = norm_fwd_kernel.prepare(
         (src_stride, r_stride, n_cols, n_cols, n_rows, n_cols, eps, offset),
         dict(IS_RMS=is_rms, HAS_RES=has_res and not stats_in, HAS_W=has_w, HAS_B=has_b, STATS_IN=stats_in,
-             BLOCK_M=block_m, BLOCK_N=block_n, STAGES=cfg.get("STAGES", 1), num_warps=num_warps))
+             BLOCK_M=block_m, BLOCK_N=block_n, PERSISTENT=n_prog < cdiv(n_rows, block_m), STAGES=cfg.get("STAGES", 1),
+             num_warps=num_warps))
     return _FwdPlan(stats_in, block_n, (n_prog, n_col_tiles), prepared)
 
 

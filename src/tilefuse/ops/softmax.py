@@ -57,6 +57,25 @@ def fwd_max_fused_n(elem_bytes: int) -> int:
 # ----------------------------------------------------------------------------------------------
 
 
+@triton.jit
+def _softmax_fwd_block(blk, cols, x_ptr, y_ptr, x_row_stride, y_row_stride, n_rows, n_cols,
+                       LOG: tl.constexpr, BLOCK_M: tl.constexpr):
+    """softmax of row block ``blk``, whole rows in registers (softmax_fwd_fused_kernel's arguments)."""
+    rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask, x_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, x_row_stride)
+    x = tl.load(x_ptr + x_offs, mask=mask, other=-float("inf")).to(tl.float32)
+    m = tl.max(x, axis=1)
+    z = (x - m[:, None]) * LOG2E            # log2-domain shifted logits; exp2 is one MUFU op
+    e = tl.exp2(z)
+    s = tl.sum(e, axis=1)
+    if LOG:
+        y = (z - tl.log2(s)[:, None]) * LN2
+    else:
+        y = e * (1.0 / s)[:, None]
+    _, y_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, y_row_stride)
+    tl.store(y_ptr + y_offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
 @fast_launch
 @triton.jit
 def softmax_fwd_fused_kernel(
@@ -69,24 +88,16 @@ def softmax_fwd_fused_kernel(
     LOG: tl.constexpr,      # log_softmax instead of softmax
     BLOCK_M: tl.constexpr,  # rows per step
     BLOCK_N: tl.constexpr,  # power of two >= n_cols: the whole row is in registers
-    STAGES: tl.constexpr,   # row blocks in flight per program (> 1: loads pipelined through shared memory)
+    PERSISTENT: tl.constexpr,  # fewer programs than row blocks: each strides over several
+    STAGES: tl.constexpr,   # PERSISTENT: row blocks in flight per program (loads pipelined via shared memory)
 ):
     cols = tl.arange(0, BLOCK_N)
-    # grid = row blocks (one step each), or fewer programs that stride over them (persistent)
-    for blk in tl.range(tl.program_id(0), tl.cdiv(n_rows, BLOCK_M), tl.num_programs(0), num_stages=STAGES):
-        rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
-        mask, x_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, x_row_stride)
-        x = tl.load(x_ptr + x_offs, mask=mask, other=-float("inf")).to(tl.float32)
-        m = tl.max(x, axis=1)
-        z = (x - m[:, None]) * LOG2E            # log2-domain shifted logits; exp2 is one MUFU op
-        e = tl.exp2(z)
-        s = tl.sum(e, axis=1)
-        if LOG:
-            y = (z - tl.log2(s)[:, None]) * LN2
-        else:
-            y = e * (1.0 / s)[:, None]
-        _, y_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, y_row_stride)
-        tl.store(y_ptr + y_offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+    if PERSISTENT:
+        for blk in tl.range(tl.program_id(0), tl.cdiv(n_rows, BLOCK_M), tl.num_programs(0), num_stages=STAGES):
+            _softmax_fwd_block(blk, cols, x_ptr, y_ptr, x_row_stride, y_row_stride, n_rows, n_cols, LOG, BLOCK_M)
+    else:   # one block per program, without a loop's registers (see norm_fwd_kernel)
+        _softmax_fwd_block(tl.program_id(0), cols, x_ptr, y_ptr, x_row_stride, y_row_stride, n_rows, n_cols,
+                           LOG, BLOCK_M)
 
 
 @fast_launch
@@ -145,6 +156,21 @@ def _softmax_bwd_dx(y, dy, row_sum, LOG: tl.constexpr):
         return y * (dy - row_sum)
 
 
+@triton.jit
+def _softmax_bwd_block(blk, cols, y_ptr, dy_ptr, dx_ptr, y_row_stride, dy_row_stride, dx_row_stride, n_rows, n_cols,
+                       LOG: tl.constexpr, BLOCK_M: tl.constexpr):
+    """dx of row block ``blk``, whole rows in registers (softmax_bwd_fused_kernel's arguments)."""
+    rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask, y_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, y_row_stride)
+    _, dy_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, dy_row_stride)
+    _, dx_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, dx_row_stride)
+    y = tl.load(y_ptr + y_offs, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + dy_offs, mask=mask, other=0.0).to(tl.float32)
+    row_sum = tl.sum(_softmax_bwd_terms(y, dy, LOG), axis=1)
+    dx = _softmax_bwd_dx(y, dy, row_sum[:, None], LOG)
+    tl.store(dx_ptr + dx_offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
 @fast_launch
 @triton.jit
 def softmax_bwd_fused_kernel(
@@ -159,19 +185,17 @@ def softmax_bwd_fused_kernel(
     LOG: tl.constexpr,      # y is log_softmax output
     BLOCK_M: tl.constexpr,  # rows per step
     BLOCK_N: tl.constexpr,  # power of two >= n_cols
-    STAGES: tl.constexpr,   # row blocks in flight per program (as the forward)
+    PERSISTENT: tl.constexpr,  # as the forward
+    STAGES: tl.constexpr,   # as the forward
 ):
     cols = tl.arange(0, BLOCK_N)
-    for blk in tl.range(tl.program_id(0), tl.cdiv(n_rows, BLOCK_M), tl.num_programs(0), num_stages=STAGES):
-        rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
-        mask, y_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, y_row_stride)
-        _, dy_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, dy_row_stride)
-        _, dx_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, dx_row_stride)
-        y = tl.load(y_ptr + y_offs, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + dy_offs, mask=mask, other=0.0).to(tl.float32)
-        row_sum = tl.sum(_softmax_bwd_terms(y, dy, LOG), axis=1)
-        dx = _softmax_bwd_dx(y, dy, row_sum[:, None], LOG)
-        tl.store(dx_ptr + dx_offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+    if PERSISTENT:
+        for blk in tl.range(tl.program_id(0), tl.cdiv(n_rows, BLOCK_M), tl.num_programs(0), num_stages=STAGES):
+            _softmax_bwd_block(blk, cols, y_ptr, dy_ptr, dx_ptr, y_row_stride, dy_row_stride, dx_row_stride,
+                               n_rows, n_cols, LOG, BLOCK_M)
+    else:
+        _softmax_bwd_block(tl.program_id(0), cols, y_ptr, dy_ptr, dx_ptr, y_row_stride, dy_row_stride,
+                           dx_row_stride, n_rows, n_cols, LOG, BLOCK_M)
 
 
 @fast_launch
@@ -298,9 +322,10 @@ def _plan(fused: FastKernel, looped: FastKernel, max_fused_n: int, pipeline: boo
     it is contiguous), then n_rows (fused tier only) and n_cols."""
     cfg = _cached_config(n_rows, n_cols, max_fused_n, elem_bytes, pipeline, config)
     if not cfg["looped"]:
-        kwargs = dict(LOG=log, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["STAGES"],
-                      num_warps=cfg["num_warps"])
-        grid = (_fused_grid(cdiv(n_rows, cfg["BLOCK_M"]), sms, cfg["programs_per_sm"]),)
+        n_blocks = cdiv(n_rows, cfg["BLOCK_M"])
+        grid = (_fused_grid(n_blocks, sms, cfg["programs_per_sm"]),)
+        kwargs = dict(LOG=log, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], PERSISTENT=grid[0] < n_blocks,
+                      STAGES=cfg["STAGES"], num_warps=cfg["num_warps"])
         return _Plan(fused, grid, fused.prepare((*in_strides, n_cols, n_rows, n_cols), kwargs))
     kwargs = dict(LOG=log, BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"])
     return _Plan(looped, (n_rows,), looped.prepare((*in_strides, n_cols, n_cols), kwargs))
