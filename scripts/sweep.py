@@ -149,7 +149,7 @@ def sweep_softmax(dtype):
     return rows
 
 
-def norm_configs(n_rows, n_cols, pass_, dtype_bytes=2):
+def norm_configs(n_rows, n_cols, pass_, dtype_bytes=2, bwd_inputs=2):
     """Row tiles of 4K-32K elements at 4-32 values per thread; the forward's with their pipelined
     variants (persistent grid, STAGES), the backward's persistent grid with register prefetch or
     with Triton's pipeliner (STAGES 2-3)."""
@@ -167,7 +167,7 @@ def norm_configs(n_rows, n_cols, pass_, dtype_bytes=2):
                                                      (1, 2, 3)):
                 if (pf and (per_thread > 16 or stages > 1)) or (not pf and stages == 1) or pps * w > 32:
                     continue
-                if stages > 1 and pps * stages * elems * dtype_bytes * 2 > SMEM_BUDGET:
+                if stages > 1 and pps * stages * elems * dtype_bytes * bwd_inputs > SMEM_BUDGET:
                     continue
                 out.append({"max_fused_n": 65536, "BLOCK_M": bm, "num_warps": w,
                             "programs_per_sm": pps, "prefetch": pf, "STAGES": stages})
@@ -175,34 +175,42 @@ def norm_configs(n_rows, n_cols, pass_, dtype_bytes=2):
 
 
 def sweep_norm(name, dtype):
+    """rms_norm / layer_norm, or their residual-fused forms (add_*: h = x + r normalized and
+    written; the backward adds dh to dx)."""
     from tilefuse.ops import norms as nm
     spec = registry.get(name)
-    is_rms = name == "rms_norm"
+    is_rms = name.endswith("rms_norm")
+    fused_add = name.startswith("add_")
     rows = []
     for shape in spec.bench_shapes:
         n = shape[-1]
         x = torch.randn(shape, device="cuda").to(dtype)
+        r = torch.randn_like(x) if fused_add else None
         w = (1 + 0.1 * torch.randn(n, device="cuda")).to(dtype)
         b = None if is_rms else (0.1 * torch.randn(n, device="cuda")).to(dtype)
         eps = 1e-6 if is_rms else 1e-5
-        y_ref = nm._fwd_reference(x, w, b, None, eps, 0.0, is_rms)[0]
-        _, _, mean, rstd = nm._launch_fwd(x, w, b, None, eps, 0.0, is_rms)
+        y_ref = nm._fwd_reference(x, w, b, r, eps, 0.0, is_rms)[0]
+        _, h, mean, rstd = nm._launch_fwd(x, w, b, r, eps, 0.0, is_rms)
+        h = h if fused_add else x
         dy = torch.randn_like(x)
-        dx_ref = nm._bwd_reference(dy, x, w, None if is_rms else mean, rstd, None, 0.0, is_rms, True, not is_rms)[0]
+        dh = torch.randn_like(x) if fused_add else None
+        mean = None if is_rms else mean
+        dx_ref = nm._bwd_reference(dy, h, w, mean, rstd, dh, 0.0, is_rms, True, not is_rms)[0]
         for pass_ in ("fwd", "bwd"):
             nbytes = spec.bytes_fn(shape, dtype, pass_)
             if pass_ == "fwd":
-                fn_for = lambda cfg: (lambda: nm._launch_fwd(x, w, b, None, eps, 0.0, is_rms, cfg)[0])
+                fn_for = lambda cfg: (lambda: nm._launch_fwd(x, w, b, r, eps, 0.0, is_rms, cfg)[0])
                 check = lambda out: rel_err(out, y_ref)
                 torch_fn = (lambda: torch.nn.functional.rms_norm(x, (n,), w, eps)) if is_rms else \
                     (lambda: torch.nn.functional.layer_norm(x, (n,), w, b, eps))
             else:
-                fn_for = lambda cfg: (lambda: nm._launch_bwd(dy, x, w, None if is_rms else mean, rstd, None, 0.0,
+                fn_for = lambda cfg: (lambda: nm._launch_bwd(dy, h, w, mean, rstd, dh, 0.0,
                                                              is_rms, True, not is_rms, config=cfg)[0])
                 check = lambda out: rel_err(out, dx_ref)
                 torch_fn = None
             default = {}
-            results = sweep(fn_for, check, norm_configs(shape[0], n, pass_), nbytes, default)
+            cfgs = norm_configs(shape[0], n, pass_, bwd_inputs=3 if fused_add else 2)
+            results = sweep(fn_for, check, cfgs, nbytes, default)
             copy = copy_gbps(nbytes)
             eager = time_gbps(torch_fn, nbytes)[0] if torch_fn else float("nan")
             rows.append(report(f"{name} {shape} {pass_}", shape, pass_, results, default, copy, eager))
@@ -291,6 +299,8 @@ SWEEPS = {
     "softmax": sweep_softmax,
     "rms_norm": lambda dtype: sweep_norm("rms_norm", dtype),
     "layer_norm": lambda dtype: sweep_norm("layer_norm", dtype),
+    "add_rms_norm": lambda dtype: sweep_norm("add_rms_norm", dtype),
+    "add_layer_norm": lambda dtype: sweep_norm("add_layer_norm", dtype),
 }
 
 

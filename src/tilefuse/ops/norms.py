@@ -92,15 +92,16 @@ def _bwd_programs_per_sm(num_warps: int) -> int:
     return max(1, 16 // num_warps)
 
 
-ROW_STAGE_SMEM = 96 * 1024   # shared memory for the backward's pipelined row blocks, per program
+ROW_STAGE_SMEM = 192 * 1024   # shared memory for the backward's pipelined row blocks, per SM (227 KB)
 
 
-def _bwd_stages(tile_elems: int, elem_bytes: int, n_inputs: int) -> int:
+def _bwd_stages(tile_elems: int, elem_bytes: int, n_inputs: int, programs_per_sm: int) -> int:
     """Row blocks in flight through shared memory (Triton's pipeliner on the row loop): 3 while
-    they fit in ``ROW_STAGE_SMEM``, else 1 (H200 sweep, 16384 rows bf16, session 9: LayerNorm
-    3.81 vs 3.29 TB/s at N = 8192 and 3.47 vs 3.33 at 4096 over the register prefetch; RMSNorm
-    +2 %)."""
-    stages = min(3, ROW_STAGE_SMEM // (tile_elems * elem_bytes * n_inputs))
+    the SM's programs' stages fit in ``ROW_STAGE_SMEM``, 2, else none (H200 sweep, 16384 rows
+    bf16, session 9, 3 stages against the register prefetch: LayerNorm 3.81 vs 3.29 TB/s at
+    N = 8192, 3.47 vs 3.33 at 4096; with the residual's gradient 4.01 vs 3.11 and 3.75 vs 2.84,
+    where 2 stages gave 3.11; RMSNorm within ±2 %)."""
+    stages = min(3, ROW_STAGE_SMEM // (programs_per_sm * tile_elems * elem_bytes * n_inputs))
     return stages if stages >= 2 else 1
 
 
@@ -227,7 +228,7 @@ def _bwd_plan(n_rows: int, n_cols: int, elem_bytes: int, sms: int, x_stride: int
     n_col_tiles = cdiv(n_cols, block_n)
     pps = cfg.get("programs_per_sm", _bwd_programs_per_sm(num_warps))
     n_prog = _bwd_row_programs(cdiv(n_rows, block_m), n_col_tiles, sms, pps)
-    stages = cfg.get("STAGES", _bwd_stages(block_m * block_n, elem_bytes, 3 if has_dres else 2))
+    stages = cfg.get("STAGES", _bwd_stages(block_m * block_n, elem_bytes, 3 if has_dres else 2, pps))
     prefetch = cfg.get("prefetch", _bwd_prefetch(num_warps, stages))
     prepared = norm_bwd_kernel.prepare(
         (x_stride, dy_stride, dr_stride, n_cols, n_rows, n_cols, offset),
