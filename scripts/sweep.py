@@ -110,9 +110,10 @@ def softmax_base_configs(n_rows, n_cols, pass_, dtype_bytes=2):
             base = {"looped": False, "BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w}
             out += pipelined_variants(base, bm * bn * dtype_bytes * inputs)
     if n_cols >= 16384:
-        for bn, w in itertools.product((8192, 16384, 32768), (8, 16, 32)):
+        for bn, w, evict in itertools.product((8192, 16384, 32768), (8, 16, 32), (False, True)):
             if 4 <= bn // (32 * w) <= 64:
-                out.append({"looped": True, "BLOCK_M": 1, "BLOCK_N": bn, "num_warps": w})
+                hints = {"FIRST_EVICT": "evict_last", "SECOND_EVICT": "evict_first"} if evict else {}
+                out.append({"looped": True, "BLOCK_M": 1, "BLOCK_N": bn, "num_warps": w, **hints})
     return out
 
 

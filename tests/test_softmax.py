@@ -144,6 +144,7 @@ def test_random_shapes(rows, cols, log, half, scale):
     {"BLOCK_M": 8, "num_warps": 8},
     {"BLOCK_M": 1, "num_warps": 4},
     {"looped": True, "BLOCK_N": 64, "num_warps": 4},    # the looped tier on a short row, many tiles
+    {"looped": True, "BLOCK_N": 64, "num_warps": 4, "FIRST_EVICT": "evict_last", "SECOND_EVICT": "evict_first"},
     {"BLOCK_M": 2, "num_warps": 4, "programs_per_sm": 1, "STAGES": 2},   # persistent, pipelined rows
     {"BLOCK_M": 1, "num_warps": 4, "programs_per_sm": 3, "STAGES": 3},   # uneven blocks per program
 ])

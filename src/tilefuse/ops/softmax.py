@@ -110,6 +110,8 @@ def softmax_fwd_looped_kernel(
     n_cols,             # row length (> MAX_FUSED_N)
     LOG: tl.constexpr,      # log_softmax instead of softmax
     BLOCK_N: tl.constexpr,  # tile walked per step
+    FIRST_EVICT: tl.constexpr,   # L2 policy of the first walk's loads ("" or "evict_last": keep for walk 2)
+    SECOND_EVICT: tl.constexpr,  # of the second walk's ("" or "evict_first": last use)
 ):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_row_stride
@@ -119,7 +121,7 @@ def softmax_fwd_looped_kernel(
     s = 0.0
     for start in range(0, n_cols, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
-        x = tl.load(x_row + cols, mask=cols < n_cols, other=-float("inf")).to(tl.float32)
+        x = tl.load(x_row + cols, mask=cols < n_cols, other=-float("inf"), eviction_policy=FIRST_EVICT).to(tl.float32)
         m_new = tl.maximum(m, tl.max(x, axis=0))
         m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)   # an all -inf prefix stays 0, not NaN
         s = s * tl.exp2((m - m_safe) * LOG2E) + tl.sum(tl.exp2((x - m_safe) * LOG2E), axis=0)
@@ -130,7 +132,7 @@ def softmax_fwd_looped_kernel(
     for start in range(0, n_cols, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         mask = cols < n_cols
-        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(x_row + cols, mask=mask, other=0.0, eviction_policy=SECOND_EVICT).to(tl.float32)
         z = (x - m) * LOG2E
         if LOG:
             y = (z - log2_s) * LN2
@@ -210,6 +212,8 @@ def softmax_bwd_looped_kernel(
     n_cols,             # row length (> MAX_FUSED_N)
     LOG: tl.constexpr,      # y is log_softmax output
     BLOCK_N: tl.constexpr,  # tile walked per step
+    FIRST_EVICT: tl.constexpr,   # as the forward's
+    SECOND_EVICT: tl.constexpr,  # as the forward's
 ):
     row = tl.program_id(0).to(tl.int64)
     y_row = y_ptr + row * y_row_stride
@@ -219,18 +223,18 @@ def softmax_bwd_looped_kernel(
     for start in range(0, n_cols, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         mask = cols < n_cols
-        dy = tl.load(dy_row + cols, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_row + cols, mask=mask, other=0.0, eviction_policy=FIRST_EVICT).to(tl.float32)
         if LOG:
             acc += dy
         else:
-            y = tl.load(y_row + cols, mask=mask, other=0.0).to(tl.float32)
+            y = tl.load(y_row + cols, mask=mask, other=0.0, eviction_policy=FIRST_EVICT).to(tl.float32)
             acc += y * dy
     row_sum = tl.sum(acc, axis=0)
     for start in range(0, n_cols, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         mask = cols < n_cols
-        y = tl.load(y_row + cols, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(dy_row + cols, mask=mask, other=0.0).to(tl.float32)
+        y = tl.load(y_row + cols, mask=mask, other=0.0, eviction_policy=SECOND_EVICT).to(tl.float32)
+        dy = tl.load(dy_row + cols, mask=mask, other=0.0, eviction_policy=SECOND_EVICT).to(tl.float32)
         tl.store(dx_row + cols, _softmax_bwd_dx(y, dy, row_sum, LOG).to(dx_ptr.dtype.element_ty), mask=mask)
 
 
@@ -305,7 +309,8 @@ def _cached_config(n_rows: int, n_cols: int, max_fused_n: int, elem_bytes: int, 
         cfg = {"looped": False, "BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": _num_warps(block_m * block_n),
                "STAGES": stages, "programs_per_sm": pps}
     else:
-        cfg = {"looped": True, "BLOCK_M": 1, "BLOCK_N": LOOPED_BLOCK_N, "num_warps": _num_warps(LOOPED_BLOCK_N)}
+        cfg = {"looped": True, "BLOCK_M": 1, "BLOCK_N": LOOPED_BLOCK_N, "num_warps": _num_warps(LOOPED_BLOCK_N),
+               "FIRST_EVICT": "", "SECOND_EVICT": ""}
     cfg.update(config)
     return cfg
 
@@ -327,7 +332,9 @@ def _plan(fused: FastKernel, looped: FastKernel, max_fused_n: int, pipeline: boo
         kwargs = dict(LOG=log, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], PERSISTENT=grid[0] < n_blocks,
                       STAGES=cfg["STAGES"], num_warps=cfg["num_warps"])
         return _Plan(fused, grid, fused.prepare((*in_strides, n_cols, n_rows, n_cols), kwargs))
-    kwargs = dict(LOG=log, BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"])
+    kwargs = dict(LOG=log, BLOCK_N=cfg["BLOCK_N"], FIRST_EVICT=cfg.get("FIRST_EVICT", ""),
+                  SECOND_EVICT=cfg.get("SECOND_EVICT", ""),
+                  num_warps=cfg["num_warps"])
     return _Plan(looped, (n_rows,), looped.prepare((*in_strides, n_cols, n_cols), kwargs))
 
 
