@@ -15,10 +15,10 @@ x = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16)   # tiny: host-bo
 y = torch.empty_like(x)
 k = sm.softmax_fwd_fused_kernel
 args = (x, y, x.stride(0), y.stride(0), 64, 1024)
-kw = dict(LOG=False, BLOCK_M=2, BLOCK_N=1024, PERSISTENT=False, STAGES=1, num_warps=4)
+kw = dict(LOG=False, BLOCK_M=2, BLOCK_N=1024, num_warps=4)
 grid = (32,)
 compiled = k[grid](*args, **kw)
-full = args + (False, 2, 1024, False, 1)
+full = args + (False, 2, 1024)
 dev = torch.cuda.current_device()
 stream = driver.active.get_current_stream(dev)
 kernel_cache, kernel_key_cache, target, backend, binder = k.fn.device_caches[dev]

@@ -79,40 +79,26 @@ def report(label, shape, pass_, results, default, copy, eager):
     return (shape, pass_, results[0][0], results[0][2], dflt[0][0] if dflt else float("nan"), copy, eager)
 
 
-SMEM_BUDGET = 200 * 1024   # shared memory a pipelined row loop may fill per SM (H100/H200: 227 KB)
+SMEM_BUDGET = 200 * 1024   # shared memory the backward's pipelined row blocks may fill per SM (227 KB)
 
 
-def pipelined_variants(base: dict, tile_bytes: int, max_warps_per_sm: int = 32) -> list:
-    """``base`` as it is, then on a persistent grid (programs_per_sm 1/2/4) with its row loop
-    pipelined 1-3 deep: the stages' tiles of every resident program must fit in shared memory."""
-    out = [dict(base, programs_per_sm=0, STAGES=1)]
-    for pps, stages in itertools.product((1, 2, 4, 8), (2, 3)):
-        if pps * base["num_warps"] > max_warps_per_sm:
-            continue
-        if stages > 1 and pps * stages * tile_bytes > SMEM_BUDGET:
-            continue
-        out.append(dict(base, programs_per_sm=pps, STAGES=stages))
-    return out
-
-
-def softmax_base_configs(n_rows, n_cols, pass_, dtype_bytes=2):
-    """The fused tier around the default tile (1-2x its rows and warps), each with its pipelined
-    variants; rows of 16K-32K also fused whole (forward), and the looped tier's tiles."""
+def softmax_base_configs(n_rows, n_cols, pass_):
+    """The fused tier around the default tile (1-2x its rows and warps); from 16K columns the looped
+    tier's tiles, with and without L2 hints on its two walks."""
     from tilefuse.ops import softmax as sm
     out = []
-    inputs = 1 if pass_ == "fwd" else 2
     if n_cols <= sm.BWD_MAX_FUSED_N:
         bn = triton.next_power_of_2(n_cols)
-        d = sm._launch_config(n_rows, n_cols, sm.BWD_MAX_FUSED_N, None)
+        d = sm._launch_config(n_rows, min(n_cols, sm.FWD_MAX_FUSED_N), pass_ == "fwd", None)
+        if d["looped"] or d["BLOCK_N"] != bn:       # rows past the forward's fused width: the backward's tile
+            d = sm._launch_config(n_rows, n_cols, False, None)
         for bm, w in itertools.product({d["BLOCK_M"], 2 * d["BLOCK_M"]}, {d["num_warps"], 2 * d["num_warps"]}):
-            if bm * bn > 32768 or w > 32 or not 4 <= bm * bn // (32 * w) <= 64:
-                continue
-            base = {"looped": False, "BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w}
-            out += pipelined_variants(base, bm * bn * dtype_bytes * inputs)
+            if bm * bn <= 32768 and w <= 32 and 4 <= bm * bn // (32 * w) <= 64:
+                out.append({"looped": False, "BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w})
     if n_cols >= 16384:
         for bn, w, evict in itertools.product((8192, 16384, 32768), (8, 16, 32), (False, True)):
             if 4 <= bn // (32 * w) <= 64:
-                hints = {"FIRST_EVICT": "evict_last", "SECOND_EVICT": "evict_first"} if evict else {}
+                hints = sm.LOOPED_EVICT if evict else {"FIRST_EVICT": "", "SECOND_EVICT": ""}
                 out.append({"looped": True, "BLOCK_M": 1, "BLOCK_N": bn, "num_warps": w, **hints})
     return out
 
@@ -127,10 +113,9 @@ def sweep_softmax(dtype):
         y = y_ref.to(dtype)
         dy = torch.randn_like(x)
         dx_ref = sm._softmax_bwd_reference(y.float(), dy.float(), False)
-        esize = x.element_size()
-        for pass_, max_fused in (("fwd", sm.fwd_max_fused_n(esize)), ("bwd", sm.BWD_MAX_FUSED_N)):
+        for pass_ in ("fwd", "bwd"):
             nbytes = spec.bytes_fn(shape, dtype, pass_)
-            default = sm._launch_config(shape[0], shape[1], max_fused, None, esize, pipeline=pass_ == "fwd")
+            default = sm._launch_config(shape[0], shape[1], pass_ == "fwd", None)
             if pass_ == "fwd":
                 fn_for = lambda cfg: (lambda: sm._launch_fwd(x, False, cfg))
                 check = lambda out: rel_err(out, y_ref)
@@ -151,9 +136,8 @@ def sweep_softmax(dtype):
 
 
 def norm_configs(n_rows, n_cols, pass_, dtype_bytes=2, bwd_inputs=2):
-    """Row tiles of 4K-32K elements at 4-32 values per thread; the forward's with their pipelined
-    variants (persistent grid, STAGES), the backward's persistent grid with register prefetch or
-    with Triton's pipeliner (STAGES 2-3)."""
+    """Row tiles of 4K-32K elements at 8-32 values per thread; the backward's persistent grid with
+    the register prefetch or with Triton's pipeliner (STAGES 2-3)."""
     out = []
     bn = triton.next_power_of_2(n_cols)
     for bm, w in itertools.product((1, 2), (4, 8, 16, 32)):
@@ -162,7 +146,7 @@ def norm_configs(n_rows, n_cols, pass_, dtype_bytes=2, bwd_inputs=2):
         if not (2048 <= elems <= 32768 and 8 <= per_thread <= 32):
             continue
         if pass_ == "fwd":
-            out += pipelined_variants({"max_fused_n": 65536, "BLOCK_M": bm, "num_warps": w}, elems * dtype_bytes)
+            out.append({"max_fused_n": 65536, "BLOCK_M": bm, "num_warps": w})
         else:
             for pps, pf, stages in itertools.product(sorted({max(1, 16 // w), max(1, 32 // w)}), (False, True),
                                                      (1, 2, 3)):

@@ -243,9 +243,9 @@ def test_looped_layer_norm_large_mean_is_accurate():
     {"BLOCK_M": 4, "num_warps": 8, "programs_per_sm": 3, "prefetch": False},
     {"BLOCK_M": 2, "num_warps": 4, "programs_per_sm": 2, "prefetch": True},
     {"max_fused_n": 128, "BLOCK_N": 128},
-    {"BLOCK_M": 2, "num_warps": 4, "programs_per_sm": 1, "prefetch": False, "STAGES": 2},   # pipelined rows
+    {"BLOCK_M": 2, "num_warps": 4, "programs_per_sm": 1, "prefetch": False, "STAGES": 2},   # bwd: pipelined rows
     {"BLOCK_M": 1, "num_warps": 4, "programs_per_sm": 3, "prefetch": False, "STAGES": 3},   # uneven per program
-    {"max_fused_n": 128, "BLOCK_N": 128, "programs_per_sm": 1, "STAGES": 2},   # persistent column tiles
+    {"max_fused_n": 128, "BLOCK_N": 128, "programs_per_sm": 1, "STAGES": 2},   # pipelined column tiles
 ])
 def test_launcher_config_overrides(cfg):
     if DEVICE == "cpu" and not nm.use_triton(torch.empty(0)):

@@ -2,11 +2,10 @@
 
 Four kernels serve both norms, with and without the fused residual add:
 
-* ``norm_fwd_kernel``: normalizes [BLOCK_M, BLOCK_N] tiles, one row block per program or, on a
-  persistent grid, a strided walk over row blocks whose loads Triton pipelines ``STAGES`` deep.
-  With the whole row in the tile it computes the row statistics itself (the fused tier); with
-  ``STATS_IN`` it reads mean/rstd written by ``norm_fwd_stats_kernel`` and normalizes one column
-  tile of a long row.
+* ``norm_fwd_kernel``: normalizes a [BLOCK_M, BLOCK_N] tile. With the whole row in the tile it
+  computes the row statistics itself (the fused tier); with ``STATS_IN`` it reads mean/rstd
+  written by ``norm_fwd_stats_kernel`` and normalizes one column tile of a long row. (A
+  persistent grid with Triton's pipeliner on a row loop was measured and lost: NOTES, session 9.)
 * ``norm_fwd_stats_kernel``: long rows only; walks a row in tiles for mean/rstd (and writes
   ``h = x + residual``).
 * ``norm_bwd_kernel``: a persistent grid ``(row programs, column tiles)``; each program walks its
@@ -50,47 +49,6 @@ def _scale(w_ptr, cols, n_cols, offset, HAS_W: tl.constexpr):
         return tl.full(cols.shape, 1.0, tl.float32)
 
 
-@triton.jit
-def _norm_fwd_block(blk, cols, x_ptr, res_ptr, w_ptr, b_ptr, y_ptr, h_ptr, mean_ptr, rstd_ptr, x_row_stride,
-                    res_row_stride, y_row_stride, h_row_stride, n_rows, n_cols, eps, offset,
-                    IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-                    STATS_IN: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Normalize row block ``blk`` over the column tile ``cols`` (norm_fwd_kernel's arguments)."""
-    rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = rows < n_rows
-    mask, x_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, x_row_stride)
-    x = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_RES:
-        _, r_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, res_row_stride)
-        _, h_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, h_row_stride)
-        h = (x + tl.load(res_ptr + r_offs, mask=mask, other=0.0).to(tl.float32)).to(h_ptr.dtype.element_ty)
-        tl.store(h_ptr + h_offs, h, mask=mask)
-        x = h.to(tl.float32)            # normalize the stored (rounded) h: the backward reads it back
-    if STATS_IN:
-        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
-        mean = rstd                     # unused for RMS
-        if not IS_RMS:
-            mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
-    else:
-        mean = tl.zeros([BLOCK_M], dtype=tl.float32)
-        xc = x                          # masked x loads as 0
-        if not IS_RMS:
-            mean = tl.sum(x, axis=1) * (1.0 / n_cols)
-            tl.store(mean_ptr + rows, mean, mask=row_mask)
-            xc = tl.where(mask, x - mean[:, None], 0.0)
-        rstd = tl.rsqrt(tl.sum(xc * xc, axis=1) * (1.0 / n_cols) + eps)
-        tl.store(rstd_ptr + rows, rstd, mask=row_mask)
-    y = _xhat(x, mean, rstd, mask, IS_RMS)
-    # w and b are loaded here, after the statistics (cache hits): loaded once per program outside
-    # a row loop they stay live through it (LayerNorm 16384x8192 bf16 on an H200: 2.65 vs 3.93 TB/s)
-    if HAS_W:
-        y = y * _scale(w_ptr, cols, n_cols, offset, HAS_W)[None, :]
-    if HAS_B:
-        y = y + tl.load(b_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)[None, :]
-    _, y_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, y_row_stride)
-    tl.store(y_ptr + y_offs, y.to(y_ptr.dtype.element_ty), mask=mask)
-
-
 @fast_launch
 @triton.jit
 def norm_fwd_kernel(
@@ -115,23 +73,41 @@ def norm_fwd_kernel(
     HAS_W: tl.constexpr,     # scale by (offset + w)
     HAS_B: tl.constexpr,     # add b
     STATS_IN: tl.constexpr,  # mean/rstd come from norm_fwd_stats_kernel (long rows, column tiles)
-    BLOCK_M: tl.constexpr,   # rows per step
+    BLOCK_M: tl.constexpr,   # rows per program
     BLOCK_N: tl.constexpr,   # columns per program: >= n_cols unless STATS_IN
-    PERSISTENT: tl.constexpr,  # grid axis 0 < row blocks: each program strides over several
-    STAGES: tl.constexpr,    # PERSISTENT: row blocks in flight per program (loads pipelined via shared memory)
 ):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    if PERSISTENT:
-        for blk in tl.range(tl.program_id(0), tl.cdiv(n_rows, BLOCK_M), tl.num_programs(0), num_stages=STAGES):
-            _norm_fwd_block(blk, cols, x_ptr, res_ptr, w_ptr, b_ptr, y_ptr, h_ptr, mean_ptr, rstd_ptr, x_row_stride,
-                            res_row_stride, y_row_stride, h_row_stride, n_rows, n_cols, eps, offset,
-                            IS_RMS, HAS_RES, HAS_W, HAS_B, STATS_IN, BLOCK_M)
+    row_mask = rows < n_rows
+    mask, x_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, x_row_stride)
+    x = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        _, r_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, res_row_stride)
+        _, h_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, h_row_stride)
+        h = (x + tl.load(res_ptr + r_offs, mask=mask, other=0.0).to(tl.float32)).to(h_ptr.dtype.element_ty)
+        tl.store(h_ptr + h_offs, h, mask=mask)
+        x = h.to(tl.float32)            # normalize the stored (rounded) h: the backward reads it back
+    if STATS_IN:
+        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+        mean = rstd                     # unused for RMS
+        if not IS_RMS:
+            mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
     else:
-        # one block per program, no loop: the loop's state cost LayerNorm 15 registers (64 -> 79 at
-        # 8192 x 8 warps, sm_90), a CTA per SM and ~9 % of its bandwidth
-        _norm_fwd_block(tl.program_id(0), cols, x_ptr, res_ptr, w_ptr, b_ptr, y_ptr, h_ptr, mean_ptr, rstd_ptr,
-                        x_row_stride, res_row_stride, y_row_stride, h_row_stride, n_rows, n_cols, eps, offset,
-                        IS_RMS, HAS_RES, HAS_W, HAS_B, STATS_IN, BLOCK_M)
+        mean = tl.zeros([BLOCK_M], dtype=tl.float32)
+        xc = x                          # masked x loads as 0
+        if not IS_RMS:
+            mean = tl.sum(x, axis=1) * (1.0 / n_cols)
+            tl.store(mean_ptr + rows, mean, mask=row_mask)
+            xc = tl.where(mask, x - mean[:, None], 0.0)
+        rstd = tl.rsqrt(tl.sum(xc * xc, axis=1) * (1.0 / n_cols) + eps)
+        tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+    y = _xhat(x, mean, rstd, mask, IS_RMS)
+    if HAS_W:
+        y = y * _scale(w_ptr, cols, n_cols, offset, HAS_W)[None, :]
+    if HAS_B:
+        y = y + tl.load(b_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)[None, :]
+    _, y_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, y_row_stride)
+    tl.store(y_ptr + y_offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @fast_launch

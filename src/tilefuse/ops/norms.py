@@ -117,14 +117,6 @@ def _bwd_row_programs(n_row_blocks: int, n_col_tiles: int, sms: int, programs_pe
     return max(1, min(n_row_blocks, (sms * programs_per_sm) // n_col_tiles))
 
 
-def _fwd_row_programs(n_row_blocks: int, n_col_tiles: int, sms: int, programs_per_sm: int) -> int:
-    """Forward: one program per row block (programs_per_sm = 0), or a persistent grid whose
-    pipelined row loop (STAGES > 1) keeps the next block's loads in flight."""
-    if programs_per_sm <= 0:
-        return n_row_blocks
-    return _bwd_row_programs(n_row_blocks, n_col_tiles, sms, programs_per_sm)
-
-
 # ----------------------------------------------------------------------------------------------
 # launchers (inputs already validated by the public functions; x's last dim is the normalized one)
 # ----------------------------------------------------------------------------------------------
@@ -151,23 +143,19 @@ class _FwdPlan(NamedTuple):
 
 
 @functools.lru_cache(maxsize=1024)
-def _fwd_plan(n_rows: int, n_cols: int, sms: int, x_stride: int, r_stride: int, eps: float, offset: float,
-              is_rms: bool, has_res: bool, has_w: bool, has_b: bool, cfg: tuple = ()) -> _FwdPlan:
+def _fwd_plan(n_rows: int, n_cols: int, x_stride: int, r_stride: int, eps: float, offset: float, is_rms: bool,
+              has_res: bool, has_w: bool, has_b: bool, cfg: tuple = ()) -> _FwdPlan:
     """The forward's launch, cached per shape and options (host time: the heuristics are cheap,
     but every µs of Python is paid per call on the 4096-wide rows)."""
-    cfg = dict(cfg)
-    stats_in, block_m, block_n, num_warps = _tier_tile(n_rows, n_cols, cfg, MAX_FUSED_N_FWD,
+    stats_in, block_m, block_n, num_warps = _tier_tile(n_rows, n_cols, dict(cfg), MAX_FUSED_N_FWD,
                                                        _fwd_rows_per_program, _fwd_num_warps)
-    n_col_tiles = cdiv(n_cols, block_n)
-    n_prog = _fwd_row_programs(cdiv(n_rows, block_m), n_col_tiles, sms, cfg.get("programs_per_sm", 0))
     # with stats first and a residual, h is written by the stats pass and normalized here
     src_stride = n_cols if stats_in and has_res else x_stride
     prepared = norm_fwd_kernel.prepare(
         (src_stride, r_stride, n_cols, n_cols, n_rows, n_cols, eps, offset),
         dict(IS_RMS=is_rms, HAS_RES=has_res and not stats_in, HAS_W=has_w, HAS_B=has_b, STATS_IN=stats_in,
-             BLOCK_M=block_m, BLOCK_N=block_n, PERSISTENT=n_prog < cdiv(n_rows, block_m), STAGES=cfg.get("STAGES", 1),
-             num_warps=num_warps))
-    return _FwdPlan(stats_in, block_n, (n_prog, n_col_tiles), prepared)
+             BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps))
+    return _FwdPlan(stats_in, block_n, (cdiv(n_rows, block_m), cdiv(n_cols, block_n)), prepared)
 
 
 def _launch_fwd(x, weight, bias, residual, eps: float, offset: float, is_rms: bool, config=None):
@@ -175,9 +163,7 @@ def _launch_fwd(x, weight, bias, residual, eps: float, offset: float, is_rms: bo
     mean and rstd are flat fp32 [rows] (internal: saved for the backward, never returned).
 
     ``config`` (tuning sweeps) overrides: ``max_fused_n`` (longest padded row of the fused tier),
-    ``BLOCK_M`` (rows per step, fused tier), ``BLOCK_N`` (column tile, looped tier), ``num_warps``,
-    ``programs_per_sm`` (0: one program per row block; else a persistent grid), ``STAGES``
-    (row blocks in flight per program).
+    ``BLOCK_M`` (rows per program, fused tier), ``BLOCK_N`` (column tile, looped tier), ``num_warps``.
     """
     x2 = rows_view(x)
     n_rows, n_cols = x2.shape
@@ -194,8 +180,8 @@ def _launch_fwd(x, weight, bias, residual, eps: float, offset: float, is_rms: bo
     r2 = rows_view(residual) if has_res else y
     w = weight.contiguous() if weight is not None else y
     b = bias.contiguous() if bias is not None else y
-    plan = _fwd_plan(n_rows, n_cols, num_sms(x), x2.stride(0), r2.stride(0), eps, offset, is_rms, has_res,
-                     weight is not None, bias is not None, config_key(config))
+    plan = _fwd_plan(n_rows, n_cols, x2.stride(0), r2.stride(0), eps, offset, is_rms, has_res, weight is not None,
+                     bias is not None, config_key(config))
     stats = rstd if is_rms else mean                       # mean_ptr: never read for RMSNorm
     src = x2
     if plan.stats_in:

@@ -27,29 +27,20 @@ import triton
 import triton.language as tl
 
 from .._checks import check_dim, check_tensor
-from .._dispatch import cdiv, empty_like, next_power_of_2, num_sms, rows_view, use_triton
+from .._dispatch import cdiv, empty_like, next_power_of_2, rows_view, use_triton
 from .._launch import FastKernel, PreparedArgs, config_key, fast_launch
 from .._op import custom_op
 from ..registry import Inputs, OpSpec, register, tensor_bytes
 from ._common import LN2, LOG2E, row_tile_mask_offsets
 
 # Widest row kept whole in registers, per pass. Measured on an H200 (benchmarks/NOTES.md): at
-# N = 32768 the plain fused forward ran slower than the looped one (3.26 vs 3.45 TB/s: one
-# 1024-thread program per SM idles its loads while the row reduces); with three rows in flight
-# through shared memory (a persistent grid, Triton's pipeliner) it ran faster (3.63 TB/s, session 9).
-# Those stages fit in shared memory for 16-bit rows only; fp32 rows past 16K stay looped. The
-# backward ran best fused without stages (3.93 TB/s at 32 warps).
-FWD_MAX_FUSED_N = 32768          # 16-bit rows; fp32: FWD_MAX_FUSED_N_FP32
-FWD_MAX_FUSED_N_FP32 = 16384
+# N = 32768 the forward runs faster looped (session 9: 4.00 TB/s with 8 warps and L2 hints, against
+# 3.63 fused with three rows pipelined through shared memory and 3.26 fused plainly: the second
+# read of a 64 KB row hits L2, and the fused tile's registers cost occupancy); the backward, which
+# needs no second read to be cheap, runs best fused (4.08 TB/s at 32 warps).
+FWD_MAX_FUSED_N = 16384
 BWD_MAX_FUSED_N = 32768
 MAX_FUSED_N = BWD_MAX_FUSED_N   # widest row any pass keeps whole (tests cover both sides)
-ROW_STAGE_SMEM = 192 * 1024     # shared memory a program's pipelined rows may fill (227 KB per SM)
-PIPELINE_MIN_ROW = 32768        # forward rows this long go persistent + pipelined
-
-
-def fwd_max_fused_n(elem_bytes: int) -> int:
-    """Widest forward row of the fused tier: 32K while two 32K-row stages fit in shared memory."""
-    return FWD_MAX_FUSED_N if 2 * FWD_MAX_FUSED_N * elem_bytes <= ROW_STAGE_SMEM else FWD_MAX_FUSED_N_FP32
 
 
 # ----------------------------------------------------------------------------------------------
@@ -57,11 +48,21 @@ def fwd_max_fused_n(elem_bytes: int) -> int:
 # ----------------------------------------------------------------------------------------------
 
 
+@fast_launch
 @triton.jit
-def _softmax_fwd_block(blk, cols, x_ptr, y_ptr, x_row_stride, y_row_stride, n_rows, n_cols,
-                       LOG: tl.constexpr, BLOCK_M: tl.constexpr):
-    """softmax of row block ``blk``, whole rows in registers (softmax_fwd_fused_kernel's arguments)."""
-    rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
+def softmax_fwd_fused_kernel(
+    x_ptr,              # *input  [n_rows, n_cols], unit column stride
+    y_ptr,              # *output [n_rows, n_cols], contiguous, x's dtype
+    x_row_stride,       # elements between rows of x
+    y_row_stride,       # elements between rows of y
+    n_rows,             # rows (all leading dims flattened)
+    n_cols,             # row length
+    LOG: tl.constexpr,      # log_softmax instead of softmax
+    BLOCK_M: tl.constexpr,  # rows per program
+    BLOCK_N: tl.constexpr,  # power of two >= n_cols: the whole row is in registers
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
     mask, x_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, x_row_stride)
     x = tl.load(x_ptr + x_offs, mask=mask, other=-float("inf")).to(tl.float32)
     m = tl.max(x, axis=1)
@@ -78,30 +79,6 @@ def _softmax_fwd_block(blk, cols, x_ptr, y_ptr, x_row_stride, y_row_stride, n_ro
 
 @fast_launch
 @triton.jit
-def softmax_fwd_fused_kernel(
-    x_ptr,              # *input  [n_rows, n_cols], unit column stride
-    y_ptr,              # *output [n_rows, n_cols], contiguous, x's dtype
-    x_row_stride,       # elements between rows of x
-    y_row_stride,       # elements between rows of y
-    n_rows,             # rows (all leading dims flattened)
-    n_cols,             # row length
-    LOG: tl.constexpr,      # log_softmax instead of softmax
-    BLOCK_M: tl.constexpr,  # rows per step
-    BLOCK_N: tl.constexpr,  # power of two >= n_cols: the whole row is in registers
-    PERSISTENT: tl.constexpr,  # fewer programs than row blocks: each strides over several
-    STAGES: tl.constexpr,   # PERSISTENT: row blocks in flight per program (loads pipelined via shared memory)
-):
-    cols = tl.arange(0, BLOCK_N)
-    if PERSISTENT:
-        for blk in tl.range(tl.program_id(0), tl.cdiv(n_rows, BLOCK_M), tl.num_programs(0), num_stages=STAGES):
-            _softmax_fwd_block(blk, cols, x_ptr, y_ptr, x_row_stride, y_row_stride, n_rows, n_cols, LOG, BLOCK_M)
-    else:   # one block per program, without a loop's registers (see norm_fwd_kernel)
-        _softmax_fwd_block(tl.program_id(0), cols, x_ptr, y_ptr, x_row_stride, y_row_stride, n_rows, n_cols,
-                           LOG, BLOCK_M)
-
-
-@fast_launch
-@triton.jit
 def softmax_fwd_looped_kernel(
     x_ptr,              # *input  [n_rows, n_cols], unit column stride
     y_ptr,              # *output [n_rows, n_cols], contiguous
@@ -110,8 +87,8 @@ def softmax_fwd_looped_kernel(
     n_cols,             # row length (> MAX_FUSED_N)
     LOG: tl.constexpr,      # log_softmax instead of softmax
     BLOCK_N: tl.constexpr,  # tile walked per step
-    FIRST_EVICT: tl.constexpr,   # L2 policy of the first walk's loads ("" or "evict_last": keep for walk 2)
-    SECOND_EVICT: tl.constexpr,  # of the second walk's ("" or "evict_first": last use)
+    FIRST_EVICT: tl.constexpr,   # L2 policy of walk 1's loads: "evict_last" keeps the row for walk 2
+    SECOND_EVICT: tl.constexpr,  # walk 2's: "evict_first" (the row's last use)
 ):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_row_stride
@@ -158,21 +135,6 @@ def _softmax_bwd_dx(y, dy, row_sum, LOG: tl.constexpr):
         return y * (dy - row_sum)
 
 
-@triton.jit
-def _softmax_bwd_block(blk, cols, y_ptr, dy_ptr, dx_ptr, y_row_stride, dy_row_stride, dx_row_stride, n_rows, n_cols,
-                       LOG: tl.constexpr, BLOCK_M: tl.constexpr):
-    """dx of row block ``blk``, whole rows in registers (softmax_bwd_fused_kernel's arguments)."""
-    rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
-    mask, y_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, y_row_stride)
-    _, dy_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, dy_row_stride)
-    _, dx_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, dx_row_stride)
-    y = tl.load(y_ptr + y_offs, mask=mask, other=0.0).to(tl.float32)
-    dy = tl.load(dy_ptr + dy_offs, mask=mask, other=0.0).to(tl.float32)
-    row_sum = tl.sum(_softmax_bwd_terms(y, dy, LOG), axis=1)
-    dx = _softmax_bwd_dx(y, dy, row_sum[:, None], LOG)
-    tl.store(dx_ptr + dx_offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
-
-
 @fast_launch
 @triton.jit
 def softmax_bwd_fused_kernel(
@@ -185,19 +147,19 @@ def softmax_bwd_fused_kernel(
     n_rows,             # rows
     n_cols,             # row length
     LOG: tl.constexpr,      # y is log_softmax output
-    BLOCK_M: tl.constexpr,  # rows per step
+    BLOCK_M: tl.constexpr,  # rows per program
     BLOCK_N: tl.constexpr,  # power of two >= n_cols
-    PERSISTENT: tl.constexpr,  # as the forward
-    STAGES: tl.constexpr,   # as the forward
 ):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
-    if PERSISTENT:
-        for blk in tl.range(tl.program_id(0), tl.cdiv(n_rows, BLOCK_M), tl.num_programs(0), num_stages=STAGES):
-            _softmax_bwd_block(blk, cols, y_ptr, dy_ptr, dx_ptr, y_row_stride, dy_row_stride, dx_row_stride,
-                               n_rows, n_cols, LOG, BLOCK_M)
-    else:
-        _softmax_bwd_block(tl.program_id(0), cols, y_ptr, dy_ptr, dx_ptr, y_row_stride, dy_row_stride,
-                           dx_row_stride, n_rows, n_cols, LOG, BLOCK_M)
+    mask, y_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, y_row_stride)
+    _, dy_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, dy_row_stride)
+    _, dx_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, dx_row_stride)
+    y = tl.load(y_ptr + y_offs, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + dy_offs, mask=mask, other=0.0).to(tl.float32)
+    row_sum = tl.sum(_softmax_bwd_terms(y, dy, LOG), axis=1)
+    dx = _softmax_bwd_dx(y, dy, row_sum[:, None], LOG)
+    tl.store(dx_ptr + dx_offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
 @fast_launch
@@ -257,31 +219,22 @@ def _rows_per_program(block_n: int, n_rows: int) -> int:
 def _num_warps(tile_elems: int) -> int:
     """~32 values per thread (four 16-byte bf16 loads in flight), 4 to 32 warps: more warps than
     that stalled the loads on the cross-warp row reductions (H200: 4 warps 3.55 TB/s vs 16 warps
-    2.35 at 1x4096); a 32K row wants all 32 (3.93 vs 3.79 TB/s at 16, backward)."""
+    2.35 at 1x4096); a fused 32K row wants all 32 (backward: 4.08 vs 3.79 TB/s at 16, session 9)."""
     return max(4, min(32, tile_elems // (32 * 32)))
 
 
-def _fwd_row_pipeline(tile_elems: int, elem_bytes: int) -> tuple[int, int]:
-    """(programs_per_sm, STAGES) of the forward's fused tier. Rows of 32K elements fill a 1024-thread
-    program, one per SM: a persistent grid with up to 3 rows in flight keeps the loads going while
-    a row reduces (H200 4096x32768 bf16: 3.63 TB/s vs 3.45 looped). Shorter rows run one block per
-    program: many resident programs already overlap (8192x4096: 3.59 TB/s, pipelined 3.51 at best)."""
-    if tile_elems < PIPELINE_MIN_ROW:
-        return 0, 1
-    stages = min(3, ROW_STAGE_SMEM // (tile_elems * elem_bytes))
-    return (1, stages) if stages >= 2 else (0, 1)
-
-
 LOOPED_BLOCK_N = 16384   # tile of the looped tier (best or tied-best at N = 32K and 256K)
+# L2 hints of the looped tier's two walks, as inductor's two-walk reductions: keep the row for
+# the second walk, then let it go (H200 session 9: 4.00 vs 3.44 TB/s at 4096x32768 forward
+# with 8 warps; +1.5 % at 1024x262144, whose rows in flight outgrow L2 anyway)
+LOOPED_EVICT = {"FIRST_EVICT": "evict_last", "SECOND_EVICT": "evict_first"}
 
 
-def _fused_grid(n_blocks: int, sms: int, programs_per_sm: int) -> int:
-    """Programs of the fused tier: one per row block (programs_per_sm = 0), or a persistent grid
-    of programs_per_sm per SM striding over the blocks, so a pipelined row loop (STAGES > 1) has
-    the next block's loads in flight while this block reduces."""
-    if programs_per_sm <= 0:
-        return n_blocks
-    return max(1, min(n_blocks, sms * programs_per_sm))
+def _looped_num_warps(n_cols: int, forward: bool) -> int:
+    """Looped tier: 64 values per thread (8 warps) for forward rows up to 64K, so twice the programs
+    stay resident and more rows' second walks hit L2 (4096x32768: 4.00 TB/s vs 3.45 at 16 warps);
+    longer rows and the backward keep 16 (1024x262144: within 1.5 % of every tile tried)."""
+    return 8 if forward and n_cols <= 65536 else _num_warps(LOOPED_BLOCK_N)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -289,28 +242,21 @@ def _fused_grid(n_blocks: int, sms: int, programs_per_sm: int) -> int:
 # ----------------------------------------------------------------------------------------------
 
 
-def _launch_config(n_rows: int, n_cols: int, max_fused_n: int, config: dict | None, elem_bytes: int = 2,
-                   pipeline: bool = False) -> dict:
-    """Tier and tile for a [n_rows, n_cols] problem; ``config`` overrides keys (GPU sweeps):
-    ``looped``, ``BLOCK_M``, ``BLOCK_N``, ``num_warps``, and for the fused tier ``STAGES`` and
-    ``programs_per_sm`` (see :func:`_fused_grid`); ``pipeline``: the forward's row pipelining
-    (:func:`_fwd_row_pipeline`) applies. Cached per shape (host time); the returned dict is shared:
-    read it, never change it."""
-    return _cached_config(n_rows, n_cols, max_fused_n, elem_bytes, pipeline, config_key(config))
+def _launch_config(n_rows: int, n_cols: int, forward: bool, config: dict | None) -> dict:
+    """Tier and tile of one pass over a [n_rows, n_cols] problem; ``config`` overrides keys (GPU
+    sweeps). Cached per shape (host time); the returned dict is shared: read it, never change it."""
+    return _cached_config(n_rows, n_cols, forward, config_key(config))
 
 
 @functools.lru_cache(maxsize=1024)
-def _cached_config(n_rows: int, n_cols: int, max_fused_n: int, elem_bytes: int, pipeline: bool,
-                   config: tuple) -> dict:
-    if n_cols <= max_fused_n:
+def _cached_config(n_rows: int, n_cols: int, forward: bool, config: tuple) -> dict:
+    if n_cols <= (FWD_MAX_FUSED_N if forward else BWD_MAX_FUSED_N):
         block_n = _fused_block_n(n_cols)
         block_m = _rows_per_program(block_n, n_rows)
-        pps, stages = _fwd_row_pipeline(block_m * block_n, elem_bytes) if pipeline else (0, 1)
-        cfg = {"looped": False, "BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": _num_warps(block_m * block_n),
-               "STAGES": stages, "programs_per_sm": pps}
+        cfg = {"looped": False, "BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": _num_warps(block_m * block_n)}
     else:
-        cfg = {"looped": True, "BLOCK_M": 1, "BLOCK_N": LOOPED_BLOCK_N, "num_warps": _num_warps(LOOPED_BLOCK_N),
-               "FIRST_EVICT": "", "SECOND_EVICT": ""}
+        warps = _looped_num_warps(n_cols, forward)
+        cfg = {"looped": True, "BLOCK_M": 1, "BLOCK_N": LOOPED_BLOCK_N, "num_warps": warps, **LOOPED_EVICT}
     cfg.update(config)
     return cfg
 
@@ -321,38 +267,33 @@ class _Plan(NamedTuple):
     prepared: PreparedArgs     # its integers and constexprs
 
 
-def _plan(fused: FastKernel, looped: FastKernel, max_fused_n: int, pipeline: bool, n_rows: int, n_cols: int,
-          elem_bytes: int, sms: int, in_strides: tuple, log: bool, config: tuple) -> _Plan:
+def _plan(fused: FastKernel, looped: FastKernel, forward: bool, n_rows: int, n_cols: int, in_strides: tuple,
+          log: bool, config: tuple) -> _Plan:
     """One pass's launch. Both passes' kernels take the inputs' row strides, the output's (n_cols:
     it is contiguous), then n_rows (fused tier only) and n_cols."""
-    cfg = _cached_config(n_rows, n_cols, max_fused_n, elem_bytes, pipeline, config)
+    cfg = _cached_config(n_rows, n_cols, forward, config)
     if not cfg["looped"]:
-        n_blocks = cdiv(n_rows, cfg["BLOCK_M"])
-        grid = (_fused_grid(n_blocks, sms, cfg["programs_per_sm"]),)
-        kwargs = dict(LOG=log, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], PERSISTENT=grid[0] < n_blocks,
-                      STAGES=cfg["STAGES"], num_warps=cfg["num_warps"])
-        return _Plan(fused, grid, fused.prepare((*in_strides, n_cols, n_rows, n_cols), kwargs))
-    kwargs = dict(LOG=log, BLOCK_N=cfg["BLOCK_N"], FIRST_EVICT=cfg.get("FIRST_EVICT", ""),
-                  SECOND_EVICT=cfg.get("SECOND_EVICT", ""),
-                  num_warps=cfg["num_warps"])
+        kwargs = dict(LOG=log, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"])
+        return _Plan(fused, (cdiv(n_rows, cfg["BLOCK_M"]),),
+                     fused.prepare((*in_strides, n_cols, n_rows, n_cols), kwargs))
+    evict = {k: cfg.get(k, "") for k in LOOPED_EVICT}     # a config forcing the looped tier may omit them
+    kwargs = dict(LOG=log, BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"], **evict)
     return _Plan(looped, (n_rows,), looped.prepare((*in_strides, n_cols, n_cols), kwargs))
 
 
 @functools.lru_cache(maxsize=1024)
-def _fwd_plan(n_rows: int, n_cols: int, elem_bytes: int, sms: int, x_stride: int, log: bool,
-              config: tuple = ()) -> _Plan:
+def _fwd_plan(n_rows: int, n_cols: int, x_stride: int, log: bool, config: tuple = ()) -> _Plan:
     """The forward's launch, cached per shape (host time: a small softmax's kernel takes a few µs,
     and keying every integer of its launch on each call cost as much again)."""
-    return _plan(softmax_fwd_fused_kernel, softmax_fwd_looped_kernel, fwd_max_fused_n(elem_bytes), True,
-                 n_rows, n_cols, elem_bytes, sms, (x_stride,), log, config)
+    return _plan(softmax_fwd_fused_kernel, softmax_fwd_looped_kernel, True, n_rows, n_cols,
+                 (x_stride,), log, config)
 
 
 @functools.lru_cache(maxsize=1024)
-def _bwd_plan(n_rows: int, n_cols: int, elem_bytes: int, sms: int, y_stride: int, dy_stride: int, log: bool,
-              config: tuple = ()) -> _Plan:
+def _bwd_plan(n_rows: int, n_cols: int, y_stride: int, dy_stride: int, log: bool, config: tuple = ()) -> _Plan:
     """The backward's launch, cached per shape."""
-    return _plan(softmax_bwd_fused_kernel, softmax_bwd_looped_kernel, BWD_MAX_FUSED_N, False,
-                 n_rows, n_cols, elem_bytes, sms, (y_stride, dy_stride), log, config)
+    return _plan(softmax_bwd_fused_kernel, softmax_bwd_looped_kernel, False, n_rows, n_cols,
+                 (y_stride, dy_stride), log, config)
 
 
 def _launch_fwd(x: torch.Tensor, log: bool, config: dict | None = None) -> torch.Tensor:
@@ -361,7 +302,7 @@ def _launch_fwd(x: torch.Tensor, log: bool, config: dict | None = None) -> torch
     y = empty_like(x)                   # contiguous: row stride n_cols
     if n_rows == 0 or n_cols == 0:
         return y
-    plan = _fwd_plan(n_rows, n_cols, x.element_size(), num_sms(x), x2.stride(0), log, config_key(config))
+    plan = _fwd_plan(n_rows, n_cols, x2.stride(0), log, config_key(config))
     plan.kernel.launch_prepared(plan.grid, (x2, y), plan.prepared)
     return y
 
@@ -372,8 +313,7 @@ def _launch_bwd(y: torch.Tensor, dy: torch.Tensor, log: bool, config: dict | Non
     dx = empty_like(y)                  # contiguous: row stride n_cols
     if n_rows == 0 or n_cols == 0:
         return dx
-    plan = _bwd_plan(n_rows, n_cols, y.element_size(), num_sms(y), y2.stride(0), dy2.stride(0), log,
-                     config_key(config))
+    plan = _bwd_plan(n_rows, n_cols, y2.stride(0), dy2.stride(0), log, config_key(config))
     plan.kernel.launch_prepared(plan.grid, (y2, dy2, dx), plan.prepared)
     return dx
 
