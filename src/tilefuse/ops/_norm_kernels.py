@@ -80,9 +80,13 @@ def norm_fwd_kernel(
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < n_rows
     mask, x_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, x_row_stride)
-    # evict_last on x: H200 rms_norm 16384x8192, replayed: 127.4 vs 129.9 µs (flushed 130.0 vs 135.1);
-    # 16384x4096 65.3 vs 65.7 (session 9, `-s9-rms-fwd-evict.log`); what in L2 it protects is not known
-    x = tl.load(x_ptr + x_offs, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    if IS_RMS:
+        # evict_last on x: H200 rms_norm 16384x8192, replayed: 127.4 vs 129.9 µs (flushed 130.0 vs
+        # 135.1); 16384x4096 65.3 vs 65.7 (session 9, `-s9-rms-fwd-evict.log`). What in L2 it
+        # protects is not known; LayerNorm with it (and 16 warps) lost 9 % at 16384x8192.
+        x = tl.load(x_ptr + x_offs, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    else:
+        x = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
         _, r_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, res_row_stride)
         _, h_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, h_row_stride)

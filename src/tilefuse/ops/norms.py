@@ -71,8 +71,14 @@ def _bwd_rows_per_step(block_n: int, n_rows: int) -> int:
 
 
 def _fwd_num_warps(tile_elems: int) -> int:
-    """~16 values per thread, at most 16 warps (H200 session 9, rms_norm 16384 rows with x loaded
-    evict_last, replayed: 8 warps 65.3 vs 4 warps 65.8 µs at N = 4096, 16 warps 127.4 vs 8 warps
+    """LayerNorm forward: ~32 values per thread, at most 16 warps (H200: 4 warps best at N=4096, 8 at
+    N=8192; 16 warps cost 16384x8192 9 %, session 9)."""
+    return _num_warps(tile_elems, per_thread=32, max_warps=16)
+
+
+def _rms_fwd_num_warps(tile_elems: int) -> int:
+    """RMSNorm forward (x loaded evict_last): ~16 values per thread, at most 16 warps (H200 session
+    9, 16384 rows replayed: 8 warps 65.3 vs 4 warps 65.8 µs at N = 4096, 16 warps 127.4 vs 8 warps
     127.9 at 8192; without the hint 4 and 8 warps had been best)."""
     return _num_warps(tile_elems, per_thread=16, max_warps=16)
 
@@ -150,7 +156,8 @@ def _fwd_plan(n_rows: int, n_cols: int, x_stride: int, r_stride: int, eps: float
     """The forward's launch, cached per shape and options (host time: the heuristics are cheap,
     but every µs of Python is paid per call on the 4096-wide rows)."""
     stats_in, block_m, block_n, num_warps = _tier_tile(n_rows, n_cols, dict(cfg), MAX_FUSED_N_FWD,
-                                                       _fwd_rows_per_program, _fwd_num_warps)
+                                                       _fwd_rows_per_program,
+                                                       _rms_fwd_num_warps if is_rms else _fwd_num_warps)
     # with stats first and a residual, h is written by the stats pass and normalized here
     src_stride = n_cols if stats_in and has_res else x_stride
     prepared = norm_fwd_kernel.prepare(
