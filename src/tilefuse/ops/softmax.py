@@ -37,7 +37,7 @@ from ._common import LN2, LOG2E, row_tile_mask_offsets
 # N = 32768 the forward runs faster looped (session 9: 4.00 TB/s with 8 warps and L2 hints, against
 # 3.63 fused with three rows pipelined through shared memory and 3.26 fused plainly: the second
 # read of a 64 KB row hits L2, and the fused tile's registers cost occupancy); the backward, which
-# needs no second read to be cheap, runs best fused (4.08 TB/s at 32 warps).
+# needs no second read to be cheap, runs best fused (4.03-4.08 TB/s at 32 warps).
 FWD_MAX_FUSED_N = 16384
 BWD_MAX_FUSED_N = 32768
 MAX_FUSED_N = BWD_MAX_FUSED_N   # widest row any pass keeps whole (tests cover both sides)
@@ -233,7 +233,7 @@ LOOPED_EVICT = {"FIRST_EVICT": "evict_last", "SECOND_EVICT": "evict_first"}
 def _looped_num_warps(n_cols: int, forward: bool) -> int:
     """Looped tier: 64 values per thread (8 warps) for forward rows up to 64K, so twice the programs
     stay resident and more rows' second walks hit L2 (4096x32768: 4.00 TB/s vs 3.45 at 16 warps);
-    longer rows and the backward keep 16 (1024x262144: within 1.5 % of every tile tried)."""
+    longer rows and the backward keep 16 (1024x262144: within 1.5 % of the best tile tried)."""
     return 8 if forward and n_cols <= 65536 else _num_warps(LOOPED_BLOCK_N)
 
 
