@@ -17,6 +17,10 @@ from tilefuse.optim import Adam, AdamW
 from tilefuse.testing import rel_err
 
 FP32_TOL = 1e-5
+# The moments are averages of unit-scale random gradients; where one cancels to near 0 (a 1-element
+# param, a few % of runs) its few ulps of rounding per step (~1e-7 each) are not small relative
+# to it, so they are compared elementwise with this absolute floor (~16 ulps of 1.0) beside FP32_TOL.
+STATE_ATOL = 1e-6
 SMALL = {"BLOCK": 128, "CHUNK": 512, "num_warps": 4}   # several chunks per tensor on tiny shapes
 SHAPES = [(7,), (33, 17), (1,), (1500,), (3, 4, 5)]    # 1500: two whole chunks and a tail
 
@@ -53,8 +57,8 @@ def _assert_close(ours, theirs, opt, ref, tol=FP32_TOL):
         if q in ref.state:
             for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
                 if k in ref.state[q]:
-                    err = rel_err(opt.state[p][k], ref.state[q][k])
-                    assert err <= tol, f"param {i} {k}: {err:.3g}"
+                    torch.testing.assert_close(opt.state[p][k], ref.state[q][k], rtol=tol, atol=STATE_ATOL,
+                                               msg=lambda m, i=i, k=k: f"param {i} {k}: {m}")
             assert float(opt.state[p]["step"]) == float(ref.state[q]["step"])
 
 
