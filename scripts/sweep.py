@@ -79,19 +79,14 @@ def report(label, shape, pass_, results, default, copy, eager):
     return (shape, pass_, results[0][0], results[0][2], dflt[0][0] if dflt else float("nan"), copy, eager)
 
 
-SMEM_BUDGET = 200 * 1024   # shared memory the backward's pipelined row blocks may fill per SM (227 KB)
-
-
-def softmax_base_configs(n_rows, n_cols, pass_):
+def softmax_base_configs(n_rows, n_cols):
     """The fused tier around the default tile (1-2x its rows and warps); from 16K columns the looped
     tier's tiles, with and without L2 hints on its two walks."""
     from tilefuse.ops import softmax as sm
     out = []
     if n_cols <= sm.BWD_MAX_FUSED_N:
         bn = triton.next_power_of_2(n_cols)
-        d = sm._launch_config(n_rows, min(n_cols, sm.FWD_MAX_FUSED_N), pass_ == "fwd", None)
-        if d["looped"] or d["BLOCK_N"] != bn:       # rows past the forward's fused width: the backward's tile
-            d = sm._launch_config(n_rows, n_cols, False, None)
+        d = sm._launch_config(n_rows, n_cols, False, None)   # the fused tile (both passes pick the same)
         for bm, w in itertools.product({d["BLOCK_M"], 2 * d["BLOCK_M"]}, {d["num_warps"], 2 * d["num_warps"]}):
             if bm * bn <= 32768 and w <= 32 and 4 <= bm * bn // (32 * w) <= 64:
                 out.append({"looped": False, "BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w})
@@ -124,7 +119,7 @@ def sweep_softmax(dtype):
                 fn_for = lambda cfg: (lambda: sm._launch_bwd(y, dy, False, cfg))
                 check = lambda out: rel_err(out, dx_ref)
                 torch_fn = lambda: torch._softmax_backward_data(dy, y, -1, dtype)
-            results = sweep(fn_for, check, softmax_base_configs(*shape, pass_), nbytes, default)
+            results = sweep(fn_for, check, softmax_base_configs(*shape), nbytes, default)
             copy = copy_gbps(nbytes)
             eager, _ = time_gbps(torch_fn, nbytes)
             best_fn = fn_for(results[0][2])
@@ -135,9 +130,10 @@ def sweep_softmax(dtype):
     return rows
 
 
-def norm_configs(n_rows, n_cols, pass_, dtype_bytes=2, bwd_inputs=2):
+def norm_configs(n_cols, pass_, dtype_bytes=2, bwd_inputs=2):
     """Row tiles of 4K-32K elements at 8-32 values per thread; the backward's persistent grid with
     the register prefetch or with Triton's pipeliner (STAGES 2-3)."""
+    from tilefuse.ops import norms as nm
     out = []
     bn = triton.next_power_of_2(n_cols)
     for bm, w in itertools.product((1, 2), (4, 8, 16, 32)):
@@ -152,7 +148,7 @@ def norm_configs(n_rows, n_cols, pass_, dtype_bytes=2, bwd_inputs=2):
                                                      (1, 2, 3)):
                 if (pf and (per_thread > 16 or stages > 1)) or (not pf and stages == 1) or pps * w > 32:
                     continue
-                if stages > 1 and pps * stages * elems * dtype_bytes * bwd_inputs > SMEM_BUDGET:
+                if stages > 1 and pps * stages * elems * dtype_bytes * bwd_inputs > nm.ROW_STAGE_SMEM:
                     continue
                 out.append({"max_fused_n": 65536, "BLOCK_M": bm, "num_warps": w,
                             "programs_per_sm": pps, "prefetch": pf, "STAGES": stages})
@@ -194,7 +190,7 @@ def sweep_norm(name, dtype):
                 check = lambda out: rel_err(out, dx_ref)
                 torch_fn = None
             default = {}
-            cfgs = norm_configs(shape[0], n, pass_, bwd_inputs=3 if fused_add else 2)
+            cfgs = norm_configs(n, pass_, bwd_inputs=3 if fused_add else 2)
             results = sweep(fn_for, check, cfgs, nbytes, default)
             copy = copy_gbps(nbytes)
             eager = time_gbps(torch_fn, nbytes)[0] if torch_fn else float("nan")
