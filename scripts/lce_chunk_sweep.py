@@ -1,6 +1,6 @@
 """linear_cross_entropy: time and peak extra memory of fwd+bwd per chunk budget (GPU; PYTHONPATH=src).
 
-    python scripts/lce_chunk_sweep.py [T H V]
+    python scripts/lce_chunk_sweep.py [T H V [MiB ...]]
 
 The chunk's [C, V] logits buffer is the op's only large temporary; smaller chunks save memory
 but add a read+write of the [V, H] grad_weight accumulator per chunk. Prints one row per budget.
@@ -41,7 +41,7 @@ def measure(fn):
 print(f"T={T} H={H} V={V} bf16 fwd+bwd, {torch.cuda.get_device_name()}")
 ms, gib = measure(eager)
 print(f"eager F.cross_entropy(h @ W.T): {ms:7.2f} ms  {gib:5.2f} GiB extra")
-for mib in (64, 128, 192, 256, 512):
+for mib in [int(a) for a in sys.argv[4:]] or (64, 128, 192, 256, 512):
     lce.CHUNK_LOGITS_BYTES = mib * 2**20
     ms, gib = measure(step)
     print(f"chunk budget {mib:4d} MiB ({lce._chunk_tokens(T, V, 2)} tokens): {ms:7.2f} ms  {gib:5.2f} GiB extra")

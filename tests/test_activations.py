@@ -77,6 +77,25 @@ def test_gelu_matches_torch_gelu(approximate, activation):
     assert rel_err(g, g_ref) <= 1e-6
 
 
+def test_gelu_16bit_fit_within_rounding_elementwise():
+    """fp16 / bf16 outputs evaluate Φ with the short (degree-5) erf fit. Its own error (3.7e-5
+    relative) must stay far below the output's rounding: every element of gelu(z) and gelu'(z)
+    over z in [-12, 12] within 1.1 half-ulps of the fp64 value (a 1e-5 floor where gelu'
+    crosses 0 near z = -0.75, where Φ + zφ cancels)."""
+    dtypes = (torch.float16,) + ((torch.bfloat16,) if HAS_CUDA else ())
+    for dtype in dtypes:
+        half_ulp = 2.0 ** -(11 if dtype == torch.float16 else 8)
+        z = torch.linspace(-12, 12, 4099, device=DEVICE).to(dtype).requires_grad_(True)
+        y = bias_act(z, activation="gelu")
+        (dz,) = torch.autograd.grad(y, z, torch.ones_like(y))
+        zd = z.detach().double()
+        y_ref = ba.activation_reference(zd, "gelu")
+        dz_ref = ba.activation_grad_reference(zd, "gelu")
+        bound = 1.1 * half_ulp
+        assert ((y.double() - y_ref).abs() <= bound * y_ref.abs() + 2.0 ** -24).all(), dtype
+        assert ((dz.double() - dz_ref).abs() <= bound * dz_ref.abs() + 1e-5).all(), dtype
+
+
 def test_silu_relu_match_torch():
     x = torch.randn(3, 100, device=DEVICE) * 3
     assert rel_err(bias_act(x, activation="silu"), F.silu(x.double())) <= 1e-6

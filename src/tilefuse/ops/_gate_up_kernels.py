@@ -120,7 +120,7 @@ def gate_up_kernel(
             tl.store(save_row + cols_c[None, :] * stride_sn, acc_g.to(gate_up_ptr.dtype.element_ty), mask=mask)
             tl.store(save_row + (cols_c + I)[None, :] * stride_sn, acc_u.to(gate_up_ptr.dtype.element_ty),
                      mask=mask)
-        y = activation_fwd(acc_g, ACT) * acc_u
+        y = activation_fwd(acc_g, ACT, out_ptr.dtype.element_ty == tl.float32) * acc_u
         tl.store(out_ptr + rows_c[:, None] * stride_om + cols_c[None, :] * stride_on,
                  y.to(out_ptr.dtype.element_ty), mask=mask)
 

@@ -99,7 +99,7 @@ def _matmul_epilogue(acc, c_desc, bias_ptr, residual_ptr, preact_ptr, c_ptr, off
     if SAVE_PREACT:
         tl.store(preact_ptr + rows_c[:, None] * stride_pm + cols_c[None, :] * stride_pn,
                  z.to(preact_ptr.dtype.element_ty), mask=mask)
-    y = activation_fwd(z, ACT)
+    y = activation_fwd(z, ACT, c_ptr.dtype.element_ty == tl.float32)
     if HAS_RESIDUAL:
         res = tl.load(residual_ptr + rows_c[:, None] * stride_rm + cols_c[None, :] * stride_rn,
                       mask=mask, other=0.0)
@@ -267,7 +267,7 @@ def act_grad_kernel(
     _, dz_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, dz_row_stride)
     dy = tl.load(dy_ptr + dy_offs, mask=mask, other=0.0).to(tl.float32)
     pre = tl.load(pre_ptr + pre_offs, mask=mask, other=0.0).to(tl.float32)
-    _, dact = activation_fwd_bwd(pre, ACT)
+    _, dact = activation_fwd_bwd(pre, ACT, dz_ptr.dtype.element_ty == tl.float32)
     tl.store(dz_ptr + dz_offs, (dy * dact).to(dz_ptr.dtype.element_ty), mask=mask)
 
 

@@ -90,8 +90,8 @@ def bias_act_fwd_kernel(
     z, mask = _load_tile(x_ptr, rows, cols, n_rows, n_cols, x_row_stride)
     if HAS_BIAS:
         z += tl.load(bias_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)[None, :]
-    v = _apply_dropout(activation_fwd(z, ACT), seed, rows, col_start, threshold, scale,
-                       DROPOUT, RNG_GROUPED, BLOCK_N)
+    act = activation_fwd(z, ACT, y_ptr.dtype.element_ty == tl.float32)
+    v = _apply_dropout(act, seed, rows, col_start, threshold, scale, DROPOUT, RNG_GROUPED, BLOCK_N)
     if HAS_RESIDUAL:
         res, _ = _load_tile(res_ptr, rows, cols, n_rows, n_cols, res_row_stride)
         v += res
@@ -142,7 +142,7 @@ def bias_act_bwd_kernel(
             z, _ = _load_tile(x_ptr, rows, cols, n_rows, n_cols, x_row_stride)
             if HAS_BIAS:
                 z += bias
-            _, dact = activation_fwd_bwd(z, ACT)
+            _, dact = activation_fwd_bwd(z, ACT, x_ptr.dtype.element_ty == tl.float32)
             dz = dz * dact
         # the mask last: a dropped element's grad is exactly 0 even where act'(z) is not finite
         dz = _apply_dropout(dz, seed, rows, col_start, threshold, scale, DROPOUT, RNG_GROUPED, BLOCK_N)

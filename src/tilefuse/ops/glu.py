@@ -69,7 +69,7 @@ def glu_fwd_kernel(
     mask, g_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, gate_row_stride)
     g = tl.load(gate_ptr + g_offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + _tile_offsets(rows, cols, n_rows, n_cols, up_row_stride), mask=mask, other=0.0)
-    y = activation_fwd(g, ACT) * u.to(tl.float32)
+    y = activation_fwd(g, ACT, y_ptr.dtype.element_ty == tl.float32) * u.to(tl.float32)
     tl.store(y_ptr + _tile_offsets(rows, cols, n_rows, n_cols, y_row_stride), y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -99,7 +99,7 @@ def glu_bwd_kernel(
     u = tl.load(up_ptr + _tile_offsets(rows, cols, n_rows, n_cols, up_row_stride), mask=mask, other=0.0)
     dy = tl.load(dy_ptr + _tile_offsets(rows, cols, n_rows, n_cols, dy_row_stride), mask=mask, other=0.0)
     dy = dy.to(tl.float32)
-    act, dact = activation_fwd_bwd(g, ACT)
+    act, dact = activation_fwd_bwd(g, ACT, gate_ptr.dtype.element_ty == tl.float32)
     dgate = dy * u.to(tl.float32) * dact
     tl.store(dgate_ptr + _tile_offsets(rows, cols, n_rows, n_cols, dgate_row_stride),
              dgate.to(dgate_ptr.dtype.element_ty), mask=mask)
