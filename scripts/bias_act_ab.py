@@ -1,5 +1,9 @@
 """A/B of bias_act (bias + GELU) kernels between source trees: run once per tree (PYTHONPATH)."""
-import sys, statistics, torch, triton
+import statistics
+import sys
+
+import torch
+
 from tilefuse.ops import activations as ba
 from tilefuse.bench.ceilings import graph_time_ms
 from tilefuse import registry

@@ -237,7 +237,7 @@ def elementwise_configs(pass_, stages=False):
             out.append({"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w})
             if pass_ == "bwd" and bn == 1024:
                 sms = torch.cuda.get_device_properties(0).multi_processor_count
-                out.append({"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "REDUCE_PROGRAMS": 4 * sms})
+                out.append({"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "REDUCE_PROGRAMS": 8 * sms})
             if pass_ == "bwd" and stages and bm * bn // (32 * w) == 32 and bn >= 1024:   # pipelined row tiles
                 out += [{"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "NUM_STAGES": st} for st in (2, 3)]
     return out

@@ -33,7 +33,7 @@ from .._launch import PreparedArgs, config_key, fast_launch
 from .._op import custom_op
 from ..registry import Inputs, OpSpec, register, tensor_bytes
 from ._activation_math import (
-    ACTIVATIONS, BWD_TILE_ELEMS, FWD_TILE_ELEMS, activation_fwd, activation_fwd_bwd,
+    ACTIVATIONS, FWD_TILE_ELEMS, activation_fwd, activation_fwd_bwd,
     activation_grad_reference, activation_reference, tile_config, tile_rows_cols,
 )
 from ._common import row_tile_mask_offsets
@@ -159,15 +159,21 @@ def bias_act_bwd_kernel(
 # launch heuristics
 # ----------------------------------------------------------------------------------------------
 
-REDUCE_PROGRAMS_PER_SM = 8   # backward grid: enough programs to fill the SMs, few dbias partials
+# Backward grid: 4 programs per SM, rounded *down* to whole row chunks x column blocks. Rounding
+# up left a few programs of a last wave running alone (H200, 2 x 1024 tiles, 16384x14336: 4,041
+# GB/s rounded down vs 3,666 rounded up; -s10-bias-act-bwd-configs.log).
+REDUCE_PROGRAMS_PER_SM = 4
 # Row tiles of a backward program software-pipelined 3 deep (async copies to shared memory): the
 # unpipelined loop held dy and x in 211 registers (2 programs of 4 warps per SM), pipelined 128.
 # H200 (-s8-bias-act-bwd-stages.log, graph): 16384x14336 398.5 -> 390.0 us, 16384x4096 level.
 BWD_STAGES = 3
-# 32 values per thread, not the elementwise default's 16: with the GELU's ~20 instructions per
-# element the per-thread index and mask setup is worth amortizing (sm_90 SASS: 28.5 -> 25.2
-# instructions per element), and the H200 sweep agreed (benchmarks/NOTES.md, bias_act).
+# 32 values per thread in the forward, not the elementwise default's 16: with the GELU's ~20
+# instructions per element the per-thread index and mask setup is worth amortizing (sm_90 SASS:
+# 28.5 -> 25.2 instructions per element), and the H200 sweep agreed (benchmarks/NOTES.md, bias_act).
 ELEMS_PER_THREAD = 32
+# The backward's row tile: 2048 elements, 16 per thread (4 warps); see _bwd_tile.
+BWD_TILE = 2048
+BWD_ELEMS_PER_THREAD = 16
 
 
 def _fwd_tile(n_rows: int, n_cols: int, config: dict | None) -> dict:
@@ -178,17 +184,20 @@ def _fwd_tile(n_rows: int, n_cols: int, config: dict | None) -> dict:
 
 
 def _bwd_tile(n_rows: int, n_cols: int, defaults: dict, config: dict | None) -> dict:
-    """4096-element tiles at 32 values per thread (4 warps), column blocks of 1024 up to
-    N = 4096 and 2048 above (H200 sweep: 4 x 1024 best at N = 4096, 3.24 TB/s; 4 x 2048 and
-    2 x 2048 best at N = 14336, 3.57 TB/s)."""
-    return tile_config(n_rows, n_cols, BWD_TILE_ELEMS, {**defaults, **(config or {})},
-                       max_block_n=1024 if n_cols <= 4096 else 2048, elems_per_thread=ELEMS_PER_THREAD)
+    """2 x 1024 tiles at 16 values per thread (4 warps): small smem stages (24 KB for 3), so ~9
+    programs fit an SM. H200, bias + GELU bwd, graph, 10 tiles x grid sizes interleaved
+    (-s10-bias-act-bwd-configs.log): 4,041 / 3,772 / 3,929 GB/s at 16384x14336 / 16384x4096 /
+    8192x11008, the best at all three (was 4 x 1024 / 2 x 2048 at 32 per thread: 3,670 / 3,401
+    / 3,394); 16 x 512 with 8 warps came second (3,975 / 3,618 / 3,796)."""
+    return tile_config(n_rows, n_cols, BWD_TILE, {**defaults, **(config or {})},
+                       max_block_n=1024, elems_per_thread=BWD_ELEMS_PER_THREAD)
 
 
 def _bwd_row_chunks(n_rows: int, block_m: int, n_col_blocks: int, programs: int) -> tuple[int, int]:
-    """(tiles per program, row chunks) so that chunks x column blocks ~= ``programs``."""
+    """(tiles per program, row chunks) so that chunks x column blocks ~= ``programs``, not more
+    (rounded down: see REDUCE_PROGRAMS_PER_SM)."""
     row_tiles = cdiv(n_rows, block_m)
-    chunks = max(1, min(row_tiles, cdiv(programs, n_col_blocks)))
+    chunks = max(1, min(row_tiles, programs // n_col_blocks))
     tiles_per_chunk = cdiv(row_tiles, chunks)
     return tiles_per_chunk, cdiv(row_tiles, tiles_per_chunk)
 
