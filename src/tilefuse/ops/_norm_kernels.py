@@ -23,11 +23,13 @@ Four kernels serve both norms, with and without the fused residual add:
 
 from __future__ import annotations
 
+import functools
+
 import triton
 import triton.language as tl
 
 from .._dispatch import cdiv
-from .._launch import fast_launch
+from .._launch import PreparedArgs, fast_launch
 from ._common import row_tile_mask_offsets
 
 
@@ -345,14 +347,20 @@ def _sum_partials_tile() -> tuple[int, int]:
     return 32, 64
 
 
+@functools.lru_cache(maxsize=256)
+def _sum_partials_plan(n_parts: int, n_cols: int, dw: bool, db: bool) -> tuple[tuple, PreparedArgs]:
+    """(grid, prepared arguments) of one reduction shape: keyed once, not per call (host time of
+    every backward; scripts/autograd_floor.py)."""
+    block_p, block_n = _sum_partials_tile()
+    return (cdiv(n_cols, block_n),), sum_partials_kernel.prepare(
+        (n_parts, n_cols), dict(DW=dw, DB=db, BLOCK_P=block_p, BLOCK_N=block_n, num_warps=4))
+
+
 def launch_sum_partials(dw_part, db_part, dw, db) -> None:
     """dw = Σ_rows dw_part and db = Σ_rows db_part (fp32 [parts, N] -> [N] in dw's / db's dtype)
     in one launch; either pair may be None."""
     part = dw_part if dw_part is not None else db_part
-    n_parts, n_cols = part.shape
-    block_p, block_n = _sum_partials_tile()
-    sum_partials_kernel[(cdiv(n_cols, block_n),)](
-        part if dw_part is None else dw_part, part if db_part is None else db_part,
-        dw if dw is not None else db, db if db is not None else dw, n_parts, n_cols,
-        DW=dw is not None, DB=db is not None, BLOCK_P=block_p, BLOCK_N=block_n, num_warps=4,
-    )
+    grid, prepared = _sum_partials_plan(*part.shape, dw is not None, db is not None)
+    sum_partials_kernel.launch_prepared(
+        grid, (part if dw_part is None else dw_part, part if db_part is None else db_part,
+               dw if dw is not None else db, db if db is not None else dw), prepared)

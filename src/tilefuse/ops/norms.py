@@ -400,6 +400,9 @@ def _setup_context(ctx, inputs, output):
     ctx.w_dtype = weight.dtype if weight is not None else None
     ctx.b_dtype = bias.dtype if bias is not None else None
     ctx.save_for_backward(h if residual is not None else x, weight, mean, rstd)
+    # mean / rstd (and h without a residual) never get gradients: untracked outputs spare the
+    # autograd engine their grad slots (host time of every backward)
+    ctx.mark_non_differentiable(mean, rstd, *(() if residual is not None else (h,)))
 
 
 def _backward(ctx, dy, dh, _dmean, _drstd):
