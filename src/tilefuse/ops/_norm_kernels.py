@@ -77,18 +77,13 @@ def norm_fwd_kernel(
     STATS_IN: tl.constexpr,  # mean/rstd come from norm_fwd_stats_kernel (long rows, column tiles)
     BLOCK_M: tl.constexpr,   # rows per program
     BLOCK_N: tl.constexpr,   # columns per program: >= n_cols unless STATS_IN
+    X_EVICT: tl.constexpr,   # L2 eviction policy of the x load ("" default; norms._fwd_x_evict)
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < n_rows
     mask, x_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, x_row_stride)
-    if IS_RMS:
-        # evict_last on x: H200 rms_norm 16384x8192, replayed: 127.4 vs 129.9 µs (flushed 130.0 vs
-        # 135.1); 16384x4096 65.3 vs 65.7 (session 9, `-s9-rms-fwd-evict.log`). What in L2 it
-        # protects is not known; LayerNorm with it (and 16 warps) lost 9 % at 16384x8192.
-        x = tl.load(x_ptr + x_offs, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-    else:
-        x = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + x_offs, mask=mask, other=0.0, eviction_policy=X_EVICT).to(tl.float32)
     if HAS_RES:
         _, r_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, res_row_stride)
         _, h_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, h_row_stride)

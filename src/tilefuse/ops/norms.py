@@ -83,6 +83,14 @@ def _rms_fwd_num_warps(tile_elems: int) -> int:
     return _num_warps(tile_elems, per_thread=16, max_warps=16)
 
 
+def _fwd_x_evict(is_rms: bool) -> str:
+    """L2 policy of the forward's x load: evict_last for RMSNorm (H200 rms_norm 16384x8192,
+    replayed: 127.4 vs 129.9 µs, flushed 130.0 vs 135.1; 16384x4096 65.3 vs 65.7; session 9,
+    `-s9-rms-fwd-evict.log`; what in L2 it protects is not known), the default for LayerNorm
+    (with it, and 16 warps, 16384x8192 lost 9 %)."""
+    return "evict_last" if is_rms else ""
+
+
 def _num_warps(tile_elems: int, per_thread: int = 16, max_warps: int = 32) -> int:
     """~``per_thread`` fp32 values of a tile per thread: wide loads, no spills."""
     return max(4, min(max_warps, tile_elems // (32 * per_thread)))
@@ -155,7 +163,8 @@ def _fwd_plan(n_rows: int, n_cols: int, x_stride: int, r_stride: int, eps: float
               has_res: bool, has_w: bool, has_b: bool, cfg: tuple = ()) -> _FwdPlan:
     """The forward's launch, cached per shape and options (host time: the heuristics are cheap,
     but every µs of Python is paid per call on the 4096-wide rows)."""
-    stats_in, block_m, block_n, num_warps = _tier_tile(n_rows, n_cols, dict(cfg), MAX_FUSED_N_FWD,
+    cfg = dict(cfg)
+    stats_in, block_m, block_n, num_warps = _tier_tile(n_rows, n_cols, cfg, MAX_FUSED_N_FWD,
                                                        _fwd_rows_per_program,
                                                        _rms_fwd_num_warps if is_rms else _fwd_num_warps)
     # with stats first and a residual, h is written by the stats pass and normalized here
@@ -163,7 +172,8 @@ def _fwd_plan(n_rows: int, n_cols: int, x_stride: int, r_stride: int, eps: float
     prepared = norm_fwd_kernel.prepare(
         (src_stride, r_stride, n_cols, n_cols, n_rows, n_cols, eps, offset),
         dict(IS_RMS=is_rms, HAS_RES=has_res and not stats_in, HAS_W=has_w, HAS_B=has_b, STATS_IN=stats_in,
-             BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps))
+             BLOCK_M=block_m, BLOCK_N=block_n, X_EVICT=cfg.get("X_EVICT", _fwd_x_evict(is_rms)),
+             num_warps=num_warps))
     return _FwdPlan(stats_in, block_n, (cdiv(n_rows, block_m), cdiv(n_cols, block_n)), prepared)
 
 
@@ -172,7 +182,8 @@ def _launch_fwd(x, weight, bias, residual, eps: float, offset: float, is_rms: bo
     mean and rstd are flat fp32 [rows] (internal: saved for the backward, never returned).
 
     ``config`` (tuning sweeps) overrides: ``max_fused_n`` (longest padded row of the fused tier),
-    ``BLOCK_M`` (rows per program, fused tier), ``BLOCK_N`` (column tile, looped tier), ``num_warps``.
+    ``BLOCK_M`` (rows per program, fused tier), ``BLOCK_N`` (column tile, looped tier), ``num_warps``,
+    ``X_EVICT`` (L2 policy of the x load: "", "evict_last", "evict_first").
     """
     x2 = rows_view(x)
     n_rows, n_cols = x2.shape
