@@ -1,4 +1,9 @@
-"""A/B of bias_act (bias + GELU) kernels between source trees: run once per tree (PYTHONPATH)."""
+"""A/B of bias_act kernels (bias + GELU, and relu for scale) between two source trees, CUDA-graph
+times: run once per tree and interleave the runs (GPU).
+
+    PYTHONPATH=old/src python scripts/bias_act_ab.py old; PYTHONPATH=src python scripts/bias_act_ab.py new
+"""
+
 import statistics
 import sys
 
@@ -8,6 +13,7 @@ from tilefuse.ops import activations as ba
 from tilefuse.bench.ceilings import graph_time_ms
 from tilefuse import registry
 from tilefuse.testing import rel_err
+
 tag = sys.argv[1]
 spec = registry.get("bias_act")
 torch.manual_seed(0)
