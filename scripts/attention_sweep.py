@@ -1,6 +1,7 @@
 """Forward launch-config sweep for tilefuse.attention on the GPU, beside SDPA's backends.
 
     python scripts/attention_sweep.py [--d 64 128] [--s 1024 4096 16384] [--causal 0 1] [--budget 170]
+                                      [--exp2] [--rounds 5]
 
 Shapes: B·S = 16k tokens, H = 16, bf16. Per (D, S, causal): every config of ``configs(D)`` is
 checked against SDPA (max abs error; FAILED / WRONG rows instead of aborting) and timed with
@@ -12,6 +13,7 @@ end; rows are also printed as they come, so a run cut short by ``--budget`` stil
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -40,9 +42,19 @@ def configs(head_dim: int, causal: bool) -> list[dict]:
     return out
 
 
+def exp2_configs(head_dim: int, causal: bool) -> list[dict]:
+    """The default tiles and the other measured-best tile, each with 0, 1/8, 1/4 and 1/2 of the
+    interior exp2s on the FMA pipe (EXP2_FMA_PARTS)."""
+    base = {"LOAD": "desc_bhsd", **fwd_tile_config(head_block(head_dim), DTYPE, True, causal)}
+    other = (64, 64, 4) if base["BLOCK_M"] == 128 else (128, 128, 8)
+    alt = {**base, "BLOCK_M": other[0], "BLOCK_N": other[1], "num_warps": other[2]}
+    return [{**c, "EXP2_FMA_PARTS": p} for c in (base, alt) for p in (0, 8, 4, 2)]
+
+
 def label(cfg: dict) -> str:
     ws = " ws" if cfg.get("WARP_SPECIALIZE") else ""
-    return f"{cfg['LOAD']:9s} {cfg['BLOCK_M']}x{cfg['BLOCK_N']} w{cfg['num_warps']} s{cfg['num_stages']}{ws}"
+    fma = f" fma1/{cfg['EXP2_FMA_PARTS']}" if cfg.get("EXP2_FMA_PARTS") else ""
+    return f"{cfg['LOAD']:9s} {cfg['BLOCK_M']}x{cfg['BLOCK_N']} w{cfg['num_warps']} s{cfg['num_stages']}{ws}{fma}"
 
 
 def tflops(fn, flops: int) -> float:
@@ -57,7 +69,7 @@ def sdpa(q, k, v, causal, backend):
                                               is_causal=causal).transpose(1, 2)
 
 
-def sweep_shape(d: int, s: int, causal: bool, deadline: float) -> list[tuple]:
+def sweep_shape(d: int, s: int, causal: bool, deadline: float, config_list=configs, rounds: int = 1) -> list[tuple]:
     b = TOKENS // s
     q, k, v = (torch.randn(b, s, HEADS, d, device="cuda", dtype=DTYPE) for _ in range(3))
     flops = attention_flops(b, s, s, HEADS, d, causal)
@@ -73,11 +85,12 @@ def sweep_shape(d: int, s: int, causal: bool, deadline: float) -> list[tuple]:
         ref = sdpa(q, k, v, causal, SDPBackend.MATH) if s <= 4096 else None
     right = 0 if causal else None
     rows = []
-    for cfg in configs(d, causal):
+    timed = []      # (index in rows, fn): configs validated, timed below in `rounds` rotated rounds
+    for cfg in config_list(d, causal):
         if time.time() > deadline:
             rows.append((d, s, causal, label(cfg), "SKIPPED (budget)", float("nan"), peers))
             continue
-        fn = lambda: attention_forward(q, k, v, scale=d ** -0.5, window_right=right, config=cfg)[0]
+        fn = (lambda c: lambda: attention_forward(q, k, v, scale=d ** -0.5, window_right=right, config=c)[0])(cfg)
         try:
             out = fn()
             err = (out.float() - ref.float()).abs().max().item() if ref is not None else float("nan")
@@ -87,7 +100,23 @@ def sweep_shape(d: int, s: int, causal: bool, deadline: float) -> list[tuple]:
             status, tf = f"FAILED {type(exc).__name__}: {str(exc).splitlines()[0][:80] if str(exc) else ''}", float("nan")
         row = (d, s, causal, label(cfg), status, tf, peers)
         print(format_row(row), flush=True)
+        if tf == tf:
+            timed.append((len(rows), fn))
         rows.append(row)
+    if rounds > 1 and timed:
+        # the clock drifts under sustained load: time every config and cuDNN once per round, in
+        # rotated order, and keep the median of the rounds
+        cudnn = lambda: sdpa(q, k, v, causal, SDPBackend.CUDNN_ATTENTION)
+        fns = timed + [(-1, cudnn)]
+        samples = {i: [] for i, _ in fns}
+        for r in range(rounds):
+            for i, fn in fns[r % len(fns):] + fns[: r % len(fns)]:
+                samples[i].append(tflops(fn, flops))
+        peers = {**peers, "cudnn": statistics.median(samples[-1])}
+        for i, _ in timed:
+            d_, s_, c_, name, status, _, _ = rows[i]
+            rows[i] = (d_, s_, c_, name, status + f" ({rounds} rounds)", statistics.median(samples[i]), peers)
+            print(format_row(rows[i]), flush=True)
     return rows
 
 
@@ -104,6 +133,8 @@ def main():
     parser.add_argument("--s", type=int, nargs="+", default=[1024, 4096, 16384])
     parser.add_argument("--causal", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--budget", type=float, default=170.0, help="seconds before remaining configs are skipped")
+    parser.add_argument("--exp2", action="store_true", help="sweep EXP2_FMA_PARTS on two tiles (exp2_configs)")
+    parser.add_argument("--rounds", type=int, default=1, help="time the configs and cuDNN interleaved, this many rounds")
     args = parser.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__, flush=True)
     deadline = time.time() + args.budget
@@ -112,7 +143,7 @@ def main():
     for d in sorted(args.d, reverse=True):
         for s in sorted(args.s, key=lambda n: (n < 4096, n)):
             for causal in args.causal:
-                rows += sweep_shape(d, s, bool(causal), deadline)
+                rows += sweep_shape(d, s, bool(causal), deadline, exp2_configs if args.exp2 else configs, args.rounds)
     print("\nconfig | TFLOP/s | vs cuDNN | SDPA cuDNN / flash TFLOP/s | status")
     for row in rows:
         print(format_row(row))

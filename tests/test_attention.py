@@ -12,13 +12,15 @@ module is present (its own tests are tests/test_attention_bwd.py).
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 from conftest import CPU_DTYPES, DEVICE, HAS_CUDA
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tilefuse.nn.functional import scaled_dot_product_attention
 from tilefuse.ops import attention as attention_module   # registers the ops
-from tilefuse.ops._attention_common import attention_reference, attention_varlen_reference, visible_mask
+from tilefuse.ops._attention_common import attention_reference, attention_varlen_reference, exp2_mixed, visible_mask
 from tilefuse.ops._attention_fwd_kernels import LOAD_MODES, attention_forward
 from tilefuse.ops.attention import attention, attention_varlen
 from tilefuse.testing import rel_err
@@ -116,6 +118,49 @@ def test_interior_lengths_and_scale_sign(load):
         _check_dense(q, k, v, causal=True, config=cfg)
         _check_dense(q, k, v, window=(20, 3), softcap=5.0, config=cfg)
         _check_dense(q, k, v, scale=-0.2, config=cfg)
+
+
+@triton.jit
+def _exp2_mixed_kernel(x_ptr, y_ptr, ROWS: tl.constexpr, COLS: tl.constexpr, PARTS: tl.constexpr):
+    offs = tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
+    tl.store(y_ptr + offs, exp2_mixed(tl.load(x_ptr + offs), ROWS, COLS, PARTS))
+
+
+@pytest.mark.parametrize("parts", [0, 2, 4, 8])
+def test_exp2_mixed_elementwise(parts):
+    """Every element within 1e-4 relative of fp64 exp2 (the polynomial's fit: 7.5e-5; MUFU's and
+    the interpreter's exp2: ~1e-7), the last 1/parts of the columns on the polynomial, exponents
+    from 0 down to -140 (clamped to 2^-125 on the polynomial's columns only)."""
+    x = -torch.rand(32, 64, device=DEVICE) * 30
+    x[:, ::7] = torch.linspace(-140, 0, 32, device=DEVICE)[:, None]
+    x[0, :] = 0.0
+    y = torch.full_like(x, float("nan"))
+    _exp2_mixed_kernel[(1,)](x, y, 32, 64, parts)
+    ref = torch.exp2(x.double())
+    poly = torch.zeros(64, dtype=torch.bool, device=DEVICE)
+    if parts:
+        poly[64 - 64 // parts:] = True
+    normal = x > -125
+    rel = (y.double() - ref).abs() / ref
+    assert rel[normal].max() <= 1e-4
+    assert rel[normal & ~poly].max() <= 1e-6                   # MUFU (or torch) columns
+    if parts:   # the polynomial ran there: its error shows
+        assert (rel[normal & poly] > 1e-6).sum() > 0.5 * (normal & poly).sum()
+    tiny = ~normal
+    assert ((y[tiny & poly].double() * 2.0 ** 125 - 1).abs() <= 1e-4).all()
+    assert (y[tiny & ~poly].double() - ref[tiny & ~poly]).abs().max() <= 2.0 ** -125
+
+
+@pytest.mark.parametrize("parts", [2, 4, 8])
+def test_exp2_on_fma_pipe(parts):
+    """EXP2_FMA_PARTS: 1/parts of the interior blocks' exp2s by the FMA-pipe polynomial (fp16: the
+    16-bit probabilities it feeds); masked edge blocks keep MUFU, rows that see nothing stay -inf."""
+    cfg = {"BLOCK_M": 16, "BLOCK_N": 16, "EXP2_FMA_PARTS": parts}
+    q, k, v = _rand((2, 40, 2, 32), torch.float16), _rand((2, 70, 1, 32), torch.float16), _rand((2, 70, 1, 32), torch.float16)
+    _check_dense(q, k, v, config=cfg)
+    _check_dense(q, k, v, causal=True, config=cfg)
+    _check_dense(q * 8, k, v, window=(30, 2), config=cfg)       # sharper rows: exponents far below 0
+    _check_dense(q[:, :60], k[:, :20], v[:, :20], causal=True, config=cfg)     # S_q > S_k: empty rows
 
 
 def test_strided_inputs():
@@ -333,6 +378,18 @@ def test_gpu_configs(load, tiles):
     cfg = {"LOAD": load, "BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s}
     _check_dense(q, k, v, config=cfg)
     _check_dense(q, k, v, causal=True, config=cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("parts", [2, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_exp2_on_fma_pipe(parts, dtype):
+    q, k, v = (_rand((2, 2048, 4, 128), dtype) for _ in range(3))
+    for tiles in ((128, 128, 8, 3), (64, 64, 4, 3)):
+        cfg = dict(zip(("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"), tiles), EXP2_FMA_PARTS=parts)
+        _check_dense(q, k, v, config=cfg)
+        _check_dense(q, k, v, causal=True, config=cfg)
+        _check_dense(q * 4, k, v, softcap=30.0, config=cfg)
 
 
 @pytest.mark.gpu

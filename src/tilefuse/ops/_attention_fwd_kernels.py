@@ -43,12 +43,13 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .._dispatch import cdiv, empty, next_power_of_2
 from .._launch import fast_launch
-from ._attention_common import key_range, tanh_via_exp2, visible
+from ._attention_common import exp2_mixed, key_range, tanh_via_exp2, visible
 
 LOG2E = 1.4426950408889634
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 LOAD_MODES = ("ptr", "desc_bhsd", "desc_bshd")
 DEFAULT_DENSE_LOAD = "desc_bhsd"    # switch to "desc_bshd" / "ptr" here if a GPU run says so
+DEFAULT_EXP2_FMA_PARTS = 0          # exp2s of unmasked blocks on the FMA pipe: 1 in this many (0: none)
 
 # ----------------------------------------------------------------------------------------------
 # kernel
@@ -77,9 +78,11 @@ def _online_softmax_step(acc, l_i, m_i, qk, v, b, hk, start_n, v_base, stride_vs
                          HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                          MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                          HAS_SOFTCAP: tl.constexpr, FOLD_SCALE: tl.constexpr, LOAD: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr):
+                         DOT_PRECISION: tl.constexpr, EXP2_FMA_PARTS: tl.constexpr):
     """One key block's update of (acc, l, m) from its raw scores qk = q·kᵀ (module docstring).
-    MASKED=False: the caller guarantees every key of the block is visible to every query.
+    MASKED=False: the caller guarantees every key of the block is visible to every query; there
+    1/EXP2_FMA_PARTS of the exp2s (0: none) run on the FMA pipe (``exp2_mixed``: every argument is
+    finite and each row holds its max, as that polynomial needs).
     FOLD_SCALE (scale > 0): the row max is taken on the raw scores and scaled once per row, so
     each score costs one FMA, qk·scale - m, before its exp2 (not a multiply and a subtract)."""
     if HAS_SOFTCAP:   # s2 = log2(e)·softcap·tanh(scale·qk / softcap)
@@ -101,7 +104,10 @@ def _online_softmax_step(acc, l_i, m_i, qk, v, b, hk, start_n, v_base, stride_vs
     else:
         m_new = tl.maximum(m_i, tl.max(s, 1) * s_scale)
         m_use = m_new
-    p = tl.exp2(s * s_scale - m_use[:, None])
+    if MASKED:
+        p = tl.exp2(s * s_scale - m_use[:, None])
+    else:
+        p = exp2_mixed(s * s_scale - m_use[:, None], s.shape[0], BLOCK_N, EXP2_FMA_PARTS)
     alpha = tl.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, 1)
     v_tile = _load_rows(v, b, hk, start_n, v_base, stride_vs, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, LOAD)
@@ -116,7 +122,8 @@ def _attend_key_blocks(acc, l_i, m_i, q_tile, k, v, start, end, b, hk, k_base, v
                        HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                        MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                        HAS_SOFTCAP: tl.constexpr, FOLD_SCALE: tl.constexpr, LOAD: tl.constexpr,
-                       DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+                       DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+                       EXP2_FMA_PARTS: tl.constexpr):
     """Online-softmax update over key blocks start, start + BLOCK_N, .. < end."""
     for start_n in tl.range(start, end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         k_tile = _load_rows(k, b, hk, start_n, k_base, stride_ks, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, LOAD)
@@ -124,7 +131,7 @@ def _attend_key_blocks(acc, l_i, m_i, q_tile, k, v, start, end, b, hk, k_base, v
         acc, l_i, m_i = _online_softmax_step(
             acc, l_i, m_i, qk, v, b, hk, start_n, v_base, stride_vs, seqlen_k, offs_m, shift, score_scale,
             softcap_log2, window_left, window_right, HEAD_DIM, BLOCK_N, BLOCK_D, MASKED, HAS_LEFT, HAS_RIGHT,
-            HAS_SOFTCAP, FOLD_SCALE, LOAD, DOT_PRECISION)
+            HAS_SOFTCAP, FOLD_SCALE, LOAD, DOT_PRECISION, EXP2_FMA_PARTS)
     return acc, l_i, m_i
 
 
@@ -188,6 +195,7 @@ def attention_fwd_kernel(
     REVERSE_M: tl.constexpr,       # heavy (late, causal) query blocks first: shorter tail
     WARP_SPECIALIZE: tl.constexpr,  # hook for tl.range(warp_specialize=...) on the interior loop
     FOLD_SCALE: tl.constexpr,      # score_scale > 0: scale folded into the exp2's FMA
+    EXP2_FMA_PARTS: tl.constexpr,  # unmasked blocks: 1/this of the exp2s by polynomial on the FMA pipe (0: none)
 ):
     pid_m = tl.program_id(0)
     if REVERSE_M:
@@ -226,16 +234,16 @@ def attention_fwd_kernel(
     acc, l_i, m_i = _attend_key_blocks(
         acc, l_i, m_i, q_tile, k, v, lo_aligned, full_lo, b, hk, k_base, v_base, stride_ks, stride_vs,
         seqlen_k, offs_m, shift, score_scale, softcap_log2, window_left, window_right,
-        HEAD_DIM, BLOCK_N, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, FOLD_SCALE, LOAD, DOT_PRECISION, False)
+        HEAD_DIM, BLOCK_N, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, FOLD_SCALE, LOAD, DOT_PRECISION, False, 0)
     acc, l_i, m_i = _attend_key_blocks(
         acc, l_i, m_i, q_tile, k, v, full_lo, full_hi, b, hk, k_base, v_base, stride_ks, stride_vs,
         seqlen_k, offs_m, shift, score_scale, softcap_log2, window_left, window_right,
         HEAD_DIM, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, FOLD_SCALE, LOAD, DOT_PRECISION,
-        WARP_SPECIALIZE)
+        WARP_SPECIALIZE, EXP2_FMA_PARTS)
     acc, l_i, m_i = _attend_key_blocks(
         acc, l_i, m_i, q_tile, k, v, full_hi, hi, b, hk, k_base, v_base, stride_ks, stride_vs,
         seqlen_k, offs_m, shift, score_scale, softcap_log2, window_left, window_right,
-        HEAD_DIM, BLOCK_N, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, FOLD_SCALE, LOAD, DOT_PRECISION, False)
+        HEAD_DIM, BLOCK_N, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, FOLD_SCALE, LOAD, DOT_PRECISION, False, 0)
 
     # deferred normalization; rows that saw no key: l = 0 -> out 0, lse = -inf (m = -inf)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -327,7 +335,10 @@ def attention_forward(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_
     cfg = dict(fwd_tile_config(block_d, q.dtype, on_gpu, masked))
     cfg["LOAD"] = "ptr" if varlen else DEFAULT_DENSE_LOAD
     cfg["WARP_SPECIALIZE"] = False
+    cfg["EXP2_FMA_PARTS"] = DEFAULT_EXP2_FMA_PARTS
     cfg.update(config or {})
+    if cfg["EXP2_FMA_PARTS"] not in (0, 2, 4, 8):
+        raise ValueError(f"config EXP2_FMA_PARTS={cfg['EXP2_FMA_PARTS']!r}: one of 0, 2, 4, 8")
     if cfg["LOAD"] not in LOAD_MODES or (varlen and cfg["LOAD"] != "ptr"):
         raise ValueError(f"config LOAD={cfg['LOAD']!r}: one of {LOAD_MODES}; varlen takes 'ptr' only")
 
@@ -390,6 +401,7 @@ def attention_forward(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
         REVERSE_M=window_right is not None, WARP_SPECIALIZE=cfg["WARP_SPECIALIZE"],
         FOLD_SCALE=score_scale > 0,
+        EXP2_FMA_PARTS=cfg["EXP2_FMA_PARTS"] if q.dtype != torch.float32 else 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out, lse
