@@ -65,6 +65,8 @@ def probe(t: int, hdim: int, vocab: int, chunk: int) -> None:
         "dh (tilefuse)": (lambda: launch_matmul(dl, w), True),
         "dw_acc (cuBLAS addmm_)": (lambda: gw.addmm_(dl.t(), h_c), True),
         "dw_new (cuBLAS mm)": (lambda: torch.mm(dl.t(), h_c, out=tmp), True),
+        "dw_acc (cuBLAS addmm_, transposed)": (lambda: gw.t().addmm_(h_c.t(), dl), True),
+        "dw_new (tilefuse)": (lambda: launch_matmul(dl.t(), h_c), True),
         "dw_acc (tilefuse residual)": (lambda: launch_matmul(dl.t(), h_c, residual=gw), True),
         "dw_acc (tilefuse residual, flatten)": (lambda: launch_matmul(dl.t(), h_c, residual=gw,
                                                                       config=dict(FLATTEN=True)), True),

@@ -126,7 +126,7 @@ def _exp2_mixed_kernel(x_ptr, y_ptr, ROWS: tl.constexpr, COLS: tl.constexpr, PAR
     tl.store(y_ptr + offs, exp2_mixed(tl.load(x_ptr + offs), ROWS, COLS, PARTS))
 
 
-@pytest.mark.parametrize("parts", [0, 2, 4, 8])
+@pytest.mark.parametrize("parts", [0, 2, 4, 8, 16])
 def test_exp2_mixed_elementwise(parts):
     """Every element within 1e-4 relative of fp64 exp2 (the polynomial's fit: 7.5e-5; MUFU's and
     the interpreter's exp2: ~1e-7), the last 1/parts of the columns on the polynomial, exponents
@@ -151,7 +151,7 @@ def test_exp2_mixed_elementwise(parts):
     assert (y[tiny & ~poly].double() - ref[tiny & ~poly]).abs().max() <= 2.0 ** -125
 
 
-@pytest.mark.parametrize("parts", [2, 4, 8])
+@pytest.mark.parametrize("parts", [2, 4, 8, 16])
 def test_exp2_on_fma_pipe(parts):
     """EXP2_FMA_PARTS: 1/parts of the interior blocks' exp2s by the FMA-pipe polynomial (fp16: the
     16-bit probabilities it feeds); masked edge blocks keep MUFU, rows that see nothing stay -inf."""
@@ -381,7 +381,7 @@ def test_gpu_configs(load, tiles):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("parts", [2, 4, 8])
+@pytest.mark.parametrize("parts", [2, 8, 16])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_exp2_on_fma_pipe(parts, dtype):
     q, k, v = (_rand((2, 2048, 4, 128), dtype) for _ in range(3))

@@ -122,8 +122,8 @@ def _exp2_halves(x, ROWS: tl.constexpr, COLS: tl.constexpr, FMA_PARTS: tl.conste
 
 @triton.jit
 def exp2_mixed(x, ROWS: tl.constexpr, COLS: tl.constexpr, FMA_PARTS: tl.constexpr):
-    """exp2 of ``x [ROWS, COLS]``: all on MUFU (FMA_PARTS = 0), or 1/FMA_PARTS of the columns (2,
-    4 or 8) by :func:`exp2_fma`, so the special-function unit and the FMA pipe share the work."""
+    """exp2 of ``x [ROWS, COLS]``: all on MUFU (FMA_PARTS = 0), or 1/FMA_PARTS of the columns (a
+    power of two <= COLS) by :func:`exp2_fma`, so the special-function unit and the FMA pipe share the work."""
     if FMA_PARTS == 0:
         return tl.exp2(x)
     else:

@@ -49,7 +49,6 @@ LOG2E = 1.4426950408889634
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 LOAD_MODES = ("ptr", "desc_bhsd", "desc_bshd")
 DEFAULT_DENSE_LOAD = "desc_bhsd"    # switch to "desc_bshd" / "ptr" here if a GPU run says so
-DEFAULT_EXP2_FMA_PARTS = 0          # exp2s of unmasked blocks on the FMA pipe: 1 in this many (0: none)
 
 # ----------------------------------------------------------------------------------------------
 # kernel
@@ -272,20 +271,31 @@ def head_block(head_dim: int) -> int:
     return max(16, next_power_of_2(head_dim))
 
 
-def fwd_tile_config(block_d: int, dtype: torch.dtype, on_gpu: bool, masked: bool = False) -> dict:
-    """BLOCK_M, BLOCK_N, num_warps, num_stages for one head-dim block; ``masked``: causal or
-    windowed. From scripts/attention_sweep.py on an H100 (bf16, B·S = 16k, H = 16, 2026-11-22):
-    3 stages beat 2 by 10-19 % everywhere; 64x64 x 4 warps was best at D = 64 and for causal
-    D = 128 (450 / 511 TF/s at S = 4k / 16k), 128x128 x 8 warps for full D = 128 (497 / 522)."""
+def fwd_tile_config(block_d: int, dtype: torch.dtype, on_gpu: bool, masked: bool = False,
+                    seqlen_k: int = 0) -> dict:
+    """BLOCK_M, BLOCK_N, num_warps, num_stages for one head-dim block;
+    ``masked``: causal or windowed. From scripts/attention_sweep.py (bf16, B·S = 16k, H = 16):
+    3 stages beat 2 by 10-19 % everywhere (H100, 2026-11-22); 64x64 x 4 warps is best at D = 64
+    and for causal D = 128 at S = 4k, 128x128 x 8 warps for full D = 128 and, since 1/8 of the
+    exp2s moved to the FMA pipe (:func:`exp2_fma_parts`), for causal D = 128 from S = 8k (H200,
+    2026-11-24: 458 / 491-503 TF/s at causal 8k / 16k against 64x64's 437-472)."""
     if not on_gpu:      # interpreter: small tiles so tiny test shapes still cross block edges
         return {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
     if dtype == torch.float32:   # 4-byte tiles: half the rows for the same shared memory
         return {"BLOCK_M": 64, "BLOCK_N": 64 if block_d <= 128 else 32, "num_warps": 4, "num_stages": 2}
-    if block_d <= 64 or (block_d <= 128 and masked):
+    if block_d <= 64 or (block_d <= 128 and masked and seqlen_k < 8192):
         return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
     if block_d <= 128:   # q 32 KB + 3 stages x (k, v) 96 KB; 4 stages (289 KB) do not fit
         return {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
     return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}   # D 256: 64 KB q tile
+
+
+def exp2_fma_parts(block_n: int) -> int:
+    """1 in 8 of the interior exp2s by polynomial on the FMA pipe for 128-key blocks: MUFU's 16
+    ex2 per SM clock are the softmax's bottleneck there (H200, D = 128, 5 interleaved rounds:
+    +4-9 % at 128x128 tiles with 1/8, less with 1/4, 1/2 slower than none); 64-key blocks lose
+    1-4 % with it."""
+    return 8 if block_n >= 128 else 0
 
 
 def _desc_strides(t: torch.Tensor) -> list[int]:
@@ -326,19 +336,21 @@ def attention_forward(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_
     """(out, lse). Dense: q [B, S_q, H_q, D], k/v [B, S_k, H_kv, D], lse [B, H_q, S_q]. Varlen
     (cu_seqlens given): packed [total, H, D], lse [H_q, total_q]. Window bounds: None for
     unbounded, any int otherwise (a negative right bound is allowed: the SDPA wrapper's top-left
-    causal). ``config`` overrides fwd_tile_config's keys and may set LOAD and WARP_SPECIALIZE."""
+    causal). ``config`` overrides fwd_tile_config's keys and may set LOAD, WARP_SPECIALIZE and
+    EXP2_FMA_PARTS (default: :func:`exp2_fma_parts` of the BLOCK_N in use; fp32 inputs always
+    take exact exp2s, as their tolerance is 1e-5)."""
     varlen = cu_seqlens_q is not None
     head_dim = q.shape[-1]
     block_d = head_block(head_dim)
     on_gpu = q.device.type == "cuda"
     masked = window_left is not None or window_right is not None
-    cfg = dict(fwd_tile_config(block_d, q.dtype, on_gpu, masked))
+    cfg = dict(fwd_tile_config(block_d, q.dtype, on_gpu, masked, max_seqlen_k if varlen else k.shape[1]))
     cfg["LOAD"] = "ptr" if varlen else DEFAULT_DENSE_LOAD
     cfg["WARP_SPECIALIZE"] = False
-    cfg["EXP2_FMA_PARTS"] = DEFAULT_EXP2_FMA_PARTS
     cfg.update(config or {})
-    if cfg["EXP2_FMA_PARTS"] not in (0, 2, 4, 8):
-        raise ValueError(f"config EXP2_FMA_PARTS={cfg['EXP2_FMA_PARTS']!r}: one of 0, 2, 4, 8")
+    cfg.setdefault("EXP2_FMA_PARTS", exp2_fma_parts(cfg["BLOCK_N"]))
+    if cfg["EXP2_FMA_PARTS"] not in (0, 2, 4, 8, 16) or cfg["EXP2_FMA_PARTS"] > cfg["BLOCK_N"]:
+        raise ValueError(f"config EXP2_FMA_PARTS={cfg['EXP2_FMA_PARTS']!r}: one of 0, 2, 4, 8, 16, at most BLOCK_N")
     if cfg["LOAD"] not in LOAD_MODES or (varlen and cfg["LOAD"] != "ptr"):
         raise ValueError(f"config LOAD={cfg['LOAD']!r}: one of {LOAD_MODES}; varlen takes 'ptr' only")
 
