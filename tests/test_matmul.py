@@ -207,6 +207,28 @@ def test_random_shapes(m, n, k, transposed, act, has_bias):
     _check(_rand((m, k), torch.float32), b, _rand(n, torch.float32) if has_bias else None, act)
 
 
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("m,n,k", [(1, 1, 1), (37, 45, 70), (64, 32, 0), (130, 17, 33)])
+@pytest.mark.parametrize("has_bias", [False, True])
+def test_residual_seeds_accumulator(dtype, m, n, k, has_bias):
+    """RESIDUAL_INIT (out = residual + a @ b + bias with the residual as the accumulator's start,
+    linear_cross_entropy's grad_weight accumulation): the fp64 reference, odd shapes, K = 0, a
+    transposed A; and the gate that keeps it off where an activation, a saved pre-activation or
+    K slices sit between the sum and the residual."""
+    a = torch.randn(k, m, device=DEVICE).to(dtype).t()      # a transposed view, as dlogitsᵀ
+    b, res = torch.randn(k, n, device=DEVICE).to(dtype), torch.randn(m, n, device=DEVICE).to(dtype)
+    bias = torch.randn(n, device=DEVICE).to(dtype) if has_bias else None
+    ref = a.double() @ b.double() + res.double() + (bias.double() if has_bias else 0)
+    for init in (True, False):
+        out, _ = mk.launch_matmul(a, b, bias=bias, residual=res, config=dict(RESIDUAL_INIT=init))
+        assert rel_err(out, ref) <= TOL[dtype], init
+    assert mk.residual_init_ok(True, "none", False, 1)
+    assert not any((mk.residual_init_ok(False, "none", False, 1), mk.residual_init_ok(True, "gelu", False, 1),
+                    mk.residual_init_ok(True, "none", True, 1), mk.residual_init_ok(True, "none", False, 2)))
+    y, _ = mk.launch_matmul(a, b, residual=res, activation="relu", config=dict(RESIDUAL_INIT=True))
+    assert rel_err(y, torch.relu(a.double() @ b.double()) + res.double()) <= TOL[dtype]   # gated off
+
+
 @pytest.mark.parametrize("m,n,k", [(0, 5, 7), (4, 0, 7), (0, 0, 0), (3, 6, 0), (1, 1, 0)])
 def test_empty(m, n, k):
     """K = 0: out = act(bias) + residual, the GEMMs' zero contribution; M or N = 0: empty."""
