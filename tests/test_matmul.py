@@ -222,11 +222,16 @@ def test_residual_seeds_accumulator(dtype, m, n, k, has_bias):
     for init in (True, False):
         out, _ = mk.launch_matmul(a, b, bias=bias, residual=res, config=dict(RESIDUAL_INIT=init))
         assert rel_err(out, ref) <= TOL[dtype], init
+        acc = res.clone()           # in place: out is the residual itself
+        assert mk.launch_matmul(a, b, bias=bias, residual=acc, out=acc, config=dict(RESIDUAL_INIT=init))[0] is acc
+        assert rel_err(acc, ref) <= TOL[dtype], init
     assert mk.residual_init_ok(True, "none", False, 1)
     assert not any((mk.residual_init_ok(False, "none", False, 1), mk.residual_init_ok(True, "gelu", False, 1),
                     mk.residual_init_ok(True, "none", True, 1), mk.residual_init_ok(True, "none", False, 2)))
     y, _ = mk.launch_matmul(a, b, residual=res, activation="relu", config=dict(RESIDUAL_INIT=True))
     assert rel_err(y, torch.relu(a.double() @ b.double()) + res.double()) <= TOL[dtype]   # gated off
+    with pytest.raises(ValueError, match="out must be a contiguous"):
+        mk.launch_matmul(a, b, out=torch.empty(m + 1, n, device=DEVICE, dtype=dtype))
 
 
 @pytest.mark.parametrize("m,n,k", [(0, 5, 7), (4, 0, 7), (0, 0, 0), (3, 6, 0), (1, 1, 0)])

@@ -559,13 +559,20 @@ def _matmul_plan(m: int, n: int, k: int, dtype: torch.dtype, out_dtype: torch.dt
 def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
                   residual: torch.Tensor | None = None, activation: str = "none",
                   out_dtype: torch.dtype | None = None, save_preact: bool = False,
-                  config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  config: dict | None = None, out: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(out, preact or None) of act(a @ b + bias) + residual; a [M, K], b [K, N] with any
     strides, residual [M, N]. ``config`` overrides any key of :func:`choose_config`'s result,
-    plus SPLIT_K, USE_TMA, FLATTEN, STORE_TMA, STORE_SPLIT, WARP_SPECIALIZE and RESIDUAL_INIT."""
+    plus SPLIT_K, USE_TMA, FLATTEN, STORE_TMA, STORE_SPLIT, WARP_SPECIALIZE and RESIDUAL_INIT.
+    ``out``: a contiguous [M, N] tensor of out_dtype to write (it may be ``residual`` itself: each
+    tile is read by the program that writes it, before it writes it), else a new one."""
     (m, k), n = a.shape, b.shape[1]
     out_dtype = out_dtype or a.dtype
-    out = empty((m, n), out_dtype, a.device)
+    if out is None:
+        out = empty((m, n), out_dtype, a.device)
+    elif out.shape != (m, n) or out.dtype != out_dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous [{m}, {n}] {out_dtype} tensor, got {tuple(out.shape)} "
+                         f"{out.dtype} with strides {out.stride()}")
     preact = empty((m, n), out_dtype, a.device) if save_preact else None
     if m == 0 or n == 0:
         return out, preact
