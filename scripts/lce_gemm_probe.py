@@ -53,11 +53,9 @@ def probe(t: int, hdim: int, vocab: int, chunk: int) -> None:
     ref_dw = gw.float() + dl.float().t() @ h_c.float()
     tf_dh = launch_matmul(dl, w)[0]
     tf_dw = launch_matmul(dl.t(), h_c, residual=gw)[0]
-    tf_dw_init = launch_matmul(dl.t(), h_c, residual=gw, config=dict(RESIDUAL_INIT=True))[0]
     cb_dw = gw.clone().addmm_(dl.t(), h_c)
     print(f"C={chunk}: rel err dh tilefuse {rel_err(tf_dh, ref_dh):.2e} cuBLAS {rel_err(torch.mm(dl, w), ref_dh):.2e}; "
-          f"dw_acc tilefuse {rel_err(tf_dw, ref_dw):.2e} (residual-init {rel_err(tf_dw_init, ref_dw):.2e}) "
-          f"cuBLAS {rel_err(cb_dw, ref_dw):.2e}")
+          f"dw_acc tilefuse {rel_err(tf_dw, ref_dw):.2e} cuBLAS {rel_err(cb_dw, ref_dw):.2e}")
 
     tmp = torch.empty_like(gw)
     parts = {
@@ -70,10 +68,7 @@ def probe(t: int, hdim: int, vocab: int, chunk: int) -> None:
         "dw_acc (cuBLAS addmm_, transposed)": (lambda: gw.t().addmm_(h_c.t(), dl), True),
         "dw_new (tilefuse)": (lambda: launch_matmul(dl.t(), h_c), True),
         "dw_acc (tilefuse residual)": (lambda: launch_matmul(dl.t(), h_c, residual=gw), True),
-        "dw_acc (tilefuse residual-init, in place)": (lambda: launch_matmul(
-            dl.t(), h_c, residual=gw, out=gw, config=dict(RESIDUAL_INIT=True)), True),
-        "dw_acc (tilefuse residual-init, no flatten)": (lambda: launch_matmul(
-            dl.t(), h_c, residual=gw, out=gw, config=dict(RESIDUAL_INIT=True, FLATTEN=False)), True),
+        "dw_acc (tilefuse residual, in place)": (lambda: launch_matmul(dl.t(), h_c, residual=gw, out=gw), True),
         "dw_acc (tilefuse residual, flatten)": (lambda: launch_matmul(dl.t(), h_c, residual=gw,
                                                                       config=dict(FLATTEN=True)), True),
     }

@@ -152,8 +152,6 @@ def matmul_kernel(
     HAS_BIAS: tl.constexpr,         # add bias[N] before the activation
     ACT: tl.constexpr,              # one of _activation_math.ACTIVATIONS ("none": identity)
     HAS_RESIDUAL: tl.constexpr,     # add residual[M, N] after the activation
-    RESIDUAL_INIT: tl.constexpr,    # (HAS_RESIDUAL, no activation, no preact, one K slice) the
-                                    # accumulator starts as the residual tile, loaded under the K loop
     SAVE_PREACT: tl.constexpr,      # also store a @ b + bias (the backward's act' input)
     BLOCK_M: tl.constexpr,          # tile rows (>= 16: tl.dot's minimum)
     BLOCK_N: tl.constexpr,          # tile columns (>= 16)
@@ -206,10 +204,7 @@ def matmul_kernel(
         off_n = pid_n * BLOCK_N
         k_lo = (unit % SPLIT_K) * k_tiles_per_split
         k_hi = tl.minimum(k_lo + k_tiles_per_split, k_tiles)
-        if RESIDUAL_INIT:
-            acc = _residual_tile(residual_ptr, off_m, off_n, M, N, stride_rm, stride_rn, BLOCK_M, BLOCK_N)
-        else:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if USE_TMA:
             for ki in range(k_lo, k_hi):
                 if A_M_CONTIGUOUS:
@@ -256,8 +251,7 @@ def matmul_kernel(
         if tile_done:
             _matmul_epilogue(acc, c_desc, bias_ptr, residual_ptr, preact_ptr, c_ptr,
                              off_m, off_n, M, N, stride_cm, stride_cn, stride_rm, stride_rn, stride_pm, stride_pn,
-                             HAS_BIAS, ACT, HAS_RESIDUAL and not RESIDUAL_INIT, SAVE_PREACT, STORE_TMA, STORE_SPLIT,
-                             BLOCK_M, BLOCK_N)
+                             HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT, STORE_TMA, STORE_SPLIT, BLOCK_M, BLOCK_N)
 
 
 @fast_launch
@@ -324,7 +318,6 @@ MID_MAX_M = 256
 DEFAULT_USE_TMA = True      # descriptors where eligible (GPU sm_90+); False: pointer loads everywhere
 DEFAULT_STORE_TMA = False  # out through a descriptor store (with operands through descriptors)
 DEFAULT_STORE_SPLIT = 2    # column subtiles of that store
-DEFAULT_RESIDUAL_INIT = False   # seed the accumulator with the residual where residual_init_ok
 DEFAULT_FLATTEN = False    # H100 2026-11-22: flatten=True was within noise on large GEMMs, 4x slower at M=1, -15% gate-up
 
 
@@ -353,13 +346,6 @@ def wide_tile_epilogue(cfg: dict) -> dict:
     if (cfg["BLOCK_M"], cfg["BLOCK_N"]) == (128, 256):
         return dict(STORE_TMA=True, STORE_SPLIT=2, FLATTEN=True)
     return {}
-
-
-def residual_init_ok(has_residual: bool, activation: str, save_preact: bool, split_k: int) -> bool:
-    """The residual can seed the accumulator (out = residual + a @ b + bias) only when nothing
-    comes between the sum and the residual add: no activation, no saved pre-activation, and one
-    K slice per tile (each slice would add it again)."""
-    return has_residual and activation == "none" and not save_preact and split_k == 1
 
 
 def split_k_slices(tiles: int, k_tiles: int, sms: int, min_slice_k_tiles: int) -> int:
@@ -536,14 +522,11 @@ def _matmul_plan(m: int, n: int, k: int, dtype: torch.dtype, out_dtype: torch.dt
         raise ValueError(f"config: SPLIT_K must be >= 1, got {split}")
     flatten = flatten and split == 1    # (the split-K arrival must not be pipelined across units)
     has_bias, act, has_res, save_preact = epilogue
-    residual_init = cfg.pop("RESIDUAL_INIT", None)
-    residual_init = residual_init_ok(has_res, act, save_preact, split) and (
-        DEFAULT_RESIDUAL_INIT if residual_init is None else bool(residual_init))
     tiles = cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"])
     programs = max(1, min(sms, tiles * split))
     ints = (m, n, k, *a_strides, *b_strides, n, 1, *res_strides, n, 1)   # out and preact: row-major [M, N]
     kwargs = dict(
-        HAS_BIAS=has_bias, ACT=act, HAS_RESIDUAL=has_res, RESIDUAL_INIT=residual_init, SAVE_PREACT=save_preact,
+        HAS_BIAS=has_bias, ACT=act, HAS_RESIDUAL=has_res, SAVE_PREACT=save_preact,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
         SPLIT_K=split, NUM_PROGRAMS=programs, EVEN_K=k % cfg["BLOCK_K"] == 0, USE_TMA=bool(use_tma),
         A_M_CONTIGUOUS=layout.a_m_contiguous, B_K_CONTIGUOUS=layout.b_k_contiguous, FLATTEN=bool(flatten),
@@ -563,7 +546,7 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = 
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(out, preact or None) of act(a @ b + bias) + residual; a [M, K], b [K, N] with any
     strides, residual [M, N]. ``config`` overrides any key of :func:`choose_config`'s result,
-    plus SPLIT_K, USE_TMA, FLATTEN, STORE_TMA, STORE_SPLIT, WARP_SPECIALIZE and RESIDUAL_INIT.
+    plus SPLIT_K, USE_TMA, FLATTEN, STORE_TMA, STORE_SPLIT and WARP_SPECIALIZE.
     ``out``: a contiguous [M, N] tensor of out_dtype to write (it may be ``residual`` itself: each
     tile is read by the program that writes it, before it writes it), else a new one."""
     (m, k), n = a.shape, b.shape[1]

