@@ -405,8 +405,11 @@ def _flex_peer():
                 block_masks[key] = create_block_mask(lambda b, h, i, j: j - i <= shift, None, None, s_q, s_k,
                                                      device=q.device)
             block_mask = block_masks[key]
-        out = compiled(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=block_mask,
-                       scale=scale, enable_gqa=q.shape[2] != k.shape[2])
+        # donated buffers off: the bench's backward pass runs with retain_graph=True, which a
+        # compiled backward with donated buffers refuses (every flex `bwd` row was an ERROR)
+        with torch._functorch.config.patch(donated_buffer=False):
+            out = compiled(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=block_mask,
+                           scale=scale, enable_gqa=q.shape[2] != k.shape[2])
         return out.transpose(1, 2)
     return run
 
