@@ -339,6 +339,75 @@ def test_launch_plans_for_an_h100():
     assert quant.launch_plan(4, 128, 32, 4096, 4096, torch.bfloat16, 132).splits == 4    # the cap
 
 
+# ------------------------------------------------------------------------------------------------
+# the persistent int4 GEMV (PERSISTENT = programs per SM) and X_PAIRS (bf16 x as int32 pairs)
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("g", [32, 128])
+@pytest.mark.parametrize("n,groups,config", [
+    (100, 4, dict(PERSISTENT=1, BLOCK_K=1)),                     # 7 blocks of 16 (tail of 4) on 4 programs, 4 chunks
+    (100, 4, dict(PERSISTENT=1, BLOCK_K=2, BLOCK_N=8, num_warps=2)),  # 13 blocks of 8, 2 chunks of 2 groups
+    (77, 1, dict(PERSISTENT=1)),                                 # K = one group: one chunk per row block
+    (161, 2, dict(PERSISTENT=2, BLOCK_K=1, NUM_STAGES=2)),        # 11 blocks on 8 programs, 2 stages
+    (5, 2, dict(PERSISTENT=3)),                                  # one partial block: one program
+], ids=["n100-c4", "n100-n8-c2", "n77-c1", "n161-p2-s2", "n5"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+def test_persistent_gemv(dtype, g, n, groups, config, bias):
+    """quant_gemv_persistent_kernel against the fp64 product: programs that walk several row blocks
+    (the interpreter's 4 stand-in SMs), a partial last block, K of one chunk or several (BLOCK_K
+    given in groups here), with and without bias; y starts NaN (conftest), so a row block that is
+    never stored fails. bf16 (GPU) reads x as int32 pairs."""
+    k = groups * g
+    config = dict(config, BLOCK_K=config.get("BLOCK_K", groups) * g, X_PAIRS=dtype == torch.bfloat16)
+    plan = _check_launch(1, n, k, (4, g), dtype, config, bias=bias)
+    blocks = -(-n // plan.meta["BLOCK_N"])
+    assert plan.kernel is quant.quant_gemv_persistent_kernel and plan.splits == 1
+    assert plan.grid == (min(blocks, config["PERSISTENT"] * 4),)
+    assert plan.n_chunks == k // plan.meta["BLOCK_K"]
+    assert plan.meta["X_PAIRS"] == (dtype == torch.bfloat16)
+
+
+@pytest.mark.parametrize("persistent", [0, 1], ids=["gemv", "persistent"])
+def test_x_pairs_is_bitwise_the_bf16_conversion(persistent):
+    """X_PAIRS reads bf16 x as int32 pairs (shift / mask to fp32): the very fp32 values the bf16
+    conversion gives, so y is bitwise equal, x spanning 40 decades. (The interpreter runs this
+    kernel's bf16 loads and stores correctly, so this runs on CPU too.)"""
+    n, k, g = 70, 512, 64
+    qw = quantize_weight(_weight(n, k, torch.bfloat16, k ** -0.5), 4, g)
+    x = (torch.randn(1, k, device=DEVICE) * torch.logspace(-20, 20, k, device=DEVICE)).bfloat16()
+    bias = torch.randn(n, device=DEVICE).bfloat16()
+    config = dict(PERSISTENT=persistent, BLOCK_N=16, BLOCK_K=128)
+    y = _launch(x, qw, bias, dict(config, X_PAIRS=True))
+    assert _plan(x, qw, dict(config, X_PAIRS=True)).meta["X_PAIRS"]
+    assert not _plan(x, qw, config).meta["X_PAIRS"]
+    assert torch.equal(y, _launch(x, qw, bias, config))
+    assert rel_err(y, _reference(x, qw, bias)) <= TOL[torch.bfloat16]
+
+
+def test_persistent_and_x_pairs_config_rules():
+    """PERSISTENT serves the int4 GEMV with one row and no split-K; anything else is a config
+    error, not a silent fallback. X_PAIRS applies to bf16 x only (other dtypes ignore it). The
+    default launch uses neither."""
+    qw4 = quantize_weight(_weight(40, 256, torch.float32), 4, 32)
+    qw8 = quantize_weight(_weight(40, 256, torch.float32), 8)
+    x1, x3 = torch.randn(1, 256, device=DEVICE), torch.randn(3, 256, device=DEVICE)
+    for x, qw, cfg in [(x1, qw8, {}), (x3, qw4, {}), (x1, qw4, dict(SPLITS=2)), (x1, qw4, dict(PATH="dot"))]:
+        with pytest.raises(ValueError, match="PERSISTENT serves"):
+            _launch(x, qw, config=dict(cfg, PERSISTENT=2))
+    assert not _plan(x1, qw4, dict(X_PAIRS=True)).meta["X_PAIRS"]        # fp32 x
+    assert _plan(x1.half(), quantize_weight(_weight(40, 256, torch.float16), 4, 32), dict(PERSISTENT=1, X_PAIRS=True)
+                 ).meta["X_PAIRS"] is False
+    default = quant.launch_plan(4, 128, 1, 14336, 4096, torch.bfloat16, 132)
+    assert default.kernel is quant.quant_gemv_kernel and not default.meta["X_PAIRS"]
+    plan = quant.launch_plan(4, 128, 1, 14336, 4096, torch.bfloat16, 132, (("PERSISTENT", 4), ("X_PAIRS", True)))
+    assert plan.kernel is quant.quant_gemv_persistent_kernel and plan.grid == (4 * 132,) and plan.n_chunks == 4
+    assert plan.meta["X_PAIRS"] and plan.meta["BLOCK_N"] == 16
+    plan = quant.launch_plan(4, 128, 1, 14336, 4096, torch.bfloat16, 132, (("PERSISTENT", 8),))
+    assert plan.grid == (896,)                                           # no more programs than row blocks
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 4, 16, 64])
 @pytest.mark.parametrize("nk", [(4096, 4096), (14336, 4096), (4096, 14336)])
