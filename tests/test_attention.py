@@ -393,6 +393,24 @@ def test_gpu_exp2_on_fma_pipe(parts, dtype):
 
 
 @pytest.mark.gpu
+def test_gpu_flex_peer_backward_retains_graph():
+    """The bench times a backward with retain_graph=True, twice on one graph: the FlexAttention
+    peer must allow it (compiled without donated buffers)."""
+    flex = attention_module._flex_peer()
+    if flex is None:
+        pytest.skip("no FlexAttention in this torch")
+    q, k, v = (_rand((1, 256, 2, 64), torch.bfloat16).requires_grad_(True) for _ in range(3))
+    out = flex(q, k, v, causal=True)
+    ref = attention_reference(q.double(), k.double(), v.double(), causal=True)
+    assert rel_err(out, ref) <= 1e-2
+    dout = torch.randn_like(out)
+    first = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    second = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
 def test_gpu_varlen_fp32_and_sdpa():
     lens = [1000, 0, 1, 517, 2048]
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
