@@ -440,6 +440,18 @@ def test_gpu_shapes_bf16(shape, fmt):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("config", [dict(PERSISTENT=1), dict(PERSISTENT=4, X_PAIRS=True),
+                                    dict(PERSISTENT=2, BLOCK_N=8, num_warps=2, NUM_STAGES=2, X_PAIRS=True),
+                                    dict(PERSISTENT=8, BLOCK_N=32, NUM_STAGES=4), dict(X_PAIRS=True)],
+                         ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+@pytest.mark.parametrize("nk", [(4096, 4096), (14336, 4096), (4096, 14336), (4097, 1024)])
+@pytest.mark.parametrize("g", [32, 128])
+def test_gpu_persistent_gemv_bf16(config, nk, g):
+    """The sweep's GEMV alternatives at its shapes (and a ragged N), bf16, bias."""
+    _check_launch(1, *nk, (4, g), torch.bfloat16, config)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("g", [32, 64, 128])
 @pytest.mark.parametrize("m,config", [(5, {}), (16, dict(BLOCK_K=128)), (33, {}), (33, dict(SWAP_AB=True, BLOCK_N=64)),
