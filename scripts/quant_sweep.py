@@ -35,31 +35,15 @@ from tilefuse.testing import rel_err
 DEVICE = "cuda"
 SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336)]
 GROUP_SIZE = 128
-# M = 1: the GEMV kernel's knobs, and the tensor-core kernel instead. "xp": bf16 x read as int32
-# pairs (X_PAIRS, int4); "pP": the persistent int4 GEMV with P programs per SM (PERSISTENT; never
-# more programs than row blocks: at N = 4096, 16-row blocks are persistent only at P = 1), 16 rows
-# x 1024 columns, 4 warps, 3 stages unless named. int4-only configs are left out of int8 runs.
+# M = 1: the GEMV kernel's knobs, and the tensor-core kernel instead. "no-xp": X_PAIRS off, bf16 x
+# loaded as bf16 and converted instead of read as int32 pairs (the default; int4 with bf16 x only,
+# so left out of other runs). 16 rows x 1024 columns, 4 warps, 3 stages unless named.
 GEMV_ALTERNATIVES = {
     "gemv-n8-w2": dict(PATH="gemv", BLOCK_N=8, num_warps=2),
     "gemv-n32": dict(PATH="gemv", BLOCK_N=32),
     "gemv-k-half": dict(PATH="gemv", BLOCK_K="half"),
     "gemv-s4": dict(PATH="gemv", NUM_STAGES=4),
-    "gemv-xp": dict(PATH="gemv", X_PAIRS=True),
-    "p1-xp": dict(PATH="gemv", PERSISTENT=1, X_PAIRS=True),
-    "p2-xp": dict(PATH="gemv", PERSISTENT=2, X_PAIRS=True),
-    "p4-xp": dict(PATH="gemv", PERSISTENT=4, X_PAIRS=True),
-    "p8-xp": dict(PATH="gemv", PERSISTENT=8, X_PAIRS=True),
-    "p4": dict(PATH="gemv", PERSISTENT=4),
-    "p1-xp-s4": dict(PATH="gemv", PERSISTENT=1, NUM_STAGES=4, X_PAIRS=True),
-    "p2-xp-s2": dict(PATH="gemv", PERSISTENT=2, NUM_STAGES=2, X_PAIRS=True),
-    "p4-xp-s2": dict(PATH="gemv", PERSISTENT=4, NUM_STAGES=2, X_PAIRS=True),
-    "p4-xp-s4": dict(PATH="gemv", PERSISTENT=4, NUM_STAGES=4, X_PAIRS=True),
-    "p1-xp-n8-w2": dict(PATH="gemv", PERSISTENT=1, BLOCK_N=8, num_warps=2, X_PAIRS=True),
-    "p2-xp-n8-w2": dict(PATH="gemv", PERSISTENT=2, BLOCK_N=8, num_warps=2, X_PAIRS=True),
-    "p4-xp-n8-w2": dict(PATH="gemv", PERSISTENT=4, BLOCK_N=8, num_warps=2, X_PAIRS=True),
-    "p8-xp-n8-w2": dict(PATH="gemv", PERSISTENT=8, BLOCK_N=8, num_warps=2, X_PAIRS=True),
-    "p2-xp-n32": dict(PATH="gemv", PERSISTENT=2, BLOCK_N=32, X_PAIRS=True),
-    "p4-xp-k-half": dict(PATH="gemv", PERSISTENT=4, BLOCK_K="half", X_PAIRS=True),
+    "gemv-no-xp": dict(PATH="gemv", X_PAIRS=False),
     "dot-n64": dict(PATH="dot", BLOCK_N=64),
 }
 # M = 4..64: tensor-core tile shapes, the operand order (W xᵀ "wx" / x Wᵀ "xw"), split-K on / off
@@ -120,10 +104,9 @@ def _full_config(cfg: dict, bits: int, x: torch.Tensor, n: int) -> dict:
     return cfg
 
 
-def _int4_only(cfg: dict) -> bool:
-    """PERSISTENT serves int4 only (an int8 run would only report the config error); X_PAIRS
-    changes nothing for int8."""
-    return bool(cfg.get("PERSISTENT") or cfg.get("X_PAIRS"))
+def _x_pairs_only(cfg: dict) -> bool:
+    """An X_PAIRS alternative (on or off) changes nothing but the int4 GEMV with bf16 x."""
+    return "X_PAIRS" in cfg
 
 
 def _plan_text(x, bits, n, cfg) -> str:
@@ -131,12 +114,8 @@ def _plan_text(x, bits, n, cfg) -> str:
     plan = quant.launch_plan(bits, GROUP_SIZE if bits == 4 else 0, m, n, k, x.dtype, quant.num_sms(x),
                              tuple(sorted(cfg.items())))
     meta = plan.meta
-    if plan.kernel is quant.quant_gemv_persistent_kernel:
-        path = "gemv-persistent"
-    elif plan.kernel is quant.quant_gemv_kernel:
-        path = "gemv"
-    else:
-        path = f"dot-{'wx' if meta['SWAP_AB'] else 'xw'} m{meta['BLOCK_M']}"
+    path = ("gemv" if plan.kernel is quant.quant_gemv_kernel
+            else f"dot-{'wx' if meta['SWAP_AB'] else 'xw'} m{meta['BLOCK_M']}")
     xp = " xpairs" if meta.get("X_PAIRS") else ""
     return (f"{path} n{meta['BLOCK_N']} k{meta['BLOCK_K']} s{meta['NUM_STAGES']} w{meta['num_warps']}{xp} "
             f"splits{plan.splits} grid{plan.grid}")
@@ -177,8 +156,8 @@ def sweep_shape(bits: int, m: int, n: int, k: int, copy_bw: float, args) -> dict
     print("  " + "  ".join(f"{p} {e:.1f} / {gr:.1f} us" for p, (e, gr) in peers.items()) + "   (e2e / graph)")
 
     alts = {} if args.quick else dict(GEMV_ALTERNATIVES if m == 1 else DOT_ALTERNATIVES)
-    if bits != 4:
-        alts = {name: cfg for name, cfg in alts.items() if not _int4_only(cfg)}
+    if bits != 4 or dtype != torch.bfloat16:
+        alts = {name: cfg for name, cfg in alts.items() if not _x_pairs_only(cfg)}
     if args.grid:                                   # the named alternatives replaced by a grid
         alts = {"-".join(f"{k}{v}" for k, v in cfg.items()): cfg for cfg in _grid(args.grid)}
     elif 1 < m <= quant.GEMV_MAX_ROWS and not args.quick:

@@ -331,6 +331,7 @@ def test_launch_plans_for_an_h100():
     assert quant.launch_plan(*args) is quant.launch_plan(*args)
     plan = quant.launch_plan(*args)
     assert plan.splits == 1 and plan.kernel is quant.quant_gemv_kernel and plan.grid == (256, 1)
+    assert plan.meta["X_PAIRS"] and plan.meta["BLOCK_N"] == 16 and plan.meta["BLOCK_K"] == 1024
     plan = quant.launch_plan(4, 128, 16, 4096, 4096, torch.bfloat16, 132)
     assert plan.meta["SWAP_AB"] and plan.grid == (64, 8) and plan.chunks_per_split == 4
     plan = quant.launch_plan(4, 128, 64, 4096, 4096, torch.bfloat16, 132)
@@ -340,72 +341,67 @@ def test_launch_plans_for_an_h100():
 
 
 # ------------------------------------------------------------------------------------------------
-# the persistent int4 GEMV (PERSISTENT = programs per SM) and X_PAIRS (bf16 x as int32 pairs)
+# X_PAIRS: bf16 x read as int32 pairs (on by default in the int4 GEMV)
 # ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("g", [32, 128])
-@pytest.mark.parametrize("n,groups,config", [
-    (100, 4, dict(PERSISTENT=1, BLOCK_K=1)),                     # 7 blocks of 16 (tail of 4) on 4 programs, 4 chunks
-    (100, 4, dict(PERSISTENT=1, BLOCK_K=2, BLOCK_N=8, num_warps=2)),  # 13 blocks of 8, 2 chunks of 2 groups
-    (77, 1, dict(PERSISTENT=1)),                                 # K = one group: one chunk per row block
-    (161, 2, dict(PERSISTENT=2, BLOCK_K=1, NUM_STAGES=2)),        # 11 blocks on 8 programs, 2 stages
-    (5, 2, dict(PERSISTENT=3)),                                  # one partial block: one program
-], ids=["n100-c4", "n100-n8-c2", "n77-c1", "n161-p2-s2", "n5"])
-@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
-def test_persistent_gemv(dtype, g, n, groups, config, bias):
-    """quant_gemv_persistent_kernel against the fp64 product: programs that walk several row blocks
-    (the interpreter's 4 stand-in SMs), a partial last block, K of one chunk or several (BLOCK_K
-    given in groups here), with and without bias; y starts NaN (conftest), so a row block that is
-    never stored fails. bf16 (GPU) reads x as int32 pairs."""
-    k = groups * g
-    config = dict(config, BLOCK_K=config.get("BLOCK_K", groups) * g, X_PAIRS=dtype == torch.bfloat16)
-    plan = _check_launch(1, n, k, (4, g), dtype, config, bias=bias)
-    blocks = -(-n // plan.meta["BLOCK_N"])
-    assert plan.kernel is quant.quant_gemv_persistent_kernel and plan.splits == 1
-    assert plan.grid == (min(blocks, config["PERSISTENT"] * 4),)
-    assert plan.n_chunks == k // plan.meta["BLOCK_K"]
-    assert plan.meta["X_PAIRS"] == (dtype == torch.bfloat16)
-
-
-@pytest.mark.parametrize("persistent", [0, 1], ids=["gemv", "persistent"])
-def test_x_pairs_is_bitwise_the_bf16_conversion(persistent):
+@pytest.mark.parametrize("m,config", [
+    (1, {}),                                                   # the default plan: one chunk of 8 groups
+    (1, dict(BLOCK_N=8, num_warps=2, BLOCK_K=64)),             # 8 one-group chunks
+    (1, dict(SPLITS=3, BLOCK_K=64)),                           # split-K, a ragged last split
+    (5, dict(PATH="gemv", BLOCK_K=128)),                       # several rows of x, one program each
+], ids=["default", "n8-c1", "split3", "m5"])
+def test_x_pairs_is_bitwise_the_bf16_conversion(m, config):
     """X_PAIRS reads bf16 x as int32 pairs (shift / mask to fp32): the very fp32 values the bf16
-    conversion gives, so y is bitwise equal, x spanning 40 decades. (The interpreter runs this
-    kernel's bf16 loads and stores correctly, so this runs on CPU too.)"""
+    conversion gives, so y is bitwise the same with it on (the default) and off, x spanning 40
+    decades. (The interpreter runs this kernel's bf16 loads and stores correctly, so this runs on
+    CPU too.)"""
     n, k, g = 70, 512, 64
     qw = quantize_weight(_weight(n, k, torch.bfloat16, k ** -0.5), 4, g)
-    x = (torch.randn(1, k, device=DEVICE) * torch.logspace(-20, 20, k, device=DEVICE)).bfloat16()
+    x = (torch.randn(m, k, device=DEVICE) * torch.logspace(-20, 20, k, device=DEVICE)).bfloat16()
     bias = torch.randn(n, device=DEVICE).bfloat16()
-    config = dict(PERSISTENT=persistent, BLOCK_N=16, BLOCK_K=128)
-    y = _launch(x, qw, bias, dict(config, X_PAIRS=True))
-    assert _plan(x, qw, dict(config, X_PAIRS=True)).meta["X_PAIRS"]
-    assert not _plan(x, qw, config).meta["X_PAIRS"]
-    assert torch.equal(y, _launch(x, qw, bias, config))
+    off = dict(config, X_PAIRS=False)
+    assert _plan(x, qw, config).meta["X_PAIRS"] and not _plan(x, qw, off).meta["X_PAIRS"]
+    y = _launch(x, qw, bias, config)
+    assert torch.equal(y, _launch(x, qw, bias, off))
     assert rel_err(y, _reference(x, qw, bias)) <= TOL[torch.bfloat16]
 
 
-def test_persistent_and_x_pairs_config_rules():
-    """PERSISTENT serves the int4 GEMV with one row and no split-K; anything else is a config
-    error, not a silent fallback. X_PAIRS applies to bf16 x only (other dtypes ignore it). The
-    default launch uses neither."""
+@pytest.mark.parametrize("m,view", [(1, "offset"), (3, "offset"), (3, "odd-stride")])
+def test_x_pairs_off_a_4_byte_boundary(m, view):
+    """A bf16 x whose rows do not start on 4-byte boundaries (a view one element in, or an odd row
+    stride) cannot be read as int32 pairs: the launcher reads it as bf16, the same y bit for bit."""
+    n, k, g = 24, 256, 32
+    qw = quantize_weight(_weight(n, k, torch.bfloat16, k ** -0.5), 4, g)
+    x = torch.randn(m, k, device=DEVICE).bfloat16()
+    wide = torch.zeros(m, k + 1, device=DEVICE, dtype=torch.bfloat16)       # rows of 257 elements
+    if view == "offset":
+        wide[:, 1:] = x
+        shifted = wide[:, 1:]
+    else:
+        wide[:, :k] = x
+        shifted = wide[:, :k]
+    assert quant._pairs_aligned(x) and not quant._pairs_aligned(shifted)
+    config = dict(PATH="gemv")
+    assert _plan(shifted, qw, config).meta["X_PAIRS"]                       # the plan is per shape
+    assert torch.equal(_launch(shifted, qw, None, config), _launch(x, qw, None, config))
+    if m == 1:
+        assert torch.equal(quant_linear(shifted, qw), quant_linear(x, qw))
+
+
+def test_x_pairs_config_rules():
+    """X_PAIRS is on in the default int4 GEMV plan for bf16 x (off with X_PAIRS=False); fp32 and
+    fp16 x, int8 and the dot kernel have no use for it."""
     qw4 = quantize_weight(_weight(40, 256, torch.float32), 4, 32)
-    qw8 = quantize_weight(_weight(40, 256, torch.float32), 8)
-    x1, x3 = torch.randn(1, 256, device=DEVICE), torch.randn(3, 256, device=DEVICE)
-    for x, qw, cfg in [(x1, qw8, {}), (x3, qw4, {}), (x1, qw4, dict(SPLITS=2)), (x1, qw4, dict(PATH="dot"))]:
-        with pytest.raises(ValueError, match="PERSISTENT serves"):
-            _launch(x, qw, config=dict(cfg, PERSISTENT=2))
-    assert not _plan(x1, qw4, dict(X_PAIRS=True)).meta["X_PAIRS"]        # fp32 x
-    assert _plan(x1.half(), quantize_weight(_weight(40, 256, torch.float16), 4, 32), dict(PERSISTENT=1, X_PAIRS=True)
-                 ).meta["X_PAIRS"] is False
-    default = quant.launch_plan(4, 128, 1, 14336, 4096, torch.bfloat16, 132)
-    assert default.kernel is quant.quant_gemv_kernel and not default.meta["X_PAIRS"]
-    plan = quant.launch_plan(4, 128, 1, 14336, 4096, torch.bfloat16, 132, (("PERSISTENT", 4), ("X_PAIRS", True)))
-    assert plan.kernel is quant.quant_gemv_persistent_kernel and plan.grid == (4 * 132,) and plan.n_chunks == 4
-    assert plan.meta["X_PAIRS"] and plan.meta["BLOCK_N"] == 16
-    plan = quant.launch_plan(4, 128, 1, 14336, 4096, torch.bfloat16, 132, (("PERSISTENT", 8),))
-    assert plan.grid == (896,)                                           # no more programs than row blocks
+    x1 = torch.randn(1, 256, device=DEVICE)
+    assert not _plan(x1, qw4, dict(X_PAIRS=True)).meta["X_PAIRS"]                   # fp32 x
+    assert not _plan(x1.half(), quantize_weight(_weight(40, 256, torch.float16), 4, 32)).meta["X_PAIRS"]
+    for n, k in [(4096, 4096), (14336, 4096), (4096, 14336)]:
+        default = quant.launch_plan(4, 128, 1, n, k, torch.bfloat16, 132)
+        assert default.kernel is quant.quant_gemv_kernel and default.meta["X_PAIRS"]
+        assert not quant.launch_plan(4, 128, 1, n, k, torch.bfloat16, 132, (("X_PAIRS", False),)).meta["X_PAIRS"]
+    assert not quant.launch_plan(8, 0, 1, 4096, 4096, torch.bfloat16, 132).meta["X_PAIRS"]       # int8
+    assert "X_PAIRS" not in quant.launch_plan(4, 128, 16, 4096, 4096, torch.bfloat16, 132).meta  # dot kernel
 
 
 @pytest.mark.gpu
@@ -440,14 +436,14 @@ def test_gpu_shapes_bf16(shape, fmt):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [dict(PERSISTENT=1), dict(PERSISTENT=4, X_PAIRS=True),
-                                    dict(PERSISTENT=2, BLOCK_N=8, num_warps=2, NUM_STAGES=2, X_PAIRS=True),
-                                    dict(PERSISTENT=8, BLOCK_N=32, NUM_STAGES=4), dict(X_PAIRS=True)],
-                         ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+@pytest.mark.parametrize("config", [{}, dict(X_PAIRS=False), dict(BLOCK_N=8, num_warps=2),
+                                    dict(BLOCK_N=8, num_warps=2, X_PAIRS=False), dict(BLOCK_N=32, NUM_STAGES=4)],
+                         ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()) or "default")
 @pytest.mark.parametrize("nk", [(4096, 4096), (14336, 4096), (4096, 14336), (4097, 1024)])
 @pytest.mark.parametrize("g", [32, 128])
-def test_gpu_persistent_gemv_bf16(config, nk, g):
-    """The sweep's GEMV alternatives at its shapes (and a ragged N), bf16, bias."""
+def test_gpu_gemv_x_pairs_bf16(config, nk, g):
+    """The sweep's GEMV configs at its shapes (and a ragged N), bf16, bias: X_PAIRS on (the
+    default) and off."""
     _check_launch(1, *nk, (4, g), torch.bfloat16, config)
 
 

@@ -25,7 +25,7 @@ Reading the weight (the fp weight is never materialized; instruction counts are 
   operand ptxas fuses mask and OR into one LOP3 (with two immediates it takes two). sm_90 SASS of
   the default loops: 4.6 instructions per int4 weight value (GEMV; 1 LOP3, 2 FFMA, the rest x
   conversion and reductions), 6.5 (tensor-core kernel, 16 rows; 6.2 with 64), 5.6 int8 GEMV.
-  A bf16 x read as int32 pairs (X_PAIRS, :func:`_x_chunk`) takes the int4 GEMV to 4.4.
+  A bf16 x read as int32 pairs (X_PAIRS, :func:`_x_chunk`, on by default) takes the int4 GEMV to 4.4.
 * Loads are software-pipelined (``tl.range(num_stages=...)``: cp.async into shared memory). The
   int4 scales / zero points of a chunk (``[BLOCK_N, GROUPS]``, too narrow for cp.async) are
   prefetched one loop step ahead in registers.
@@ -34,9 +34,10 @@ Kernels:
 
 * :func:`quant_gemv_kernel` -- one row of x per program, fp32 FMA on CUDA cores (decode, M = 1:
   no tensor-core tile to pad). int4: ``sum_g s[g] * (sum_{k in g} q[k] x[k] - z[g] * sum_{k in g}
-  x[k])``: the planes need no per-group zero point, only constants.
-* :func:`quant_gemv_persistent_kernel` -- the same int4 step (M = 1, no split-K) on a persistent
-  grid: one software-pipelined loop over a program's (row block, K chunk) units.
+  x[k])``: the planes need no per-group zero point, only constants. A persistent variant
+  (programs walking row blocks in one pipelined loop) measured no gain on the H200, 2026-11-24
+  (6.5 / 14.6 / 15.4 us at best against 6.6 / 14.1 / 15.8, int4 g128 at N×K = 4096², 14336×4096,
+  4096×14336), and was removed.
 * :func:`quant_dot_kernel` -- tensor cores, any M: ``yᵀ[BLOCK_N, BLOCK_M] = W_tile @ x_tileᵀ``
   (SWAP_AB: the weight rows are the MMA's M side, so a decode batch of 2..32 rows pads only to
   16) or ``y = x_tile @ W_tileᵀ`` (64+ rows). The dequantized tile is ``(q - z) * s`` rounded to
@@ -195,19 +196,12 @@ def _group_params(scales_ptr, zeros_ptr, sz_rows, row_mask, chunk, n_chunks, GRO
 
 
 @triton.jit
-def _int4_words(qw_ptr, rows, row_mask, chunk, valid, WORDS: tl.constexpr):
-    """``[BLOCK_N, WORDS]`` int32 words (8 int4 values each) of K chunk ``chunk`` of the rows at byte
-    offsets ``rows``; 0 where a row is masked or the chunk is not ``valid``."""
-    return tl.load(qw_ptr.to(tl.pointer_type(tl.int32)) + (rows // 4)[:, None]
-                   + (chunk * WORDS + tl.arange(0, WORDS))[None, :], mask=row_mask[:, None] & valid, other=0)
-
-
-@triton.jit
 def _x_chunk(x_row, chunk, valid, GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr, X_PAIRS: tl.constexpr):
     """``[GROUPS, GROUP_SIZE]`` fp32 x of K chunk ``chunk``; 0 if not ``valid``. X_PAIRS (bf16 x): read
     as int32 pairs; a bf16 is the top half of an fp32, so the even k is ``pair << 16`` and the odd
     k ``pair & 0xFFFF0000``: one instruction per value (the same values) where converting bf16
-    takes a PRMT and a shift for every second one."""
+    takes a PRMT and a shift for every second one. The row must start on a 4-byte boundary (the
+    launcher turns X_PAIRS off for an x that does not)."""
     if X_PAIRS:
         pairs = tl.load(x_row.to(tl.pointer_type(tl.int32)) + chunk * (GROUPS * GROUP_SIZE // 2)
                         + tl.arange(0, GROUPS)[:, None] * (GROUP_SIZE // 2) + tl.arange(0, GROUP_SIZE // 2)[None, :],
@@ -218,17 +212,6 @@ def _x_chunk(x_row, chunk, valid, GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr
     else:
         return tl.load(x_row + chunk * (GROUPS * GROUP_SIZE) + tl.arange(0, GROUPS)[:, None] * GROUP_SIZE
                        + tl.arange(0, GROUP_SIZE)[None, :], mask=valid, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _int4_group_dots(words, x_row, chunk, valid, z, magic, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
-                     GROUP_SIZE: tl.constexpr, X_PAIRS: tl.constexpr):
-    """The GEMV's K step: ``[BLOCK_N, GROUPS]`` fp32 ``sum_{k in g} q[n, k] x[k] - z[n, g] sum_{k in g}
-    x[k]`` for the groups g of K chunk ``chunk``, ``words`` from :func:`_int4_words`, x read here
-    (:func:`_x_chunk`). The products ``q * x`` are exact; the planes need no zero point."""
-    q = tl.reshape(_join_nibbles(words, magic, 0.0, 1.0, False), (BLOCK_N, GROUPS, GROUP_SIZE))
-    xg = _x_chunk(x_row, chunk, valid, GROUPS, GROUP_SIZE, X_PAIRS)
-    return tl.sum(q * xg[None, :, :], axis=2) - z * tl.sum(xg, axis=1)[None, :]
 
 
 @triton.jit
@@ -272,7 +255,7 @@ def quant_gemv_kernel(
     INT8_WORDS: tl.constexpr,     # int8: read the weight as int32 words (K % 4 == 0)
     HAS_BIAS: tl.constexpr,
     SPLIT: tl.constexpr,          # write fp32 partials (more than one split) instead of y
-    X_PAIRS: tl.constexpr,        # int4, bf16 x: read x as int32 pairs (see _x_parts)
+    X_PAIRS: tl.constexpr,        # int4, bf16 x: read x as int32 pairs (see _x_chunk)
     BLOCK_N: tl.constexpr,        # weight rows per program
     BLOCK_K: tl.constexpr,        # K columns per loop step
     NUM_STAGES: tl.constexpr,     # software-pipeline depth of the K loop
@@ -299,9 +282,11 @@ def quant_gemv_kernel(
             valid = chunk < n_chunks
             z, s = z_next, s_next                   # this chunk's; the next chunk's are read now
             z_next, s_next = _group_params(scales_ptr, zeros_ptr, sz_rows, row_mask, chunk + 1, n_chunks, GROUPS)
-            words = _int4_words(qw_ptr, rows, row_mask, chunk, valid, WORDS)
-            group_dot = _int4_group_dots(words, x_row, chunk, valid, z, magic_bits, BLOCK_N, GROUPS, GROUP_SIZE,
-                                         X_PAIRS)                                        # [BLOCK_N, GROUPS]
+            words = tl.load(qw_ptr.to(tl.pointer_type(tl.int32)) + (rows // 4)[:, None]
+                            + (chunk * WORDS + tl.arange(0, WORDS))[None, :], mask=row_mask[:, None] & valid, other=0)
+            q = tl.reshape(_join_nibbles(words, magic_bits, 0.0, 1.0, False), (BLOCK_N, GROUPS, GROUP_SIZE))
+            xg = _x_chunk(x_row, chunk, valid, GROUPS, GROUP_SIZE, X_PAIRS)                # [GROUPS, GROUP_SIZE]
+            group_dot = tl.sum(q * xg[None, :, :], axis=2) - z * tl.sum(xg, axis=1)[None, :]     # [BLOCK_N, GROUPS]
             acc += tl.sum(group_dot * s, axis=1)
         else:
             k0 = chunk * BLOCK_K
@@ -314,91 +299,6 @@ def quant_gemv_kernel(
         acc *= tl.load(scales_ptr + offs_n, mask=row_mask, other=0.0).to(tl.float32)
     _write_out(acc[:, None], offs_n, m + tl.arange(0, 1), pid_s, M, N, bias_ptr, y_ptr, partial_ptr, stride_ym,
                HAS_BIAS, SPLIT)
-
-
-@triton.jit
-def _block_bias(bias_ptr, offs_n, N, needed, HAS_BIAS: tl.constexpr):
-    """fp32 ``bias[offs_n]`` where ``needed`` (the unit is its row block's last chunk), else 0: read
-    one unit ahead of the store, so the store does not wait on it."""
-    if HAS_BIAS:
-        return tl.load(bias_ptr + offs_n, mask=(offs_n < N) & needed, other=0.0).to(tl.float32)
-    else:
-        return tl.zeros(offs_n.shape, dtype=tl.float32)
-
-
-@fast_launch
-@triton.jit
-def quant_gemv_persistent_kernel(
-    x_ptr,              # *x [1, K], unit K stride, fp32/fp16/bf16
-    qw_ptr,             # *packed int4 weight uint8 [N, K/2], 4-byte aligned
-    scales_ptr,         # *scales [N, K/GROUP_SIZE], x's dtype
-    zeros_ptr,          # *zero points uint8 [N, K/GROUP_SIZE]
-    bias_ptr,           # *bias [N] (read only when HAS_BIAS)
-    y_ptr,              # *y [1, N], x's dtype
-    N,                  # output features
-    stride_qn,          # bytes between rows of the packed weight (a multiple of 4)
-    stride_sn,          # elements between rows of scales / zeros (K / GROUP_SIZE)
-    n_chunks,           # BLOCK_K chunks of K (whole groups each)
-    magic_bits,         # MAGIC_BITS (see quant_gemv_kernel)
-    GROUP_SIZE: tl.constexpr,     # int4 group along K; BLOCK_K is a multiple of it
-    HAS_BIAS: tl.constexpr,
-    X_PAIRS: tl.constexpr,        # bf16 x read as int32 pairs (see _x_parts)
-    BLOCK_N: tl.constexpr,        # weight rows per row block
-    BLOCK_K: tl.constexpr,        # K columns per loop step
-    NUM_STAGES: tl.constexpr,     # software-pipeline depth of the (row block, chunk) loop
-):
-    """``y[n] = sum_g s[n, g] * (sum_{k in g} q[n, k] x[k] - z[n, g] sum_{k in g} x[k]) (+ bias[n])``
-    for one row of x, the step math of :func:`quant_gemv_kernel` (int4 only, no split-K).
-
-    Persistent: program ``p`` of ``P`` takes the row blocks ``p, p + P, ...`` and runs ONE loop
-    over its (row block, chunk) units, so the software pipeline's copies run on into the next row
-    block (the fill is paid once per program, not once per row block). The per-group sums
-    ``s * (...)`` accumulate as ``[BLOCK_N, GROUPS]`` (one per thread at 16 x 1024) and are summed
-    over the groups once per row block, at its store."""
-    pid = tl.program_id(0)
-    n_progs = tl.num_programs(0)
-    GROUPS: tl.constexpr = BLOCK_K // GROUP_SIZE
-    WORDS: tl.constexpr = BLOCK_K // 8
-    units = tl.cdiv(tl.cdiv(N, BLOCK_N) - pid, n_progs) * n_chunks
-    # each load is a scalar pointer (row block) plus a loop-invariant int32 offset tile: the 64-bit
-    # per-element address arithmetic of row * stride stays out of the loop
-    rows = tl.arange(0, BLOCK_N)
-    w_rows = rows * stride_qn
-    sz_rows = rows * stride_sn
-    # the loads' counters (block, chunk) and the epilogue's (block_c, chunk_c) are separate: one
-    # value used by both would tie the next unit's loads to this unit's store
-    block = pid
-    chunk = 0
-    block_c = pid
-    chunk_c = 0
-    sz = (block * BLOCK_N).to(tl.int64) * stride_sn
-    z_next, s_next = _group_params(scales_ptr + sz, zeros_ptr + sz, sz_rows, block * BLOCK_N + rows < N, 0, n_chunks,
-                                   GROUPS)
-    b_next = _block_bias(bias_ptr, block * BLOCK_N + rows, N, n_chunks == 1, HAS_BIAS)
-    acc = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
-    for _ in tl.range(0, units, num_stages=NUM_STAGES):
-        row0 = block * BLOCK_N
-        words = _int4_words(qw_ptr + row0.to(tl.int64) * stride_qn, w_rows, row0 + rows < N, chunk, True, WORDS)
-        z, s = z_next, s_next                   # this unit's; the next unit's are read now
-        group_dot = _int4_group_dots(words, x_ptr, chunk, True, z, magic_bits, BLOCK_N, GROUPS, GROUP_SIZE,
-                                     X_PAIRS)                                            # [BLOCK_N, GROUPS]
-        last = chunk == n_chunks - 1
-        block = tl.where(last, block + n_progs, block)
-        chunk = tl.where(last, 0, chunk + 1)
-        row0 = block * BLOCK_N
-        sz = row0.to(tl.int64) * stride_sn
-        z_next, s_next = _group_params(scales_ptr + sz, zeros_ptr + sz, sz_rows, row0 + rows < N, chunk, n_chunks,
-                                       GROUPS)
-        b, b_next = b_next, _block_bias(bias_ptr, row0 + rows, N, chunk == n_chunks - 1, HAS_BIAS)
-        # a row block's first chunk restarts its sums, its last stores them
-        acc = tl.where(chunk_c == 0, 0.0, acc) + group_dot * s
-        if chunk_c == n_chunks - 1:
-            _write_out((tl.sum(acc, axis=1) + b)[:, None], block_c * BLOCK_N + rows, tl.arange(0, 1), 0, 1, N,
-                       bias_ptr, y_ptr, y_ptr, 0, False, False)
-            block_c += n_progs
-            chunk_c = 0
-        else:
-            chunk_c += 1
 
 
 @fast_launch

@@ -44,8 +44,7 @@ from .._checks import check_same_device, check_same_dtype, check_shape, check_te
 from .._dispatch import cdiv, empty, interpreting, next_power_of_2, num_sms, rows_view, use_triton
 from .._op import custom_op
 from ..registry import Inputs, OpSpec, register
-from ._quant_kernels import (MAGIC_BITS, quant_dot_kernel, quant_gemv_kernel, quant_gemv_persistent_kernel,
-                             splitk_reduce_kernel)
+from ._quant_kernels import MAGIC_BITS, quant_dot_kernel, quant_gemv_kernel, splitk_reduce_kernel
 
 SUPPORTED_BITS = (4, 8)
 INT4_GROUP_SIZES = (32, 64, 128)
@@ -157,12 +156,12 @@ GEMV_MAX_ROWS = 8          # quant_gemv_kernel takes up to this many rows (one p
 SKINNY_MAX_ROWS = 64       # up to here the dot kernel pads M to a 16..64-row tile; above: 128
 REDUCE_BLOCK_N = 256       # columns per program of the split-K reduction
 CONFIG_KEYS = ("PATH", "SWAP_AB", "BLOCK_M", "BLOCK_N", "BLOCK_K", "NUM_STAGES", "num_warps", "SPLITS", "PACKED",
-               "PERSISTENT", "X_PAIRS")
+               "X_PAIRS")
 
 
 class LaunchPlan(NamedTuple):
     """Everything a call of a given shape launches with (cached per shape by :func:`launch_plan`)."""
-    kernel: object             # quant_gemv_kernel, quant_gemv_persistent_kernel or quant_dot_kernel
+    kernel: object             # quant_gemv_kernel or quant_dot_kernel
     grid: tuple
     splits: int                # > 1: fp32 partials, then splitk_reduce_kernel
     n_chunks: int              # BLOCK_K chunks of K
@@ -184,39 +183,34 @@ def _gemv_config(bits: int, n: int, sms: int) -> dict:
     """16 weight rows x 1024 (int4) / 512 (int8) columns per loop step: 8 KiB of weight and 128
     values per thread (4 warps), few enough registers for 4-5 programs per SM; 3 steps in flight.
     8 rows (2 warps) when N is too small to give every SM a program. Instruction counts (sm_90
-    SASS of the loop, per weight value): 4.6 int4, 5.6 int8.
+    SASS of the loop, per weight value): 4.6 int4 (4.4 with bf16 x read as int32 pairs, X_PAIRS:
+    :func:`_x_pairs`), 5.6 int8.
 
-    Not (yet) the default, for a GPU sweep to decide: PERSISTENT > 0, the persistent int4 kernel
-    (:func:`_persistent`); X_PAIRS, bf16 x read as int32 pairs (:func:`_x_pairs`)."""
+    A persistent variant (programs walking row blocks in one pipelined loop) measured no gain on
+    the H200, 2026-11-24 (6.5 / 14.6 / 15.4 us at best at N×K = 4096², 14336×4096, 4096×14336,
+    int4 g128), and was removed."""
     if cdiv(n, 16) >= sms:
         return dict(PATH="gemv", BLOCK_N=16, BLOCK_K=1024 if bits == 4 else 512, NUM_STAGES=3, num_warps=4,
-                    PERSISTENT=0, X_PAIRS=False)
+                    X_PAIRS=True)
     return dict(PATH="gemv", BLOCK_N=8, BLOCK_K=1024 if bits == 4 else 512, NUM_STAGES=3, num_warps=2,
-                PERSISTENT=0, X_PAIRS=False)
-
-
-def _persistent(cfg: dict, bits: int, m: int) -> bool:
-    """The persistent GEMV (``quant_gemv_persistent_kernel``) when the config asks for it; it
-    serves int4 with one row of x and no split-K (anything else is a config error)."""
-    if not cfg.get("PERSISTENT"):
-        return False
-    if cfg["PATH"] != "gemv" or bits != 4 or m != 1 or (cfg.get("SPLITS") or 1) > 1:
-        raise ValueError(f"config: PERSISTENT serves the int4 GEMV with M = 1 and no SPLITS; got PATH "
-                         f"{cfg['PATH']!r}, int{bits}, M = {m}, SPLITS {cfg.get('SPLITS')}")
-    return True
-
-
-def _persistent_programs(row_blocks: int, per_sm: int, sms: int) -> int:
-    """PERSISTENT programs per SM, each walking the row blocks ``p, p + programs, ...``; never more
-    programs than row blocks (an idle program would only launch)."""
-    return min(row_blocks, per_sm * sms)
+                X_PAIRS=True)
 
 
 def _x_pairs(cfg: dict, bits: int, dtype: torch.dtype) -> bool:
-    """X_PAIRS (int4 GEMV): bf16 x read as int32 pairs, one shift or mask per value instead of a
-    PRMT and a shift per two (sm_90 loop: 4.41 against 4.57 instructions per weight value), the same
-    fp32 values. Only bf16 has the layout; other dtypes ignore the key."""
+    """X_PAIRS (int4 GEMV, on by default; ``X_PAIRS=False`` turns it off): bf16 x read as int32
+    pairs, one shift or mask per value instead of a PRMT and a shift per two (sm_90 loop: 4.41
+    against 4.57 instructions per weight value), the same fp32 values, so y is bitwise the same.
+    H200, 2026-11-24 (graph time, weights from DRAM, int4 g128): 6.6 / 14.1 / 15.8 -> 6.5 / 13.9 /
+    15.6 us at N×K = 4096², 14336×4096, 4096×14336, about 1-1.5 % faster at all three. Only bf16
+    has the layout; other dtypes ignore the key. An x whose rows are off 4-byte boundaries is read
+    as bf16 instead (:func:`_pairs_aligned`)."""
     return bool(cfg.get("X_PAIRS")) and bits == 4 and dtype == torch.bfloat16
+
+
+def _pairs_aligned(x2: torch.Tensor) -> bool:
+    """Every row of x starts on a 4-byte boundary, as X_PAIRS's int32 loads need (a bf16 view off
+    one, e.g. ``x[..., 1:]``, does not)."""
+    return x2.data_ptr() % 4 == 0 and (x2.shape[0] == 1 or x2.stride(0) % 2 == 0)
 
 
 def _dot_config(m: int, dtype: torch.dtype) -> dict:
@@ -299,11 +293,6 @@ def launch_plan(bits: int, group_size: int, m: int, n: int, k: int, dtype: torch
     block_k = _int4_block_k(cfg["BLOCK_K"], group_size, k // group_size) if bits == 4 else cfg["BLOCK_K"]
     n_chunks = cdiv(k, block_k)
     block_n = cfg["BLOCK_N"]
-    if _persistent(cfg, bits, m):
-        meta = dict(GROUP_SIZE=group_size, X_PAIRS=_x_pairs(cfg, bits, dtype), BLOCK_N=block_n, BLOCK_K=block_k,
-                    NUM_STAGES=cfg["NUM_STAGES"], num_warps=cfg["num_warps"])
-        grid = (_persistent_programs(cdiv(n, block_n), cfg["PERSISTENT"], sms),)
-        return LaunchPlan(quant_gemv_persistent_kernel, grid, 1, n_chunks, n_chunks, meta)
     meta = dict(BITS=bits, GROUP_SIZE=group_size, INT8_WORDS=bits == 8 and k % 4 == 0)
     swap_ab = False
     if cfg["PATH"] == "gemv":
@@ -339,17 +328,14 @@ def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, bits: int, group_siz
     partial = empty((plan.splits, m, n), torch.float32, x2.device) if split else y
     zeros_arg = zeros if zeros is not None else qweight   # never read for int8
     bias_arg = bias if bias is not None else y            # never read without HAS_BIAS
-    if plan.kernel is quant_gemv_persistent_kernel:      # int4, one row, one launch
-        plan.kernel[plan.grid](
-            x2, qweight, scales, zeros, bias_arg, y, n, qweight.stride(0), scales.stride(0), plan.n_chunks,
-            MAGIC_BITS, **plan.meta, HAS_BIAS=bias is not None,
-        )
-        return y
+    meta = plan.meta
+    if meta.get("X_PAIRS") and not _pairs_aligned(x2):
+        meta = dict(meta, X_PAIRS=False)                  # read as bf16: the same values, no copy of x
     plan.kernel[plan.grid](
         x2, qweight, scales, zeros_arg, bias_arg, y, partial, m, n, k,
         x2.stride(0), qweight.stride(0), scales.stride(0), y.stride(0),
         plan.n_chunks, plan.chunks_per_split, MAGIC_BITS,
-        **plan.meta, HAS_BIAS=bias is not None and not split, SPLIT=split,
+        **meta, HAS_BIAS=bias is not None and not split, SPLIT=split,
     )
     if split:
         splitk_reduce_kernel[(m, cdiv(n, REDUCE_BLOCK_N))](
