@@ -108,9 +108,9 @@ def exp2_fma(x):
 
 @triton.jit
 def _exp2_halves(x, ROWS: tl.constexpr, COLS: tl.constexpr, FMA_PARTS: tl.constexpr):
-    """exp2 of ``x [ROWS, COLS]`` with 1/FMA_PARTS of the columns (2 or 4) on the FMA pipe: the
-    column halves are split on the highest column bit (a register bit of the MMA accumulator
-    layout: no data moves), the upper half recursively for FMA_PARTS = 4."""
+    """exp2 of ``x [ROWS, COLS]`` with 1/FMA_PARTS of the columns on the FMA pipe: the column
+    halves are split on the highest column bit (a register bit of the MMA accumulator layout: no
+    data moves), the upper half again for FMA_PARTS > 2."""
     lo, hi = tl.split(tl.permute(tl.reshape(x, (ROWS, 2, COLS // 2)), (0, 2, 1)))
     e_lo = tl.exp2(lo)
     if FMA_PARTS == 2:

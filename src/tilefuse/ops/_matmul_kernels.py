@@ -81,17 +81,6 @@ def _split_k_fixup(acc, ws_ptr, lock_ptr, tile_id, split, SPLIT_K: tl.constexpr,
 
 
 @triton.jit
-def _residual_tile(residual_ptr, off_m, off_n, M, N, stride_rm, stride_rn,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The residual's [BLOCK_M, BLOCK_N] tile at (off_m, off_n) in fp32 (0 outside [M, N])."""
-    rows = (off_m + tl.arange(0, BLOCK_M)).to(tl.int64)
-    cols = (off_n + tl.arange(0, BLOCK_N)).to(tl.int64)
-    mask = (rows < M)[:, None] & (cols < N)[None, :]
-    res = tl.load(residual_ptr + rows[:, None] * stride_rm + cols[None, :] * stride_rn, mask=mask, other=0.0)
-    return res.to(tl.float32)
-
-
-@triton.jit
 def _matmul_epilogue(acc, c_desc, bias_ptr, residual_ptr, preact_ptr, c_ptr, off_m, off_n, M, N,
                      stride_cm, stride_cn, stride_rm, stride_rn, stride_pm, stride_pn,
                      HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
@@ -112,7 +101,9 @@ def _matmul_epilogue(acc, c_desc, bias_ptr, residual_ptr, preact_ptr, c_ptr, off
                  z.to(preact_ptr.dtype.element_ty), mask=mask)
     y = activation_fwd(z, ACT, c_ptr.dtype.element_ty == tl.float32)
     if HAS_RESIDUAL:
-        y += _residual_tile(residual_ptr, off_m, off_n, M, N, stride_rm, stride_rn, BLOCK_M, BLOCK_N)
+        res = tl.load(residual_ptr + rows_c[:, None] * stride_rm + cols_c[None, :] * stride_rn,
+                      mask=mask, other=0.0)
+        y += res.to(tl.float32)
     y = y.to(c_ptr.dtype.element_ty)
     if STORE_TMA:
         if STORE_SPLIT == 2:    # two [BLOCK_M, BLOCK_N / 2] stores: half the staging buffer
@@ -521,9 +512,9 @@ def _matmul_plan(m: int, n: int, k: int, dtype: torch.dtype, out_dtype: torch.dt
     if split < 1:
         raise ValueError(f"config: SPLIT_K must be >= 1, got {split}")
     flatten = flatten and split == 1    # (the split-K arrival must not be pipelined across units)
-    has_bias, act, has_res, save_preact = epilogue
     tiles = cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"])
     programs = max(1, min(sms, tiles * split))
+    has_bias, act, has_res, save_preact = epilogue
     ints = (m, n, k, *a_strides, *b_strides, n, 1, *res_strides, n, 1)   # out and preact: row-major [M, N]
     kwargs = dict(
         HAS_BIAS=has_bias, ACT=act, HAS_RESIDUAL=has_res, SAVE_PREACT=save_preact,
