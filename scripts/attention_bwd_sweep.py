@@ -47,13 +47,6 @@ CONFIGS = {
                   BLOCK_M2=64, BLOCK_N2=64, num_warps_dq=4, num_stages_dq=3),
         "F": dict(BLOCK_M1=64, BLOCK_N1=128, num_warps=8, num_stages=3,
                   BLOCK_M2=128, BLOCK_N2=128, num_warps_dq=8, num_stages_dq=2),
-        # dq in the dk/dv kernel (dq_mode "tma": TMA reduce-add of each [BLOCK_M1, D] share into
-        # an fp32 accumulator; "atomic": red.add.v4 per element). Stack bytes from ptxas on sm_90a.
-        "T64x64": dict(dq_mode="tma", BLOCK_M1=64, BLOCK_N1=64, num_warps=4, num_stages=3),     # 16 B
-        "T64x128": dict(dq_mode="tma", BLOCK_M1=64, BLOCK_N1=128, num_warps=8, num_stages=2),   # 0
-        "T32x128": dict(dq_mode="tma", BLOCK_M1=32, BLOCK_N1=128, num_warps=8, num_stages=2),   # 0
-        "T32x64": dict(dq_mode="tma", BLOCK_M1=32, BLOCK_N1=64, num_warps=4, num_stages=3),     # 0
-        "R64x128": dict(dq_mode="atomic", BLOCK_M1=64, BLOCK_N1=128, num_warps=8, num_stages=2),
     },
     128: {
         "A": {},
@@ -72,16 +65,8 @@ CONFIGS = {
                   BLOCK_M2=128, BLOCK_N2=64, num_warps_dq=8, num_stages_dq=2),
         "G": dict(BLOCK_M1=16, BLOCK_N1=128, num_warps=8, num_stages=2,
                   BLOCK_M2=128, BLOCK_N2=32, num_warps_dq=8, num_stages_dq=2),
-        # dq in the dk/dv kernel (as for D = 64); stack bytes from ptxas on sm_90a
-        "T64": dict(dq_mode="tma", BLOCK_M1=64, BLOCK_N1=128, num_warps=8, num_stages=2),       # 296
-        "T32": dict(dq_mode="tma", BLOCK_M1=32, BLOCK_N1=128, num_warps=8, num_stages=3),       # 0
-        "T32s2": dict(dq_mode="tma", BLOCK_M1=32, BLOCK_N1=128, num_warps=8, num_stages=2),     # 40
-        "T16": dict(dq_mode="tma", BLOCK_M1=16, BLOCK_N1=128, num_warps=8, num_stages=2),       # 0
-        "R32": dict(dq_mode="atomic", BLOCK_M1=32, BLOCK_N1=128, num_warps=8, num_stages=3),
     },
 }
-
-
 BUDGET_S = 160.0   # --budget
 
 

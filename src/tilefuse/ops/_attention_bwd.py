@@ -43,8 +43,6 @@ from ._attention_fwd_kernels import head_block
 # SPLIT_LOOPS default (launch config key "split_loops"): off until the H100 sweep's B-split /
 # A-ptr-split rows (scripts/attention_bwd_sweep.py) say the split loops are faster
 DEFAULT_SPLIT_LOOPS = False
-# dq_mode() default: "kernel" until the H200 sweep (scripts/attention_bwd_sweep.py) times the others
-DEFAULT_DQ_MODE = "kernel"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -94,22 +92,6 @@ def dq_config(d_pad: int, dtype: torch.dtype, use_tma: bool) -> dict:
     return dict(BLOCK_M2=128, BLOCK_N2=32, num_warps_dq=8, num_stages_dq=3)      # with the dk/dv tiles above
 
 
-DQ_MODES = {"kernel": 0, "atomic": 1, "tma": 2}   # launch config key "dq_mode" -> DQ_MODE
-
-
-def dq_mode(q: torch.Tensor, deterministic: bool, requested: str | None) -> int:
-    """Where dq is computed: in its own kernel (0, which recomputes S, P and dP per query block:
-    7 GEMMs of [block, block, D] per block pair instead of 5, but no atomics, so bitwise
-    reproducible), or in the dk/dv kernel, added into an fp32 accumulator atomically: one TMA
-    reduce-add per tile on sm_90+ (2), element-wise red.add elsewhere (1). ``deterministic``
-    forces 0; a requested mode that cannot run here falls back to the next one down."""
-    mode = 0 if deterministic else DQ_MODES[requested or DEFAULT_DQ_MODE]
-    # TMA needs 16-byte aligned fp32 rows: H_q·D a multiple of 4 in the contiguous accumulator
-    if mode == 2 and not (is_hopper_or_newer(q) and (q.shape[-2] * q.shape[-1]) % 4 == 0):
-        mode = 1
-    return mode
-
-
 def tma_eligible(*tensors: torch.Tensor) -> bool:
     """The default load path: TMA descriptors where they work (sm_90+, 16-byte aligned bases and
     row strides, which D a multiple of 8 in 16-bit types gives for the usual layouts; checked,
@@ -157,22 +139,22 @@ def attention_backward(
 ):
     """(dq, dk, dv) of attention (layouts and masking: ``_attention_common``), in q's / k's / v's
     dtype and shape, contiguous. Inputs are assumed validated by the public API. No atomics are
-    used with ``deterministic`` (dq_mode()), so the result is then bitwise reproducible."""
+    used, so the result is bitwise reproducible whether or not ``deterministic`` is set."""
     return launch_attention_backward(
         do, q, k, v, out, lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, scale=scale,
-        window_left=window_left, window_right=window_right, softcap=softcap, deterministic=deterministic)
+        window_left=window_left, window_right=window_right, softcap=softcap)
 
 
 def launch_attention_backward(
     do, q, k, v, out, lse, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
     max_seqlen_k=None, scale: float, window_left=None, window_right=None, softcap: float = 0.0,
-    deterministic: bool = False, config: dict | None = None,
+    config: dict | None = None,
 ):
     """:func:`attention_backward` with an optional launch ``config`` overriding the keys of
     :func:`dkdv_config` / :func:`dq_config` (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps,
     num_stages for the dk/dv kernel, num_warps_dq, num_stages_dq; use_tma; split_loops: the
-    SPLIT_LOOPS variant of both kernels; dq_mode: a key of DQ_MODES) -- tests and the sweep."""
+    SPLIT_LOOPS variant of both kernels) -- tests and the sweep."""
     varlen = cu_seqlens_q is not None
     q, k, v, do, out = (_unit_last_dim(t) for t in (q, k, v, do, out))
     head_dim = q.shape[-1]
@@ -202,10 +184,9 @@ def launch_attention_backward(
         use_tma = tma_eligible(q, k, v, do)
     elif use_tma and q.device.type == "cuda":
         use_tma = tma_eligible(q, k, v, do)   # asked for, but not possible here: pointer loads
-    cfg = {**dkdv_config(d_pad, q.dtype, use_tma), **dq_config(d_pad, q.dtype, use_tma), **(config or {})}
-    mode = dq_mode(q, deterministic, cfg.get("dq_mode"))
-    if use_tma or mode == 2:
+    if use_tma:
         use_device_descriptors()
+    cfg = {**dkdv_config(d_pad, q.dtype, use_tma), **dq_config(d_pad, q.dtype, use_tma), **(config or {})}
     bound = max_seqlen_q + max_seqlen_k + 1
     wl, wr = _clamp_window(window_left, bound), _clamp_window(window_right, bound)
     flags = dict(USE_TMA=use_tma, SPLIT_LOOPS=bool(cfg.get("split_loops", DEFAULT_SPLIT_LOOPS)),
@@ -224,22 +205,19 @@ def launch_attention_backward(
         HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_M=block_pre, IS_VARLEN=varlen, num_warps=4,
     )
 
-    # dq accumulated in fp32 by the dk/dv kernel (dq_mode > 0), else written by the dq kernel
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if mode else empty(q.shape, q.dtype, q.device)
+    dq = empty(q.shape, q.dtype, q.device)
     dk = empty(k.shape, k.dtype, k.device)
     dv = empty(v.shape, v.dtype, v.device)
     common = (scale, softcap, wl, wr)
     strides = (*_bsh_strides(q, varlen), *_bsh_strides(k, varlen), *_bsh_strides(v, varlen),
                *_bsh_strides(do, varlen))
     attention_bwd_dkdv_kernel[(cdiv(max_seqlen_k, cfg["BLOCK_N1"]), h_kv, batch)](
-        q, k, v, do, dk, dv, dq, lse2, delta, cu_q, cu_k,
-        *strides, *_bsh_strides(dk, varlen), *_bsh_strides(dv, varlen), *_bsh_strides(dq, varlen),
+        q, k, v, do, dk, dv, lse2, delta, cu_q, cu_k,
+        *strides, *_bsh_strides(dk, varlen), *_bsh_strides(dv, varlen),
         seqlen_q, seqlen_k, n_stat_rows, h_q // h_kv, *common,
-        BLOCK_M=cfg["BLOCK_M1"], BLOCK_N=cfg["BLOCK_N1"], DQ_MODE=mode, **flags,
+        BLOCK_M=cfg["BLOCK_M1"], BLOCK_N=cfg["BLOCK_N1"], **flags,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    if mode:
-        return dq.to(q.dtype), dk, dv
     n_q_blocks = cdiv(max_seqlen_q, cfg["BLOCK_M2"])
     attention_bwd_dq_kernel[(n_q_blocks, h_q, batch)](
         q, k, v, do, dq, lse2, delta, cu_q, cu_k,

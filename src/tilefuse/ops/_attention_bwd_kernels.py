@@ -89,20 +89,6 @@ def _load_rows(src, start, seqlen, row_stride, BLOCK: tl.constexpr, HEAD_DIM: tl
 
 
 @triton.jit
-def _add_rows(dst, start, seqlen, row_stride, value, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
-              D_PAD: tl.constexpr, DQ_MODE: tl.constexpr):
-    """Rows start .. start + BLOCK - 1 of an fp32 [seqlen, HEAD_DIM] accumulator += ``value``,
-    atomically: a TMA reduce-add of the whole tile (DQ_MODE 2; rows and columns past the
-    descriptor's shape are dropped) or one relaxed red.add per element (DQ_MODE 1)."""
-    if DQ_MODE == 2:
-        dst.atomic_add([start, 0], value)
-    else:
-        ptrs, mask = _tile_ptrs_mask(dst + start.to(tl.int64) * row_stride, seqlen - start, row_stride,
-                                     BLOCK, HEAD_DIM, D_PAD)
-        tl.atomic_add(ptrs, value, mask=mask, sem="relaxed")
-
-
-@triton.jit
 def _blocks_below(x, BLOCK: tl.constexpr):
     """Number of blocks k >= 0 with k·BLOCK < x (0 for x <= 0)."""
     return tl.cdiv(tl.maximum(x, 0), BLOCK)
@@ -157,17 +143,15 @@ def attention_bwd_preprocess_kernel(
 
 
 @triton.jit
-def _dkdv_block(dk, dv, k, v, q_src, do_src, dq_dst, stat_base, stride_qs, stride_dos, stride_dqas, start_m,
-                offs_n, mask_block, keys_partial, seqlen_q, seqlen_k, shift, window_left, window_right, scale,
-                softcap, lse2_ptr, delta_ptr, DQ_MODE: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr,
-                HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
+def _dkdv_block(dk, dv, k, v, q_src, do_src, stat_base, stride_qs, stride_dos, start_m, offs_n, mask_block,
+                seqlen_q, shift, window_left, window_right, scale, softcap, lse2_ptr, delta_ptr,
+                MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
                 USE_TMA: tl.constexpr):
     """dk, dv [BLOCK_N, D_PAD] += the share of queries start_m .. start_m + BLOCK_M - 1; scores
     transposed ([keys, queries]) so both products land in the key-major accumulators. MASKED
     compiles visible() in; ``mask_block`` (uniform) says whether this block applies it: a runtime
-    flag in the single loop, the constant True in the split masked loop (folded away). With
-    DQ_MODE > 0 the block's dq share, scale · dS · K (dS = ds_tᵀ), is added to the fp32 accumulator
-    ``dq_dst`` (_add_rows) instead of being recomputed by the dq kernel."""
+    flag in the single loop, the constant True in the split masked loop (folded away)."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
     q = _load_rows(q_src, start_m, seqlen_q, stride_qs, BLOCK_M, HEAD_DIM, D_PAD, USE_TMA)
     do = _load_rows(do_src, start_m, seqlen_q, stride_dos, BLOCK_M, HEAD_DIM, D_PAD, USE_TMA)
@@ -186,27 +170,21 @@ def _dkdv_block(dk, dv, k, v, q_src, do_src, dq_dst, stat_base, stride_qs, strid
             # mirrors d = j - i - shift to -d, i.e. shift -> -shift and left <-> right
             p_t = tl.where(visible(offs_n, offs_m, seqlen_q, -shift, window_right, window_left,
                                    HAS_RIGHT, HAS_LEFT), p_t, 0.0)
-    if DQ_MODE > 0:
-        if keys_partial:   # a zero-padded key has s = 0: its p may overflow against a very negative lse
-            p_t = tl.where((offs_n < seqlen_k)[:, None], p_t, 0.0)
     dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
     dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
     ds_t = p_t * (dp_t - delta[None, :])
     if HAS_SOFTCAP:
         ds_t = ds_t * dcap_t
-    ds_t = ds_t.to(q.dtype)
-    dk += tl.dot(ds_t, q, input_precision=DOT_PRECISION)
-    if DQ_MODE > 0:
-        dq_part = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PRECISION)             # [M, D]
-        _add_rows(dq_dst, start_m, seqlen_q, stride_dqas, dq_part * scale, BLOCK_M, HEAD_DIM, D_PAD, DQ_MODE)
+    dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)
     return dk, dv
 
 
 @triton.jit
-def _dkdv_loop(dk, dv, k, v, q_src, do_src, dq_dst, stat_base, stride_qs, stride_dos, stride_dqas, first_m,
-               n_blocks, first_free, end_free, start_n, seqlen_q, seqlen_k, shift, window_left, window_right,
-               scale, softcap, lse2_ptr, delta_ptr, DQ_MODE: tl.constexpr, MASK: tl.constexpr,
-               SPLIT_LOOPS: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+def _dkdv_loop(dk, dv, k, v, q_src, do_src, stat_base, stride_qs, stride_dos, first_m, n_blocks,
+               first_free, end_free, start_n, seqlen_q, shift, window_left, window_right, scale,
+               softcap, lse2_ptr, delta_ptr,
+               MASK: tl.constexpr, SPLIT_LOOPS: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+               HAS_SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                D_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
     """Accumulate dk, dv over ``n_blocks`` query blocks from ``first_m``. With MASK (a window),
     blocks outside [first_free, end_free) apply visible(): by default in one loop through a
@@ -214,20 +192,19 @@ def _dkdv_loop(dk, dv, k, v, q_src, do_src, dq_dst, stat_base, stride_qs, stride
     counted); with SPLIT_LOOPS the mask-free run first, in a loop with no mask code, then the
     edge blocks in a masked loop (not compiled at all without a window)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    keys_partial = start_n + BLOCK_N > seqlen_k
     walk_lo, walk_hi = (first_free, end_free) if SPLIT_LOOPS else (0, n_blocks)   # the (mask-free) first loop
     for i in range(walk_lo, walk_hi):
-        dk, dv = _dkdv_block(dk, dv, k, v, q_src, do_src, dq_dst, stat_base, stride_qs, stride_dos, stride_dqas,
-                             first_m + i * BLOCK_M, offs_n, (i < first_free) | (i >= end_free), keys_partial,
-                             seqlen_q, seqlen_k, shift, window_left, window_right, scale, softcap, lse2_ptr,
-                             delta_ptr, DQ_MODE, MASK and not SPLIT_LOOPS, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, BLOCK_M, HEAD_DIM, D_PAD, DOT_PRECISION, USE_TMA)
+        dk, dv = _dkdv_block(dk, dv, k, v, q_src, do_src, stat_base, stride_qs, stride_dos, first_m + i * BLOCK_M,
+                             offs_n, (i < first_free) | (i >= end_free), seqlen_q, shift, window_left,
+                             window_right, scale, softcap, lse2_ptr, delta_ptr, MASK and not SPLIT_LOOPS,
+                             HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, BLOCK_M, HEAD_DIM, D_PAD, DOT_PRECISION, USE_TMA)
     if SPLIT_LOOPS and MASK:
         for j in range(first_free + n_blocks - end_free):
             i = tl.where(j < first_free, j, j + (end_free - first_free))   # left edge, then right edge
-            dk, dv = _dkdv_block(dk, dv, k, v, q_src, do_src, dq_dst, stat_base, stride_qs, stride_dos,
-                                 stride_dqas, first_m + i * BLOCK_M, offs_n, True, keys_partial, seqlen_q, seqlen_k,
-                                 shift, window_left, window_right, scale, softcap, lse2_ptr, delta_ptr, DQ_MODE, True,
-                                 HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, BLOCK_M, HEAD_DIM, D_PAD, DOT_PRECISION, USE_TMA)
+            dk, dv = _dkdv_block(dk, dv, k, v, q_src, do_src, stat_base, stride_qs, stride_dos,
+                                 first_m + i * BLOCK_M, offs_n, True, seqlen_q, shift, window_left, window_right,
+                                 scale, softcap, lse2_ptr, delta_ptr, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+                                 BLOCK_M, HEAD_DIM, D_PAD, DOT_PRECISION, USE_TMA)
     return dk, dv
 
 
@@ -236,7 +213,6 @@ def _dkdv_loop(dk, dv, k, v, q_src, do_src, dq_dst, stat_base, stride_qs, stride
 def attention_bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr,             # *inputs (dense [B, S, H, D] or packed [total, H, D])
     dk_ptr, dv_ptr,                          # *outputs, k's shape
-    dq_acc_ptr,                              # *fp32 dq accumulator, q's shape, zeroed (DQ_MODE > 0)
     lse2_ptr, delta_ptr,                     # *[H_q, rows] fp32 from the preprocess kernel
     cu_seqlens_q, cu_seqlens_k,              # *int32 [B + 1] (varlen) or unused
     stride_qb, stride_qs, stride_qh,         # q strides (batch 0 when varlen)
@@ -245,7 +221,6 @@ def attention_bwd_dkdv_kernel(
     stride_dob, stride_dos, stride_doh,      # do strides
     stride_dkb, stride_dks, stride_dkh,      # dk strides
     stride_dvb, stride_dvs, stride_dvh,      # dv strides
-    stride_dqab, stride_dqas, stride_dqah,   # dq accumulator strides
     seqlen_q, seqlen_k,                      # S_q, S_k (dense)
     n_stat_rows,                             # columns of lse2 / delta
     group,                                   # H_q // H_kv: query heads per kv head
@@ -260,7 +235,6 @@ def attention_bwd_dkdv_kernel(
     DOT_PRECISION: tl.constexpr,             # "ieee" for fp32 inputs (no tf32)
     USE_TMA: tl.constexpr,                   # inner-loop tiles through TMA descriptors
     SPLIT_LOOPS: tl.constexpr,               # mask-free and masked blocks in separate loops
-    DQ_MODE: tl.constexpr,                   # dq here too: 0 no (dq kernel), 1 red.add, 2 TMA reduce-add
 ):
     pid_n = tl.program_id(0)
     h_kv = tl.program_id(1)
@@ -297,12 +271,10 @@ def attention_bwd_dkdv_kernel(
                             seqlen_q, stride_qs, BLOCK_M, HEAD_DIM, D_PAD, USE_TMA)
         do_src = _row_source(do_ptr + b64 * stride_dob + h * stride_doh + q_row0.to(tl.int64) * stride_dos,
                              seqlen_q, stride_dos, BLOCK_M, HEAD_DIM, D_PAD, USE_TMA)
-        dq_dst = _row_source(dq_acc_ptr + b64 * stride_dqab + h * stride_dqah + q_row0.to(tl.int64) * stride_dqas,
-                             seqlen_q, stride_dqas, BLOCK_M, HEAD_DIM, D_PAD, DQ_MODE == 2)
         stat_base = h * n_stat_rows + stat_row0
-        dk, dv = _dkdv_loop(dk, dv, k, v, q_src, do_src, dq_dst, stat_base, stride_qs, stride_dos, stride_dqas, lo,
-                            n_blocks, first_free, end_free, start_n, seqlen_q, seqlen_k, shift, window_left,
-                            window_right, scale, softcap, lse2_ptr, delta_ptr, DQ_MODE, HAS_LEFT or HAS_RIGHT, SPLIT_LOOPS,
+        dk, dv = _dkdv_loop(dk, dv, k, v, q_src, do_src, stat_base, stride_qs, stride_dos, lo, n_blocks,
+                            first_free, end_free, start_n, seqlen_q, shift, window_left, window_right,
+                            scale, softcap, lse2_ptr, delta_ptr, HAS_LEFT or HAS_RIGHT, SPLIT_LOOPS,
                             HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, BLOCK_M, BLOCK_N, HEAD_DIM, D_PAD,
                             DOT_PRECISION, USE_TMA)
     _store_tile(dk_ptr + b64 * stride_dkb + h_kv.to(tl.int64) * stride_dkh + k_row * stride_dks,
