@@ -65,9 +65,18 @@ CONFIGS = {
                   BLOCK_M2=128, BLOCK_N2=64, num_warps_dq=8, num_stages_dq=2),
         "G": dict(BLOCK_M1=16, BLOCK_N1=128, num_warps=8, num_stages=2,
                   BLOCK_M2=128, BLOCK_N2=32, num_warps_dq=8, num_stages_dq=2),
+        # 1/n of the exp2s on the FMA pipe (dk/dv kernel: of 64 query columns; dq: of 32 keys)
+        "X8": dict(exp2_fma_parts=8),
+        "X4": dict(exp2_fma_parts=4),
+        "X8q4": dict(exp2_fma_parts=8, exp2_fma_parts_dq=4),
+        # dq tiles alone (dk/dv at its default)
+        "Q64": dict(BLOCK_M2=128, BLOCK_N2=64, num_warps_dq=8, num_stages_dq=2),
+        "Q64s3": dict(BLOCK_M2=128, BLOCK_N2=64, num_warps_dq=8, num_stages_dq=3),
+        "Q64x64": dict(BLOCK_M2=64, BLOCK_N2=64, num_warps_dq=4, num_stages_dq=3),
     },
 }
 BUDGET_S = 160.0   # --budget
+PROFILE = False    # --profile
 
 
 def bwd_flops(b, s, h, d, causal):
@@ -82,6 +91,23 @@ def sdpa_grads_and_ms(backend, q, k, v, do, causal):
         ms = triton.testing.do_bench(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True),
                                      return_mode="median")
     return grads, ms
+
+
+def kernel_split_us(fn, reps=5):
+    """Mean device time per call of each attention_bwd kernel (torch.profiler), short names."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    split = {}
+    for e in prof.key_averages():
+        if "attention_bwd" in e.key:
+            name = e.key.split("attention_bwd_")[1].split("_kernel")[0]
+            split[name] = split.get(name, 0.0) + e.device_time_total / reps
+    return split
 
 
 def max_err(grads, refs):
@@ -123,6 +149,8 @@ def run_shape(d, s, causal, names, started, rows):
             print(rows[-1], flush=True)
             continue
         flag = "" if err <= 4 * noise + 2e-2 or noise != noise else "  WRONG?"
+        if PROFILE:
+            flag += " | " + " ".join(f"{k} {v:.0f}" for k, v in sorted(kernel_split_us(fn).items())) + " us"
         rows.append(f"{label} | err {err:.3g} (cudnn {noise:.3g}){flag} | {ms * 1e3:8.0f} us {tf(ms):6.0f} TF/s"
                     f" | flash {tf(flash_ms):5.0f} cudnn {tf(cudnn_ms):5.0f} | x{flash_ms / ms:.2f} flash"
                     f" x{cudnn_ms / ms:.2f} cudnn")
@@ -136,9 +164,10 @@ def main():
     ap.add_argument("--configs", nargs="+", default=None, help="config names (default: all)")
     ap.add_argument("--causal", choices=["both", "full", "causal"], default="both")
     ap.add_argument("--budget", type=float, default=160, help="seconds before configs are skipped")
+    ap.add_argument("--profile", action="store_true", help="per-kernel device time (torch.profiler)")
     args = ap.parse_args()
-    global BUDGET_S
-    BUDGET_S = args.budget
+    global BUDGET_S, PROFILE
+    BUDGET_S, PROFILE = args.budget, args.profile
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__)
     started, rows = time.time(), []
     for d in args.d:
