@@ -65,10 +65,6 @@ CONFIGS = {
                   BLOCK_M2=128, BLOCK_N2=64, num_warps_dq=8, num_stages_dq=2),
         "G": dict(BLOCK_M1=16, BLOCK_N1=128, num_warps=8, num_stages=2,
                   BLOCK_M2=128, BLOCK_N2=32, num_warps_dq=8, num_stages_dq=2),
-        # 1/n of the exp2s on the FMA pipe (dk/dv kernel: of 64 query columns; dq: of 32 keys)
-        "X8": dict(exp2_fma_parts=8),
-        "X4": dict(exp2_fma_parts=4),
-        "X8q4": dict(exp2_fma_parts=8, exp2_fma_parts_dq=4),
         # dq tiles alone (dk/dv at its default)
         "Q64": dict(BLOCK_M2=128, BLOCK_N2=64, num_warps_dq=8, num_stages_dq=2),
         "Q64s3": dict(BLOCK_M2=128, BLOCK_N2=64, num_warps_dq=8, num_stages_dq=3),

@@ -92,12 +92,6 @@ def dq_config(d_pad: int, dtype: torch.dtype, use_tma: bool) -> dict:
     return dict(BLOCK_M2=128, BLOCK_N2=32, num_warps_dq=8, num_stages_dq=3)      # with the dk/dv tiles above
 
 
-def fma_parts(cfg: dict, suffix: str, dtype: torch.dtype) -> int:
-    """1/this of a kernel's exp2s by polynomial on the FMA pipe (``exp2_mixed``; 0 = none): config
-    key exp2_fma_parts / exp2_fma_parts_dq; fp32 inputs keep the exact exp2."""
-    return 0 if dtype == torch.float32 else int(cfg.get("exp2_fma_parts" + suffix, 0))
-
-
 def tma_eligible(*tensors: torch.Tensor) -> bool:
     """The default load path: TMA descriptors where they work (sm_90+, 16-byte aligned bases and
     row strides, which D a multiple of 8 in 16-bit types gives for the usual layouts; checked,
@@ -221,7 +215,7 @@ def launch_attention_backward(
         q, k, v, do, dk, dv, lse2, delta, cu_q, cu_k,
         *strides, *_bsh_strides(dk, varlen), *_bsh_strides(dv, varlen),
         seqlen_q, seqlen_k, n_stat_rows, h_q // h_kv, *common,
-        BLOCK_M=cfg["BLOCK_M1"], BLOCK_N=cfg["BLOCK_N1"], EXP2_FMA_PARTS=fma_parts(cfg, "", q.dtype), **flags,
+        BLOCK_M=cfg["BLOCK_M1"], BLOCK_N=cfg["BLOCK_N1"], **flags,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     n_q_blocks = cdiv(max_seqlen_q, cfg["BLOCK_M2"])
@@ -229,7 +223,7 @@ def launch_attention_backward(
         q, k, v, do, dq, lse2, delta, cu_q, cu_k,
         *strides, *_bsh_strides(dq, varlen),
         seqlen_q, seqlen_k, n_stat_rows, n_q_blocks, h_q // h_kv, *common,
-        BLOCK_M=cfg["BLOCK_M2"], BLOCK_N=cfg["BLOCK_N2"], EXP2_FMA_PARTS=fma_parts(cfg, "_dq", q.dtype), **flags,
+        BLOCK_M=cfg["BLOCK_M2"], BLOCK_N=cfg["BLOCK_N2"], **flags,
         num_warps=cfg["num_warps_dq"], num_stages=cfg["num_stages_dq"],
     )
     return dq, dk, dv

@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from .._launch import fast_launch, unit_value_fallback
-from ._attention_common import apply_softcap, exp2_mixed, key_range, query_range, visible
+from ._attention_common import apply_softcap, key_range, query_range, visible
 
 LOG2E = tl.constexpr(1.4426950408889634)   # exp(x) = exp2(x · log2(e))
 
@@ -147,7 +147,7 @@ def _dkdv_block(dk, dv, k, v, q_src, do_src, stat_base, stride_qs, stride_dos, s
                 seqlen_q, shift, window_left, window_right, scale, softcap, lse2_ptr, delta_ptr,
                 MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                 BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                USE_TMA: tl.constexpr, EXP2_FMA_PARTS: tl.constexpr):
+                USE_TMA: tl.constexpr):
     """dk, dv [BLOCK_N, D_PAD] += the share of queries start_m .. start_m + BLOCK_M - 1; scores
     transposed ([keys, queries]) so both products land in the key-major accumulators. MASKED
     compiles visible() in; ``mask_block`` (uniform) says whether this block applies it: a runtime
@@ -161,9 +161,9 @@ def _dkdv_block(dk, dv, k, v, q_src, do_src, stat_base, stride_qs, stride_dos, s
     qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)                     # [N, M]
     if HAS_SOFTCAP:
         s_t, dcap_t = apply_softcap(qk_t * scale, softcap, HAS_SOFTCAP)
-        p_t = exp2_mixed(s_t * LOG2E - lse2[None, :], qk_t.shape[0], BLOCK_M, EXP2_FMA_PARTS)
+        p_t = tl.exp2(s_t * LOG2E - lse2[None, :])
     else:
-        p_t = exp2_mixed(qk_t * (scale * LOG2E) - lse2[None, :], qk_t.shape[0], BLOCK_M, EXP2_FMA_PARTS)
+        p_t = tl.exp2(qk_t * (scale * LOG2E) - lse2[None, :])
     if MASKED:
         if mask_block:
             # visible() of the transposed tile: swap the roles of queries and keys, which
@@ -185,7 +185,7 @@ def _dkdv_loop(dk, dv, k, v, q_src, do_src, stat_base, stride_qs, stride_dos, fi
                softcap, lse2_ptr, delta_ptr,
                MASK: tl.constexpr, SPLIT_LOOPS: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                HAS_SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-               D_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, EXP2_FMA_PARTS: tl.constexpr):
+               D_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
     """Accumulate dk, dv over ``n_blocks`` query blocks from ``first_m``. With MASK (a window),
     blocks outside [first_free, end_free) apply visible(): by default in one loop through a
     uniform branch (split loops spilled 5x more registers in ptxas -v on sm_90a when last
@@ -197,14 +197,14 @@ def _dkdv_loop(dk, dv, k, v, q_src, do_src, stat_base, stride_qs, stride_dos, fi
         dk, dv = _dkdv_block(dk, dv, k, v, q_src, do_src, stat_base, stride_qs, stride_dos, first_m + i * BLOCK_M,
                              offs_n, (i < first_free) | (i >= end_free), seqlen_q, shift, window_left,
                              window_right, scale, softcap, lse2_ptr, delta_ptr, MASK and not SPLIT_LOOPS,
-                             HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, BLOCK_M, HEAD_DIM, D_PAD, DOT_PRECISION, USE_TMA, EXP2_FMA_PARTS)
+                             HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, BLOCK_M, HEAD_DIM, D_PAD, DOT_PRECISION, USE_TMA)
     if SPLIT_LOOPS and MASK:
         for j in range(first_free + n_blocks - end_free):
             i = tl.where(j < first_free, j, j + (end_free - first_free))   # left edge, then right edge
             dk, dv = _dkdv_block(dk, dv, k, v, q_src, do_src, stat_base, stride_qs, stride_dos,
                                  first_m + i * BLOCK_M, offs_n, True, seqlen_q, shift, window_left, window_right,
                                  scale, softcap, lse2_ptr, delta_ptr, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                                 BLOCK_M, HEAD_DIM, D_PAD, DOT_PRECISION, USE_TMA, EXP2_FMA_PARTS)
+                                 BLOCK_M, HEAD_DIM, D_PAD, DOT_PRECISION, USE_TMA)
     return dk, dv
 
 
@@ -235,7 +235,6 @@ def attention_bwd_dkdv_kernel(
     DOT_PRECISION: tl.constexpr,             # "ieee" for fp32 inputs (no tf32)
     USE_TMA: tl.constexpr,                   # inner-loop tiles through TMA descriptors
     SPLIT_LOOPS: tl.constexpr,               # mask-free and masked blocks in separate loops
-    EXP2_FMA_PARTS: tl.constexpr,            # 1/this of the exp2s by polynomial on the FMA pipe (0: none)
 ):
     pid_n = tl.program_id(0)
     h_kv = tl.program_id(1)
@@ -277,7 +276,7 @@ def attention_bwd_dkdv_kernel(
                             first_free, end_free, start_n, seqlen_q, shift, window_left, window_right,
                             scale, softcap, lse2_ptr, delta_ptr, HAS_LEFT or HAS_RIGHT, SPLIT_LOOPS,
                             HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, BLOCK_M, BLOCK_N, HEAD_DIM, D_PAD,
-                            DOT_PRECISION, USE_TMA, EXP2_FMA_PARTS)
+                            DOT_PRECISION, USE_TMA)
     _store_tile(dk_ptr + b64 * stride_dkb + h_kv.to(tl.int64) * stride_dkh + k_row * stride_dks,
                 dk * scale, n_keys, stride_dks, BLOCK_N, HEAD_DIM, D_PAD)
     _store_tile(dv_ptr + b64 * stride_dvb + h_kv.to(tl.int64) * stride_dvh + k_row * stride_dvs,
@@ -289,7 +288,7 @@ def _dq_block(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, start_
               seqlen_k, shift, window_left, window_right, scale, softcap,
               MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
               BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
-              USE_TMA: tl.constexpr, EXP2_FMA_PARTS: tl.constexpr):
+              USE_TMA: tl.constexpr):
     """dq [BLOCK_M, D_PAD] (unscaled) += the share of keys start_n .. start_n + BLOCK_N - 1;
     MASKED / ``mask_block`` as in _dkdv_block."""
     k = _load_rows(k_src, start_n, seqlen_k, stride_ks, BLOCK_N, HEAD_DIM, D_PAD, USE_TMA)
@@ -297,9 +296,9 @@ def _dq_block(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, start_
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)                       # [M, N]
     if HAS_SOFTCAP:
         s, dcap = apply_softcap(qk * scale, softcap, HAS_SOFTCAP)
-        p = exp2_mixed(s * LOG2E - lse2[:, None], qk.shape[0], BLOCK_N, EXP2_FMA_PARTS)
+        p = tl.exp2(s * LOG2E - lse2[:, None])
     else:
-        p = exp2_mixed(qk * (scale * LOG2E) - lse2[:, None], qk.shape[0], BLOCK_N, EXP2_FMA_PARTS)
+        p = tl.exp2(qk * (scale * LOG2E) - lse2[:, None])
     if MASKED:
         if mask_block:
             offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -318,7 +317,7 @@ def _dq_loop(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, first_n
              first_free, end_free, offs_m, seqlen_k, shift, window_left, window_right, scale, softcap,
              SPLIT_LOOPS: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
              BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
-             USE_TMA: tl.constexpr, EXP2_FMA_PARTS: tl.constexpr):
+             USE_TMA: tl.constexpr):
     """Accumulate dq over ``n_blocks`` key blocks from ``first_n``; blocks outside [first_free,
     end_free) apply visible() (always compiled in: the last key block may be partial), in one
     loop or, with SPLIT_LOOPS, the mask-free run then the edge blocks (as _dkdv_loop)."""
@@ -327,13 +326,13 @@ def _dq_loop(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, first_n
         dq = _dq_block(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, first_n + i * BLOCK_N,
                        (i < first_free) | (i >= end_free), offs_m, seqlen_k, shift, window_left, window_right,
                        scale, softcap, not SPLIT_LOOPS, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, BLOCK_N, HEAD_DIM,
-                       D_PAD, DOT_PRECISION, USE_TMA, EXP2_FMA_PARTS)
+                       D_PAD, DOT_PRECISION, USE_TMA)
     if SPLIT_LOOPS:
         for j in range(first_free + n_blocks - end_free):
             i = tl.where(j < first_free, j, j + (end_free - first_free))   # left edge, then right edge
             dq = _dq_block(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, first_n + i * BLOCK_N,
                            True, offs_m, seqlen_k, shift, window_left, window_right, scale, softcap, True,
-                           HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, BLOCK_N, HEAD_DIM, D_PAD, DOT_PRECISION, USE_TMA, EXP2_FMA_PARTS)
+                           HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, BLOCK_N, HEAD_DIM, D_PAD, DOT_PRECISION, USE_TMA)
     return dq
 
 
@@ -362,7 +361,6 @@ def attention_bwd_dq_kernel(
     DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr,
     SPLIT_LOOPS: tl.constexpr,               # as in the dk/dv kernel
-    EXP2_FMA_PARTS: tl.constexpr,            # as in the dk/dv kernel
 ):
     # last query blocks first: under a causal mask they walk the most key blocks
     pid_m = n_q_blocks - 1 - tl.program_id(0)
@@ -407,6 +405,6 @@ def attention_bwd_dq_kernel(
     dq = _dq_loop(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, lo, n_blocks,
                   first_free, end_free, offs_m, seqlen_k, shift, window_left, window_right, scale,
                   softcap, SPLIT_LOOPS, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, BLOCK_N, HEAD_DIM, D_PAD,
-                  DOT_PRECISION, USE_TMA, EXP2_FMA_PARTS)
+                  DOT_PRECISION, USE_TMA)
     _store_tile(dq_ptr + b64 * stride_dqb + h64 * stride_dqh + q_row * stride_dqs,
                 dq * scale, n_rows, stride_dqs, BLOCK_M, HEAD_DIM, D_PAD)
