@@ -47,6 +47,11 @@ CONFIGS = {
                   BLOCK_M2=64, BLOCK_N2=64, num_warps_dq=4, num_stages_dq=3),
         "F": dict(BLOCK_M1=64, BLOCK_N1=128, num_warps=8, num_stages=3,
                   BLOCK_M2=128, BLOCK_N2=128, num_warps_dq=8, num_stages_dq=2),
+        # dq tiles alone (dk/dv at its default)
+        "Q64x128": dict(BLOCK_M2=64, BLOCK_N2=128, num_warps_dq=4, num_stages_dq=3),
+        "Q128x64": dict(BLOCK_M2=128, BLOCK_N2=64, num_warps_dq=8, num_stages_dq=3),
+        "Q128x128": dict(BLOCK_M2=128, BLOCK_N2=128, num_warps_dq=8, num_stages_dq=3),
+        "Q128x64s4": dict(BLOCK_M2=128, BLOCK_N2=64, num_warps_dq=8, num_stages_dq=4),
     },
     128: {
         "A": {},
@@ -69,6 +74,10 @@ CONFIGS = {
         "Q64": dict(BLOCK_M2=128, BLOCK_N2=64, num_warps_dq=8, num_stages_dq=2),
         "Q64s3": dict(BLOCK_M2=128, BLOCK_N2=64, num_warps_dq=8, num_stages_dq=3),
         "Q64x64": dict(BLOCK_M2=64, BLOCK_N2=64, num_warps_dq=4, num_stages_dq=3),
+        "Q64s4": dict(BLOCK_M2=128, BLOCK_N2=64, num_warps_dq=8, num_stages_dq=4),
+        "Q128": dict(BLOCK_M2=128, BLOCK_N2=128, num_warps_dq=8, num_stages_dq=2),
+        "Q64s3K3": dict(BLOCK_M2=128, BLOCK_N2=64, num_warps_dq=8, num_stages_dq=3, num_stages=3),
+        "Q64s3K32": dict(BLOCK_M2=128, BLOCK_N2=64, num_warps_dq=8, num_stages_dq=3, BLOCK_M1=32, num_stages=3),
     },
 }
 BUDGET_S = 160.0   # --budget
