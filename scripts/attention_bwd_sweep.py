@@ -52,6 +52,12 @@ CONFIGS = {
         "Q128x64": dict(BLOCK_M2=128, BLOCK_N2=64, num_warps_dq=8, num_stages_dq=3),
         "Q128x128": dict(BLOCK_M2=128, BLOCK_N2=128, num_warps_dq=8, num_stages_dq=3),
         "Q128x64s4": dict(BLOCK_M2=128, BLOCK_N2=64, num_warps_dq=8, num_stages_dq=4),
+        "Q128x64-K128": dict(BLOCK_M2=128, BLOCK_N2=64, num_warps_dq=8, num_stages_dq=3,
+                             BLOCK_M1=64, BLOCK_N1=128, num_warps=8, num_stages=3),
+        "Q128x64-K128s2": dict(BLOCK_M2=128, BLOCK_N2=64, num_warps_dq=8, num_stages_dq=3,
+                               BLOCK_M1=64, BLOCK_N1=128, num_warps=8, num_stages=2),
+        "Q128x64-K64s4": dict(BLOCK_M2=128, BLOCK_N2=64, num_warps_dq=8, num_stages_dq=3, num_stages=4),
+        "Q128x64-split": dict(BLOCK_M2=128, BLOCK_N2=64, num_warps_dq=8, num_stages_dq=3, split_loops=True),
     },
     128: {
         "A": {},
@@ -78,6 +84,9 @@ CONFIGS = {
         "Q128": dict(BLOCK_M2=128, BLOCK_N2=128, num_warps_dq=8, num_stages_dq=2),
         "Q64s3K3": dict(BLOCK_M2=128, BLOCK_N2=64, num_warps_dq=8, num_stages_dq=3, num_stages=3),
         "Q64s3K32": dict(BLOCK_M2=128, BLOCK_N2=64, num_warps_dq=8, num_stages_dq=3, BLOCK_M1=32, num_stages=3),
+        "Q64s3-split": dict(BLOCK_M2=128, BLOCK_N2=64, num_warps_dq=8, num_stages_dq=3, split_loops=True),
+        "Q64s3K3-split": dict(BLOCK_M2=128, BLOCK_N2=64, num_warps_dq=8, num_stages_dq=3, num_stages=3,
+                              split_loops=True),
     },
 }
 BUDGET_S = 160.0   # --budget
