@@ -18,8 +18,8 @@ reproducible, ``deterministic`` only documents that.
 
 Masking costs only on boundary blocks: each loop knows its mask-free run of blocks (every (query,
 key) pair visible) and applies visible() only outside it, through a uniform branch in one loop, or
-(SPLIT_LOOPS) in a second loop over the edge blocks after a mask-free loop with no mask code;
-both walk the same per-block body (_dkdv_block, _dq_block). Padded query rows
+(SPLIT_LOOPS, per kernel: split_loops_default) in a second loop over the edge blocks after a
+mask-free loop with no mask code; both walk the same per-block body (_dkdv_block, _dq_block). Padded query rows
 (past the sequence) carry lse = +inf, so they give P = 0 exactly without a mask; padded key rows of
 the dk/dv kernel only touch dk/dv rows that are never stored; the dq kernel masks its last partial
 key block (a zero-padded key has s = 0, whose exp may overflow against a very negative lse).
@@ -40,9 +40,6 @@ from .._launch import use_device_descriptors
 from .._dispatch import cdiv, empty, is_hopper_or_newer
 from ._attention_bwd_kernels import attention_bwd_dkdv_kernel, attention_bwd_dq_kernel, attention_bwd_preprocess_kernel
 from ._attention_fwd_kernels import head_block
-# SPLIT_LOOPS default (launch config key "split_loops"): off until the H100 sweep's B-split /
-# A-ptr-split rows (scripts/attention_bwd_sweep.py) say the split loops are faster
-DEFAULT_SPLIT_LOOPS = False
 
 
 # ----------------------------------------------------------------------------------------------
@@ -56,9 +53,10 @@ DEFAULT_SPLIT_LOOPS = False
 # afford larger tiles without spilling.
 
 
-def dkdv_config(d_pad: int, dtype: torch.dtype, use_tma: bool) -> dict:
+def dkdv_config(d_pad: int, dtype: torch.dtype, use_tma: bool, masked: bool = False) -> dict:
     """dk/dv kernel: BLOCK_N1 keys keep two fp32 [BLOCK_N1, D] accumulators in registers, so the
-    tiles shrink as D grows; BLOCK_M1 queries stream through shared memory per step."""
+    tiles shrink as D grows; BLOCK_M1 queries stream through shared memory per step. ``masked``:
+    a window (causal included) applies, so the kernel carries mask code."""
     if d_pad > 128:                                                            # <= 32 B (TMA)
         return dict(BLOCK_M1=16, BLOCK_N1=64, num_warps=8, num_stages=2)
     if dtype == torch.float32:                  # the correctness path (ieee fp32 products)
@@ -70,10 +68,23 @@ def dkdv_config(d_pad: int, dtype: torch.dtype, use_tma: bool) -> dict:
             # 1.21-1.35x SDPA-flash; the earlier 64 x 128, 8 warps: 292 / 325, 261 / 306)
             return dict(BLOCK_M1=64, BLOCK_N1=64, num_warps=4, num_stages=3)
         return dict(BLOCK_M1=32, BLOCK_N1=128, num_warps=8, num_stages=3)       # <= 12 B spilled
-    # D = 128: 64 queries x 128 keys, 8 warps, 2 stages (H200 sweep with S_q / S_k specialized,
-    # bf16, B·S = 16k, S = 4k / 16k: 365 / 366 TF/s full, 312 / 362 causal, against 315 / 297 and
-    # 278 / 327 for the 32 x 128 tile the unspecialized kernels preferred on the H100)
+    # D = 128: 64 queries x 128 keys, 8 warps (H200 sweep with S_q / S_k specialized, bf16,
+    # B·S = 16k, S = 4k / 16k: 365 / 366 TF/s full, 312 / 362 causal, against 315 / 297 and
+    # 278 / 327 for the 32 x 128 tile the unspecialized kernels preferred on the H100). 3 stages
+    # without a mask (2026-11-24, with the dq tiles below: 396 / 415 TF/s full against 383 / 378
+    # at 2); with one, 2 stages and split loops (split_loops_default: 343 / 409 causal against
+    # 345 / 384 at 3 stages split, 330 / 380 at 3 stages in one loop: the mask code spills)
+    if use_tma and dtype != torch.float32 and not masked:
+        return dict(BLOCK_M1=64, BLOCK_N1=128, num_warps=8, num_stages=3)
     return dict(BLOCK_M1=64, BLOCK_N1=128, num_warps=8, num_stages=2)
+
+
+def split_loops_default(d_pad: int, dtype: torch.dtype, use_tma: bool, masked: bool) -> tuple[bool, bool]:
+    """SPLIT_LOOPS of the (dk/dv, dq) kernels unless the config says: the dk/dv kernel's
+    mask-free run in a loop without mask code pays at D = 128 with a mask (H200 2026-11-24, causal
+    bf16: 4.19 vs 4.38 ms at S = 16k) and loses at D = 64 (2.67 vs 2.59); the dq kernel's split
+    ties at D = 128 and loses at D = 64 (causal 16k: 1.64 vs 1.42 ms)."""
+    return (masked and use_tma and 64 < d_pad <= 128 and dtype != torch.float32), False
 
 
 def dq_config(d_pad: int, dtype: torch.dtype, use_tma: bool) -> dict:
@@ -85,11 +96,13 @@ def dq_config(d_pad: int, dtype: torch.dtype, use_tma: bool) -> dict:
         return dict(BLOCK_M2=32, BLOCK_N2=32, num_warps_dq=8, num_stages_dq=2)
     if dtype == torch.float32 or d_pad > 128:
         return dict(BLOCK_M2=64, BLOCK_N2=32, num_warps_dq=8, num_stages_dq=2)
-    if d_pad <= 64:
-        if use_tma:     # with the 64 x 64 dk/dv tiles above (same sweep)
-            return dict(BLOCK_M2=64, BLOCK_N2=64, num_warps_dq=4, num_stages_dq=3)
-        return dict(BLOCK_M2=128, BLOCK_N2=64, num_warps_dq=8, num_stages_dq=3)  # 0 spills both
-    return dict(BLOCK_M2=128, BLOCK_N2=32, num_warps_dq=8, num_stages_dq=3)      # with the dk/dv tiles above
+    if not use_tma and d_pad > 64:
+        return dict(BLOCK_M2=128, BLOCK_N2=32, num_warps_dq=8, num_stages_dq=3)  # pointer tiles: registers
+    # 128 queries x 64 keys, 8 warps, 3 stages at D = 64 and 128 with TMA (H200 2026-11-24, bf16, B·S =
+    # 16k, S = 1k / 4k / 16k; dq kernel alone, µs: D = 128 full 383 / 1238 / 4611, causal 273 / 739
+    # / 2477 against 376 / 1355 / 5249 and 330 / 908 / 3118 for 128 x 32; D = 64 full 202 / 699 /
+    # 2638 against 205 / 734 / 2839 for 64 x 64 with 4 warps)
+    return dict(BLOCK_M2=128, BLOCK_N2=64, num_warps_dq=8, num_stages_dq=3)
 
 
 def tma_eligible(*tensors: torch.Tensor) -> bool:
@@ -186,11 +199,14 @@ def launch_attention_backward(
         use_tma = tma_eligible(q, k, v, do)   # asked for, but not possible here: pointer loads
     if use_tma:
         use_device_descriptors()
-    cfg = {**dkdv_config(d_pad, q.dtype, use_tma), **dq_config(d_pad, q.dtype, use_tma), **(config or {})}
+    masked = window_left is not None or window_right is not None
+    cfg = {**dkdv_config(d_pad, q.dtype, use_tma, masked), **dq_config(d_pad, q.dtype, use_tma), **(config or {})}
+    split_dkdv, split_dq = split_loops_default(d_pad, q.dtype, use_tma, masked)
+    if "split_loops" in cfg:
+        split_dkdv = split_dq = bool(cfg["split_loops"])
     bound = max_seqlen_q + max_seqlen_k + 1
     wl, wr = _clamp_window(window_left, bound), _clamp_window(window_right, bound)
-    flags = dict(USE_TMA=use_tma, SPLIT_LOOPS=bool(cfg.get("split_loops", DEFAULT_SPLIT_LOOPS)),
-                 HAS_LEFT=window_left is not None, HAS_RIGHT=window_right is not None, HAS_SOFTCAP=softcap > 0,
+    flags = dict(USE_TMA=use_tma, HAS_LEFT=window_left is not None, HAS_RIGHT=window_right is not None, HAS_SOFTCAP=softcap > 0,
                  IS_VARLEN=varlen, HEAD_DIM=head_dim, D_PAD=d_pad,
                  DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
 
@@ -215,7 +231,7 @@ def launch_attention_backward(
         q, k, v, do, dk, dv, lse2, delta, cu_q, cu_k,
         *strides, *_bsh_strides(dk, varlen), *_bsh_strides(dv, varlen),
         seqlen_q, seqlen_k, n_stat_rows, h_q // h_kv, *common,
-        BLOCK_M=cfg["BLOCK_M1"], BLOCK_N=cfg["BLOCK_N1"], **flags,
+        BLOCK_M=cfg["BLOCK_M1"], BLOCK_N=cfg["BLOCK_N1"], SPLIT_LOOPS=split_dkdv, **flags,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     n_q_blocks = cdiv(max_seqlen_q, cfg["BLOCK_M2"])
@@ -223,7 +239,7 @@ def launch_attention_backward(
         q, k, v, do, dq, lse2, delta, cu_q, cu_k,
         *strides, *_bsh_strides(dq, varlen),
         seqlen_q, seqlen_k, n_stat_rows, n_q_blocks, h_q // h_kv, *common,
-        BLOCK_M=cfg["BLOCK_M2"], BLOCK_N=cfg["BLOCK_N2"], **flags,
+        BLOCK_M=cfg["BLOCK_M2"], BLOCK_N=cfg["BLOCK_N2"], SPLIT_LOOPS=split_dq, **flags,
         num_warps=cfg["num_warps_dq"], num_stages=cfg["num_stages_dq"],
     )
     return dq, dk, dv

@@ -187,10 +187,10 @@ def _dkdv_loop(dk, dv, k, v, q_src, do_src, stat_base, stride_qs, stride_dos, fi
                HAS_SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                D_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
     """Accumulate dk, dv over ``n_blocks`` query blocks from ``first_m``. With MASK (a window),
-    blocks outside [first_free, end_free) apply visible(): by default in one loop through a
-    uniform branch (split loops spilled 5x more registers in ptxas -v on sm_90a when last
-    counted); with SPLIT_LOOPS the mask-free run first, in a loop with no mask code, then the
-    edge blocks in a masked loop (not compiled at all without a window)."""
+    blocks outside [first_free, end_free) apply visible(): in one loop through a uniform branch,
+    or with SPLIT_LOOPS the mask-free run first, in a loop with no mask code, then the edge
+    blocks in a masked loop (not compiled at all without a window); which is faster depends on
+    D (_attention_bwd.split_loops_default)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     walk_lo, walk_hi = (first_free, end_free) if SPLIT_LOOPS else (0, n_blocks)   # the (mask-free) first loop
     for i in range(walk_lo, walk_hi):
