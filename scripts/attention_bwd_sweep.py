@@ -58,6 +58,10 @@ CONFIGS = {
                                BLOCK_M1=64, BLOCK_N1=128, num_warps=8, num_stages=2),
         "Q128x64-K64s4": dict(BLOCK_M2=128, BLOCK_N2=64, num_warps_dq=8, num_stages_dq=3, num_stages=4),
         "Q128x64-split": dict(BLOCK_M2=128, BLOCK_N2=64, num_warps_dq=8, num_stages_dq=3, split_loops=True),
+        # with the dq default above: 128 queries per dk/dv step
+        "K128x64s3": dict(BLOCK_M1=128, BLOCK_N1=64, num_warps=4, num_stages=3),
+        "K128x64s2": dict(BLOCK_M1=128, BLOCK_N1=64, num_warps=4, num_stages=2),
+        "K128x64w8": dict(BLOCK_M1=128, BLOCK_N1=64, num_warps=8, num_stages=3),
     },
     128: {
         "A": {},
