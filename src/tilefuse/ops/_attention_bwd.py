@@ -63,10 +63,11 @@ def dkdv_config(d_pad: int, dtype: torch.dtype, use_tma: bool, masked: bool = Fa
         return dict(BLOCK_M1=32, BLOCK_N1=64, num_warps=8, num_stages=2)
     if d_pad <= 64:
         if use_tma:
-            # 64 x 64, 4 warps, 3 stages (H200 sweep with S_q / S_k specialized, bf16, B·S = 16k,
-            # S = 4k / 16k, with the dq tiles below: 341 / 348 TF/s full, 301 / 334 causal =
-            # 1.21-1.35x SDPA-flash; the earlier 64 x 128, 8 warps: 292 / 325, 261 / 306)
-            return dict(BLOCK_M1=64, BLOCK_N1=64, num_warps=4, num_stages=3)
+            # 128 queries x 64 keys, 4 warps, 2 stages (H200 2026-11-24, bf16, B·S = 16k, S = 1k /
+            # 4k / 16k, with the dq tiles below: 300 / 366 / 379 TF/s full, 202 / 304 / 349 causal,
+            # against 292 / 350 / 370 and 206 / 298 / 341 for 64 x 64 with 3 stages; 3 stages of
+            # the 128-query steps: 241-328 full)
+            return dict(BLOCK_M1=128, BLOCK_N1=64, num_warps=4, num_stages=2)
         return dict(BLOCK_M1=32, BLOCK_N1=128, num_warps=8, num_stages=3)       # <= 12 B spilled
     # D = 128: 64 queries x 128 keys, 8 warps (H200 sweep with S_q / S_k specialized, bf16,
     # B·S = 16k, S = 4k / 16k: 365 / 366 TF/s full, 312 / 362 causal, against 315 / 297 and
