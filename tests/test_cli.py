@@ -231,6 +231,26 @@ def test_compile_peer_bwd_with_donated_buffers(fake_op, monkeypatch):
     torch._dynamo.reset()
 
 
+def test_compiling_peer_bwd_with_donated_buffers(fake_op):
+    """A peer that compiles itself (as the FlexAttention peer does) and whose backward donates
+    buffers: its bwd pass is rebuilt after a dynamo reset without donation, not an ERROR row."""
+    def make(shape, dtype, device):
+        ts = [torch.randn(shape, device=device).to(dtype).requires_grad_(True) for _ in range(3)]
+        return Inputs(tuple(ts), grad_args=(0, 1, 2))
+
+    mlp = lambda x, w, w2: (x @ w).relu() @ w2          # noqa: E731 - saves an intermediate
+    torch._dynamo.reset()
+    peer = lambda: torch.compile(mlp, dynamic=False, backend="aot_eager")   # noqa: E731
+    spec = fake_op(OpSpec("fake_mlp_peer", mlp, mlp, make, lambda s, d, p: 1, flops_fn=lambda s, p: 4 * 16**3,
+                          bench_shapes=[(16, 16)], peers={"compiled_peer": peer}))
+    rows = bench_case(spec, (16, 16), torch.float32,
+                      Settings(device="cpu", timer=_const_timer, compile=False), {"matmul_tflops": 1.0})
+    by = {(r["impl"], r["pass"]): r for r in rows}
+    assert all(r["status"] == "ok" for r in rows), [(r["impl"], r["pass"], r.get("error")) for r in rows]
+    assert "donated_buffer=False" in by[("compiled_peer", "bwd")]["note"]
+    torch._dynamo.reset()
+
+
 # ----------------------------------------------------------------------------------------------
 # the CLI without a GPU
 # ----------------------------------------------------------------------------------------------

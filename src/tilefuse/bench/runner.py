@@ -18,10 +18,10 @@ For one (op, shape, dtype) the runner
    and records the peak extra memory of one ``fwd+bwd`` (``max_memory_allocated`` after
    ``reset_peak_memory_stats`` minus ``memory_allocated`` before).
 
-``torch.compile`` cannot replay its backward with ``retain_graph=True`` when it donates saved
-buffers (it raises); then, and only then, its ``bwd`` pass is timed on a second compile with
-``torch._functorch.config.donated_buffer=False`` (the row carries a ``note``); its ``fwd`` and
-``fwd+bwd`` always use the default compile.
+``torch.compile`` (and a peer that compiles, such as FlexAttention) cannot replay its backward
+with ``retain_graph=True`` when it donates saved buffers (it raises); then, and only then, its
+``bwd`` pass is timed on a second compile with ``torch._functorch.config.donated_buffer=False``
+(the row carries a ``note``); its ``fwd`` and ``fwd+bwd`` always use the default compile.
 
 Throughput: memory-bound passes (``flops_fn == 0``) report GB/s = ``bytes_fn``/time and % of the
 measured copy ceiling; compute-bound passes TFLOP/s and % of the bf16 matmul ceiling. ``fwd+bwd``
@@ -132,6 +132,13 @@ def _no_donated_buffers():
     yield
 
 
+def _fresh_peer(factory: Callable[[], Callable]) -> Callable:
+    """The peer built anew after a dynamo reset, so whatever it compiles (and the backward that
+    AOT autograd compiles lazily, at the first backward call) is compiled again."""
+    torch._dynamo.reset()
+    return factory()
+
+
 def _compiled(fn: Callable) -> Callable:
     torch._dynamo.reset()     # a fresh, static compile for this shape (no recompile limit, no dynamic dims)
     return torch.compile(fn, dynamic=False)   # default mode
@@ -161,7 +168,8 @@ def implementations(spec: OpSpec, settings: Settings) -> tuple[list[Impl], list[
         if fn is None:
             unavailable.append(name)
             continue
-        impls.append(Impl(name, fn))
+        # a peer that compiles (flex) may hit the donated-buffer refusal too: rebuilt the same way
+        impls.append(Impl(name, fn, bwd_build=lambda f=factory: _fresh_peer(f), bwd_ctx=_no_donated_buffers))
         if name == "torch" and settings.compile:
             # fn is the torch peer: _build compiles it afresh for each shape
             impls.append(Impl(COMPILE_IMPL, fn, bwd_build=lambda f=fn: _compiled(f),
@@ -327,8 +335,8 @@ def bench_case(
                 try:
                     results["bwd"]["ms"] = _time_bwd(bench, timer, tw)
                 except RuntimeError as exc:
-                    # torch.compile's backward donated saved buffers: it cannot run with
-                    # retain_graph=True; recompile without donation for this pass only
+                    # a compiled backward donated saved buffers (torch.compile, flex): it cannot
+                    # run with retain_graph=True; recompile without donation for this pass only
                     if impl.bwd_build is None or "donated buffer" not in str(exc):
                         raise
                     bench = None

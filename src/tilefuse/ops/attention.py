@@ -406,7 +406,8 @@ def _flex_peer():
                                                      device=q.device)
             block_mask = block_masks[key]
         # donated buffers off: the bench's backward pass runs with retain_graph=True, which a
-        # compiled backward with donated buffers refuses (every flex `bwd` row was an ERROR)
+        # compiled backward with donated buffers refuses (the bench runner also rebuilds a peer
+        # that raises it, as its flex `bwd` rows still did with this patch alone)
         with torch._functorch.config.patch(donated_buffer=False):
             out = compiled(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=block_mask,
                            scale=scale, enable_gqa=q.shape[2] != k.shape[2])
