@@ -28,10 +28,10 @@ TOKENS, HEADS, DTYPE = 16384, 16, torch.bfloat16
 MAX_ABS_ERR = 2e-2   # bf16 output of unit-variance inputs: SDPA vs SDPA backends differ by ~4e-3
 
 
-def configs(head_dim: int, causal: bool) -> list[dict]:
+def configs(head_dim: int, causal: bool, seqlen: int) -> list[dict]:
     """The default, then tile shapes, stages and warp specialization around the two measured
     best (64x64 w4 s3, 128x128 w8 s3 on the H100, first sweep)."""
-    base = {"LOAD": "desc_bhsd", **fwd_tile_config(head_block(head_dim), DTYPE, True, causal)}
+    base = {"LOAD": "desc_bhsd", **fwd_tile_config(head_block(head_dim), DTYPE, True, causal, seqlen)}
     out = [base]
     for bm, bn, w, s, ws in ((128, 128, 8, 3, False), (64, 64, 4, 3, False), (128, 128, 8, 3, True),
                              (64, 64, 4, 3, True), (64, 128, 4, 3, False), (64, 64, 4, 4, False),
@@ -42,10 +42,10 @@ def configs(head_dim: int, causal: bool) -> list[dict]:
     return out
 
 
-def exp2_configs(head_dim: int, causal: bool) -> list[dict]:
+def exp2_configs(head_dim: int, causal: bool, seqlen: int) -> list[dict]:
     """The default tiles and the other measured-best tile, each with 0, 1/16, 1/8 and 1/4 of the
     interior exp2s on the FMA pipe (EXP2_FMA_PARTS; 1/2 was slower everywhere on the H200)."""
-    base = {"LOAD": "desc_bhsd", **fwd_tile_config(head_block(head_dim), DTYPE, True, causal)}
+    base = {"LOAD": "desc_bhsd", **fwd_tile_config(head_block(head_dim), DTYPE, True, causal, seqlen)}
     other = (64, 64, 4) if base["BLOCK_M"] == 128 else (128, 128, 8)
     alt = {**base, "BLOCK_M": other[0], "BLOCK_N": other[1], "num_warps": other[2]}
     return [{**c, "EXP2_FMA_PARTS": p} for c in (base, alt) for p in (0, 16, 8, 4)]
@@ -86,7 +86,7 @@ def sweep_shape(d: int, s: int, causal: bool, deadline: float, config_list=confi
     right = 0 if causal else None
     rows = []
     timed = []      # (index in rows, fn): configs validated, timed below in `rounds` rotated rounds
-    for cfg in config_list(d, causal):
+    for cfg in config_list(d, causal, s):
         if time.time() > deadline:
             rows.append((d, s, causal, label(cfg), "SKIPPED (budget)", float("nan"), peers))
             continue
