@@ -62,6 +62,11 @@ CONFIGS = {
         "K128x64s3": dict(BLOCK_M1=128, BLOCK_N1=64, num_warps=4, num_stages=3),
         "K128x64s2": dict(BLOCK_M1=128, BLOCK_N1=64, num_warps=4, num_stages=2),
         "K128x64w8": dict(BLOCK_M1=128, BLOCK_N1=64, num_warps=8, num_stages=3),
+        # the default tiles with one kernel's loops split (mask-free run without mask code)
+        "A-split-dkdv": dict(split_loops_dkdv=True),
+        "A-split-dq": dict(split_loops_dq=True),
+        "A-s3": dict(num_stages=3),
+        "A-s3-split-dkdv": dict(num_stages=3, split_loops_dkdv=True),
     },
     128: {
         "A": {},

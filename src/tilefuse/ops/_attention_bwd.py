@@ -81,11 +81,12 @@ def dkdv_config(d_pad: int, dtype: torch.dtype, use_tma: bool, masked: bool = Fa
 
 
 def split_loops_default(d_pad: int, dtype: torch.dtype, use_tma: bool, masked: bool) -> tuple[bool, bool]:
-    """SPLIT_LOOPS of the (dk/dv, dq) kernels unless the config says: the dk/dv kernel's
-    mask-free run in a loop without mask code pays at D = 128 with a mask (H200 2026-11-24, causal
-    bf16: 4.19 vs 4.38 ms at S = 16k) and loses at D = 64 (2.67 vs 2.59); the dq kernel's split
-    ties at D = 128 and loses at D = 64 (causal 16k: 1.64 vs 1.42 ms)."""
-    return (masked and use_tma and 64 < d_pad <= 128 and dtype != torch.float32), False
+    """SPLIT_LOOPS of the (dk/dv, dq) kernels unless the config says. With a mask the dk/dv
+    kernel's mask-free run in a loop without mask code pays (H200 2026-11-24, causal bf16, S = 16k:
+    D = 128 4.19 vs 4.38 ms, D = 64 with its 128 x 64 tile 2.31 vs 2.49; it lost at D = 64 with the
+    earlier 64 x 64 tile, 2.67 vs 2.59); the dq kernel's split ties at D = 128 and loses at D = 64
+    (1.68 vs 1.45 ms)."""
+    return (masked and use_tma and d_pad <= 128 and dtype != torch.float32), False
 
 
 def dq_config(d_pad: int, dtype: torch.dtype, use_tma: bool) -> dict:
@@ -168,7 +169,8 @@ def launch_attention_backward(
     """:func:`attention_backward` with an optional launch ``config`` overriding the keys of
     :func:`dkdv_config` / :func:`dq_config` (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps,
     num_stages for the dk/dv kernel, num_warps_dq, num_stages_dq; use_tma; split_loops: the
-    SPLIT_LOOPS variant of both kernels) -- tests and the sweep."""
+    SPLIT_LOOPS variant of both kernels, split_loops_dkdv / split_loops_dq of one) -- tests and
+    the sweep."""
     varlen = cu_seqlens_q is not None
     q, k, v, do, out = (_unit_last_dim(t) for t in (q, k, v, do, out))
     head_dim = q.shape[-1]
@@ -205,6 +207,8 @@ def launch_attention_backward(
     split_dkdv, split_dq = split_loops_default(d_pad, q.dtype, use_tma, masked)
     if "split_loops" in cfg:
         split_dkdv = split_dq = bool(cfg["split_loops"])
+    split_dkdv = bool(cfg.get("split_loops_dkdv", split_dkdv))
+    split_dq = bool(cfg.get("split_loops_dq", split_dq))
     bound = max_seqlen_q + max_seqlen_k + 1
     wl, wr = _clamp_window(window_left, bound), _clamp_window(window_right, bound)
     flags = dict(USE_TMA=use_tma, HAS_LEFT=window_left is not None, HAS_RIGHT=window_right is not None, HAS_SOFTCAP=softcap > 0,
