@@ -6,11 +6,10 @@ logits) by relative error norm; the CE kernel runs under the interpreter, the GE
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import CPU_DTYPES, DEVICE
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-import torch.nn.functional as F
 
 import tilefuse.ops.linear_cross_entropy as lce_mod  # noqa: F401  (registers the op before test_ops)
 from tilefuse.nn.losses import LinearCrossEntropyLoss

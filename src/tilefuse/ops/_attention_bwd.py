@@ -19,10 +19,11 @@ reproducible, ``deterministic`` only documents that.
 Masking costs only on boundary blocks: each loop knows its mask-free run of blocks (every (query,
 key) pair visible) and applies visible() only outside it, through a uniform branch in one loop, or
 (SPLIT_LOOPS, per kernel: split_loops_default) in a second loop over the edge blocks after a
-mask-free loop with no mask code; both walk the same per-block body (_dkdv_block, _dq_block). Padded query rows
-(past the sequence) carry lse = +inf, so they give P = 0 exactly without a mask; padded key rows of
-the dk/dv kernel only touch dk/dv rows that are never stored; the dq kernel masks its last partial
-key block (a zero-padded key has s = 0, whose exp may overflow against a very negative lse).
+mask-free loop with no mask code; both walk the same per-block body (_dkdv_block, _dq_block). Padded
+query rows (past the sequence) carry lse = +inf, so they give P = 0 exactly without a mask; padded
+key rows of the dk/dv kernel only touch dk/dv rows that are never stored; the dq kernel masks its
+last partial key block (a zero-padded key has s = 0, whose exp may overflow against a very negative
+lse).
 
 Memory: delta and lse2, fp32 ``[H_q, rows]``: O(S). Launch configs are small named functions
 (dkdv_config, dq_config). On sm_90+ the inner loops read their tiles through TMA descriptors built
@@ -100,10 +101,10 @@ def dq_config(d_pad: int, dtype: torch.dtype, use_tma: bool) -> dict:
         return dict(BLOCK_M2=64, BLOCK_N2=32, num_warps_dq=8, num_stages_dq=2)
     if not use_tma and d_pad > 64:
         return dict(BLOCK_M2=128, BLOCK_N2=32, num_warps_dq=8, num_stages_dq=3)  # pointer tiles: registers
-    # 128 queries x 64 keys, 8 warps, 3 stages at D = 64 and 128 with TMA (H200 2026-11-24, bf16, B·S =
-    # 16k, S = 1k / 4k / 16k; dq kernel alone, µs: D = 128 full 383 / 1238 / 4611, causal 273 / 739
-    # / 2477 against 376 / 1355 / 5249 and 330 / 908 / 3118 for 128 x 32; D = 64 full 202 / 699 /
-    # 2638 against 205 / 734 / 2839 for 64 x 64 with 4 warps)
+    # 128 queries x 64 keys, 8 warps, 3 stages at D = 64 and 128 with TMA (H200 2026-11-24, bf16,
+    # B·S = 16k, S = 1k / 4k / 16k; dq kernel alone, µs: D = 128 full 383 / 1238 / 4611, causal
+    # 273 / 739 / 2477 against 376 / 1355 / 5249 and 330 / 908 / 3118 for 128 x 32; D = 64 full
+    # 202 / 699 / 2638 against 205 / 734 / 2839 for 64 x 64 with 4 warps)
     return dict(BLOCK_M2=128, BLOCK_N2=64, num_warps_dq=8, num_stages_dq=3)
 
 
@@ -211,8 +212,8 @@ def launch_attention_backward(
     split_dq = bool(cfg.get("split_loops_dq", split_dq))
     bound = max_seqlen_q + max_seqlen_k + 1
     wl, wr = _clamp_window(window_left, bound), _clamp_window(window_right, bound)
-    flags = dict(USE_TMA=use_tma, HAS_LEFT=window_left is not None, HAS_RIGHT=window_right is not None, HAS_SOFTCAP=softcap > 0,
-                 IS_VARLEN=varlen, HEAD_DIM=head_dim, D_PAD=d_pad,
+    flags = dict(USE_TMA=use_tma, HAS_LEFT=window_left is not None, HAS_RIGHT=window_right is not None,
+                 HAS_SOFTCAP=softcap > 0, IS_VARLEN=varlen, HEAD_DIM=head_dim, D_PAD=d_pad,
                  DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
 
     delta = empty((h_q, n_stat_rows), torch.float32, q.device)

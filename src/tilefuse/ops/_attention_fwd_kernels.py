@@ -273,14 +273,15 @@ def head_block(head_dim: int) -> int:
 
 def fwd_tile_config(block_d: int, dtype: torch.dtype, on_gpu: bool, masked: bool,
                     seqlen_k: int) -> dict:
-    """BLOCK_M, BLOCK_N, num_warps, num_stages for one head-dim block;
-    ``masked``: causal or windowed; ``seqlen_k``: keys per sequence (the longest, varlen). From scripts/attention_sweep.py (bf16, B·S = 16k, H = 16):
-    3 stages beat 2 by 10-19 % everywhere (H100, 2026-11-22); 64x64 x 4 warps is best at D = 64
-    and for causal D = 128 at S = 4k, 128x128 x 8 warps for full D = 128 and, since 1/8 of the
-    exp2s moved to the FMA pipe (:func:`exp2_fma_parts`), for causal D = 128 from S = 8k (H200,
-    2026-11-24: 458 / 491-503 TF/s at causal 8k / 16k against 64x64's 437-472) and for full
-    D = 128 from S_k = 2k (H200, 2026-11-24, 3 interleaved rounds: 64x64 433 against 407 TF/s at
-    S = 1k, 462 against 468 at 2k, 485 against 493 at 4k: the short walks favour small tiles)."""
+    """BLOCK_M, BLOCK_N, num_warps, num_stages for one head-dim block; ``masked``: causal or
+    windowed; ``seqlen_k``: keys per sequence (the longest, varlen). From scripts/attention_sweep.py
+    (bf16, B·S = 16k, H = 16): 3 stages beat 2 by 10-19 % everywhere (H100, 2026-11-22); 64x64 x 4
+    warps is best at D = 64 and for causal D = 128 at S = 4k, 128x128 x 8 warps for full D = 128
+    and, since 1/8 of the exp2s moved to the FMA pipe (:func:`exp2_fma_parts`), for causal D = 128
+    from S = 8k (H200, 2026-11-24: 458 / 491-503 TF/s at causal 8k / 16k against 64x64's 437-472)
+    and for full D = 128 from S_k = 2k (H200, 2026-11-24, 3 interleaved rounds: 64x64 433 against
+    407 TF/s at S = 1k, 462 against 468 at 2k, 485 against 493 at 4k: the short walks favour small
+    tiles)."""
     if not on_gpu:      # interpreter: small tiles so tiny test shapes still cross block edges
         return {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
     if dtype == torch.float32:   # 4-byte tiles: half the rows for the same shared memory
