@@ -225,7 +225,7 @@ def test_deterministic_bitwise():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("d", [64, 96, 128, 256])
+@pytest.mark.parametrize("d", [32, 64, 96, 128, 256])
 @pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (200, 10)])
 def test_gpu_shapes(dtype, d, window):
     _check(2, 777, 1000, 8, 2, d, dtype, window=window)
