@@ -76,7 +76,7 @@ def dkdv_config(d_pad: int, dtype: torch.dtype, use_tma: bool, masked: bool = Fa
     # without a mask (2026-11-24, with the dq tiles below: 396 / 415 TF/s full against 383 / 378
     # at 2); with one, 2 stages and split loops (split_loops_default: 343 / 409 causal against
     # 345 / 384 at 3 stages split, 330 / 380 at 3 stages in one loop: the mask code spills)
-    if use_tma and dtype != torch.float32 and not masked:
+    if use_tma and not masked:           # (fp32 returned above)
         return dict(BLOCK_M1=64, BLOCK_N1=128, num_warps=8, num_stages=3)
     return dict(BLOCK_M1=64, BLOCK_N1=128, num_warps=8, num_stages=2)
 
