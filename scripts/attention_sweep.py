@@ -1,7 +1,7 @@
 """Forward launch-config sweep for tilefuse.attention on the GPU, beside SDPA's backends.
 
     python scripts/attention_sweep.py [--d 64 128] [--s 1024 4096 16384] [--causal 0 1] [--budget 170]
-                                      [--exp2] [--rounds 5]
+                                      [--exp2 | --lag] [--rounds 5]
 
 Shapes: B·S = 16k tokens, H = 16, bf16. Per (D, S, causal): every config of ``configs(D)`` is
 checked against SDPA (max abs error; FAILED / WRONG rows instead of aborting) and timed with
@@ -51,10 +51,22 @@ def exp2_configs(head_dim: int, causal: bool, seqlen: int) -> list[dict]:
     return [{**c, "EXP2_FMA_PARTS": p} for c in (base, alt) for p in (0, 16, 8, 4)]
 
 
+def lag_configs(head_dim: int, causal: bool, seqlen: int) -> list[dict]:
+    """PV_LAG (P·V one key block late) against the default, on both measured-best tiles."""
+    base = {"LOAD": "desc_bhsd", **fwd_tile_config(head_block(head_dim), DTYPE, True, causal, seqlen)}
+    out = []
+    for bm, bn, w in ((128, 128, 8), (64, 64, 4), (128, 64, 8)):
+        for lag in (False, True):
+            out.append({**base, "BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "PV_LAG": lag,
+                        "EXP2_FMA_PARTS": 8 if bn >= 128 else 0})
+    return out
+
+
 def label(cfg: dict) -> str:
     ws = " ws" if cfg.get("WARP_SPECIALIZE") else ""
     fma = f" fma1/{cfg['EXP2_FMA_PARTS']}" if cfg.get("EXP2_FMA_PARTS") else ""
-    return f"{cfg['LOAD']:9s} {cfg['BLOCK_M']}x{cfg['BLOCK_N']} w{cfg['num_warps']} s{cfg['num_stages']}{ws}{fma}"
+    lag = " lag" if cfg.get("PV_LAG") else ""
+    return f"{cfg['LOAD']:9s} {cfg['BLOCK_M']}x{cfg['BLOCK_N']} w{cfg['num_warps']} s{cfg['num_stages']}{ws}{fma}{lag}"
 
 
 def tflops(fn, flops: int) -> float:
@@ -134,6 +146,7 @@ def main():
     parser.add_argument("--causal", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--budget", type=float, default=170.0, help="seconds before remaining configs are skipped")
     parser.add_argument("--exp2", action="store_true", help="sweep EXP2_FMA_PARTS on two tiles (exp2_configs)")
+    parser.add_argument("--lag", action="store_true", help="sweep PV_LAG on three tiles (lag_configs)")
     parser.add_argument("--rounds", type=int, default=1, help="time the configs and cuDNN interleaved, this many rounds")
     args = parser.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__, flush=True)
@@ -143,7 +156,7 @@ def main():
     for d in sorted(args.d, reverse=True):
         for s in sorted(args.s, key=lambda n: (n < 4096, n)):
             for causal in args.causal:
-                rows += sweep_shape(d, s, bool(causal), deadline, exp2_configs if args.exp2 else configs, args.rounds)
+                rows += sweep_shape(d, s, bool(causal), deadline, lag_configs if args.lag else exp2_configs if args.exp2 else configs, args.rounds)
     print("\nconfig | TFLOP/s | vs cuDNN | SDPA cuDNN / flash TFLOP/s | status")
     for row in rows:
         print(format_row(row))

@@ -106,12 +106,13 @@ def test_every_load_path(load):
     _check_dense(q, k, v, window=(7, 2), softcap=2.0, config={"LOAD": load, "BLOCK_M": 32, "BLOCK_N": 16})
 
 
+@pytest.mark.parametrize("lag", [False, True])
 @pytest.mark.parametrize("load", LOAD_MODES)
-def test_interior_lengths_and_scale_sign(load):
+def test_interior_lengths_and_scale_sign(load, lag):
     """Lengths that give the unmasked interior 0, 1, 2 and several 16-key blocks, with and without
     a window and softcap, and a negative scale (the max does not commute with it: the unfolded
-    scale path)."""
-    cfg = {"LOAD": load, "BLOCK_M": 16, "BLOCK_N": 16}
+    scale path); PV_LAG: the interior's P·V one block late (its first and last steps)."""
+    cfg = {"LOAD": load, "BLOCK_M": 16, "BLOCK_N": 16, "PV_LAG": lag}
     for s_k in (9, 16, 33, 80):
         q, k, v = _rand((2, 24, 2, 32), torch.float32), _rand((2, s_k, 1, 32), torch.float32), _rand((2, s_k, 1, 32), torch.float32)
         _check_dense(q, k, v, config=cfg)
@@ -371,11 +372,12 @@ def test_gpu_large(d, causal, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("load", LOAD_MODES)
-@pytest.mark.parametrize("tiles", [(128, 128, 8, 2), (128, 64, 8, 3), (64, 64, 4, 2)])
-def test_gpu_configs(load, tiles):
+@pytest.mark.parametrize("tiles", [(128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 2)])
+@pytest.mark.parametrize("lag", [False, True])
+def test_gpu_configs(load, tiles, lag):
     bm, bn, w, s = tiles
     q, k, v = (_rand((2, 2048, 4, 128), torch.bfloat16) for _ in range(3))
-    cfg = {"LOAD": load, "BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s}
+    cfg = {"LOAD": load, "BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s, "PV_LAG": lag}
     _check_dense(q, k, v, config=cfg)
     _check_dense(q, k, v, causal=True, config=cfg)
 
