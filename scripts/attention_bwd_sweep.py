@@ -67,6 +67,8 @@ CONFIGS = {
         "A-split-dq": dict(split_loops_dq=True),
         "A-s3": dict(num_stages=3),
         "A-s3-split-dkdv": dict(num_stages=3, split_loops_dkdv=True),
+        # dv's GEMM after dpᵀ's, overlapping dsᵀ (the mask-free loop only)
+        "A-dvlate": dict(dv_late=True),
     },
     128: {
         "A": {},
@@ -96,6 +98,9 @@ CONFIGS = {
         "Q64s3-split": dict(BLOCK_M2=128, BLOCK_N2=64, num_warps_dq=8, num_stages_dq=3, split_loops=True),
         "Q64s3K3-split": dict(BLOCK_M2=128, BLOCK_N2=64, num_warps_dq=8, num_stages_dq=3, num_stages=3,
                               split_loops=True),
+        "A-dvlate": dict(dv_late=True),
+        "A-dvlate-s3": dict(dv_late=True, num_stages=3),
+        "A-dvlate-nosplit": dict(dv_late=True, split_loops_dkdv=False),
     },
 }
 BUDGET_S = 160.0   # --budget

@@ -27,12 +27,15 @@ from tilefuse.ops._attention_common import attention_reference, attention_varlen
 from tilefuse.testing import rel_err
 
 SMALL = dict(BLOCK_M1=16, BLOCK_N1=16, BLOCK_M2=16, BLOCK_N2=16)   # several blocks at tiny S
-SPLIT = [pytest.param(False, id="one_loop"), pytest.param(True, id="split_loops")]
+SPLIT = [pytest.param((False, False), id="one_loop"), pytest.param((True, False), id="split_loops"),
+         pytest.param((False, True), id="one_loop_dv_late"), pytest.param((True, True), id="split_loops_dv_late")]
 
 
 def _loops(config, split):
-    """``config`` with the kernels' loop form chosen (split_loops)."""
-    return dict(config or {}, split_loops=split)
+    """``config`` with the kernels' loop form chosen: ``split = (split_loops, late)``; late: the
+    dk/dv kernel's dv GEMM after dpᵀ's (dv_late)."""
+    split_loops, late = split
+    return dict(config or {}, split_loops=split_loops, dv_late=late)
 
 
 def _fp32_close(g, r):
@@ -127,17 +130,18 @@ def test_split_loops_edges_on_both_sides():
     """A window narrower than the tiles on both sides: left-edge and right-edge masked blocks
     around a mask-free run, in every dk/dv and dq program (the split masked loop's index map)."""
     for window in ((20, 20), (30, 3), (3, 30)):
-        _check(1, 64, 64, 2, 1, 16, torch.float32, window=window, config=_loops(SMALL, True))
+        for late in (False, True):
+            _check(1, 64, 64, 2, 1, 16, torch.float32, window=window, config=_loops(SMALL, (True, late)))
 
 
 @settings(max_examples=25, deadline=None)
 @given(sq=st.integers(1, 40), sk=st.integers(1, 40), hkv=st.sampled_from([1, 2]),
        group=st.sampled_from([1, 3]), d=st.sampled_from([8, 24]), left=st.integers(-1, 20),
        right=st.integers(-1, 20), s0=st.integers(-30, 30), softcap=st.sampled_from([0.0, 2.0]),
-       block=st.sampled_from([16, 32]), split=st.booleans())
-def test_random_windows(sq, sk, hkv, group, d, left, right, s0, softcap, block, split):
+       block=st.sampled_from([16, 32]), split=st.booleans(), late=st.booleans())
+def test_random_windows(sq, sk, hkv, group, d, left, right, s0, softcap, block, split, late):
     """Arbitrary (also negative) kernel windows, through the reference's own shift."""
-    cfg = dict(BLOCK_M1=block, BLOCK_N1=48 - block, BLOCK_M2=48 - block, BLOCK_N2=block, split_loops=split)
+    cfg = _loops(dict(BLOCK_M1=block, BLOCK_N1=48 - block, BLOCK_M2=48 - block, BLOCK_N2=block), (split, late))
     _check(1, sq, sk, hkv * group, hkv, d, torch.float32, window=(left, right), s0=s0,
            softcap=softcap, config=cfg)
 
@@ -193,7 +197,7 @@ def test_varlen_lengths_0_and_1(causal, split):
 def test_tma_descriptors(split):
     """The use_tma path (inner-loop tiles through tensor descriptors: their zero fill replaces the
     row / column masks) on padded D, strided and varlen inputs."""
-    tma = dict(SMALL, use_tma=True, split_loops=split)
+    tma = _loops(dict(SMALL, use_tma=True), split)
     _check(2, 37, 50, 4, 2, 24, torch.float32, window=(-1, 0), config=tma)
     _check(2, 21, 30, 4, 2, 40, torch.float16, window=(5, 2), softcap=3.0, config=tma, layout="bhsd")
     run, refs = _varlen_case([0, 1, 17, 5, 30], [3, 0, 20, 1, 26], 4, 2, 24, True, config=tma)
@@ -205,7 +209,7 @@ def test_deterministic_bitwise():
     run, _ = _varlen_case([9, 33], [20, 31], 6, 2, 16, True, config=None)
     first, second = run(), run()
     assert all(torch.equal(a, b) for a, b in zip(first, second))
-    run, _ = _varlen_case([9, 33], [20, 31], 6, 2, 16, True, config=_loops(SMALL, True))
+    run, _ = _varlen_case([9, 33], [20, 31], 6, 2, 16, True, config=_loops(SMALL, (True, True)))
     first, second = run(), run()
     assert all(torch.equal(a, b) for a, b in zip(first, second))
     torch.manual_seed(0)

@@ -76,9 +76,12 @@ def dkdv_config(d_pad: int, dtype: torch.dtype, use_tma: bool, masked: bool = Fa
     # without a mask (2026-11-24, with the dq tiles below: 396 / 415 TF/s full against 383 / 378
     # at 2); with one, 2 stages and split loops (split_loops_default: 343 / 409 causal against
     # 345 / 384 at 3 stages split, 330 / 380 at 3 stages in one loop: the mask code spills)
+    # dv_late (the mask-free loop's dv GEMM after dpᵀ's, so it overlaps dsᵀ) with TMA: dk/dv kernel
+    # 8.19 -> 7.56 ms full and 4.13 -> 4.04 causal at S = 16k, 2.14 -> 2.00 full at 4k (H200,
+    # 2026-11-24); at D = 64 with the 128 x 64 tile it doubled the time, 1.19 -> 2.15 ms full 4k
     if use_tma and not masked:           # (fp32 returned above)
-        return dict(BLOCK_M1=64, BLOCK_N1=128, num_warps=8, num_stages=3)
-    return dict(BLOCK_M1=64, BLOCK_N1=128, num_warps=8, num_stages=2)
+        return dict(BLOCK_M1=64, BLOCK_N1=128, num_warps=8, num_stages=3, dv_late=True)
+    return dict(BLOCK_M1=64, BLOCK_N1=128, num_warps=8, num_stages=2, dv_late=use_tma)
 
 
 def split_loops_default(d_pad: int, dtype: torch.dtype, use_tma: bool, masked: bool) -> tuple[bool, bool]:
@@ -170,8 +173,8 @@ def launch_attention_backward(
     """:func:`attention_backward` with an optional launch ``config`` overriding the keys of
     :func:`dkdv_config` / :func:`dq_config` (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps,
     num_stages for the dk/dv kernel, num_warps_dq, num_stages_dq; use_tma; split_loops: the
-    SPLIT_LOOPS variant of both kernels, split_loops_dkdv / split_loops_dq of one) -- tests and
-    the sweep."""
+    SPLIT_LOOPS variant of both kernels, split_loops_dkdv / split_loops_dq of one; dv_late: the
+    dk/dv kernel's DV_LATE) -- tests and the sweep."""
     varlen = cu_seqlens_q is not None
     q, k, v, do, out = (_unit_last_dim(t) for t in (q, k, v, do, out))
     head_dim = q.shape[-1]
@@ -237,7 +240,8 @@ def launch_attention_backward(
         q, k, v, do, dk, dv, lse2, delta, cu_q, cu_k,
         *strides, *_bsh_strides(dk, varlen), *_bsh_strides(dv, varlen),
         seqlen_q, seqlen_k, n_stat_rows, h_q // h_kv, *common,
-        BLOCK_M=cfg["BLOCK_M1"], BLOCK_N=cfg["BLOCK_N1"], SPLIT_LOOPS=split_dkdv, **flags,
+        BLOCK_M=cfg["BLOCK_M1"], BLOCK_N=cfg["BLOCK_N1"], SPLIT_LOOPS=split_dkdv, DV_LATE=bool(cfg.get("dv_late", False)),
+        **flags,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     n_q_blocks = cdiv(max_seqlen_q, cfg["BLOCK_M2"])
@@ -245,7 +249,8 @@ def launch_attention_backward(
         q, k, v, do, dq, lse2, delta, cu_q, cu_k,
         *strides, *_bsh_strides(dq, varlen),
         seqlen_q, seqlen_k, n_stat_rows, n_q_blocks, h_q // h_kv, *common,
-        BLOCK_M=cfg["BLOCK_M2"], BLOCK_N=cfg["BLOCK_N2"], SPLIT_LOOPS=split_dq, **flags,
+        BLOCK_M=cfg["BLOCK_M2"], BLOCK_N=cfg["BLOCK_N2"], SPLIT_LOOPS=split_dq,
+        **flags,
         num_warps=cfg["num_warps_dq"], num_stages=cfg["num_stages_dq"],
     )
     return dq, dk, dv

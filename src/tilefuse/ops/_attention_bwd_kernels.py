@@ -147,11 +147,13 @@ def _dkdv_block(dk, dv, k, v, q_src, do_src, stat_base, stride_qs, stride_dos, s
                 seqlen_q, shift, window_left, window_right, scale, softcap, lse2_ptr, delta_ptr,
                 MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                 BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                USE_TMA: tl.constexpr):
+                USE_TMA: tl.constexpr, DV_LATE: tl.constexpr):
     """dk, dv [BLOCK_N, D_PAD] += the share of queries start_m .. start_m + BLOCK_M - 1; scores
     transposed ([keys, queries]) so both products land in the key-major accumulators. MASKED
     compiles visible() in; ``mask_block`` (uniform) says whether this block applies it: a runtime
-    flag in the single loop, the constant True in the split masked loop (folded away)."""
+    flag in the single loop, the constant True in the split masked loop (folded away).
+    DV_LATE: dv's GEMM issued after dpᵀ's, so that it runs while dsᵀ is formed (Triton 3.6 waits
+    for a non-accumulating GEMM right away, and with it for every GEMM issued before it)."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
     q = _load_rows(q_src, start_m, seqlen_q, stride_qs, BLOCK_M, HEAD_DIM, D_PAD, USE_TMA)
     do = _load_rows(do_src, start_m, seqlen_q, stride_dos, BLOCK_M, HEAD_DIM, D_PAD, USE_TMA)
@@ -170,8 +172,11 @@ def _dkdv_block(dk, dv, k, v, q_src, do_src, stat_base, stride_qs, stride_dos, s
             # mirrors d = j - i - shift to -d, i.e. shift -> -shift and left <-> right
             p_t = tl.where(visible(offs_n, offs_m, seqlen_q, -shift, window_right, window_left,
                                    HAS_RIGHT, HAS_LEFT), p_t, 0.0)
-    dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
+    if not DV_LATE:
+        dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
     dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+    if DV_LATE:
+        dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
     ds_t = p_t * (dp_t - delta[None, :])
     if HAS_SOFTCAP:
         ds_t = ds_t * dcap_t
@@ -185,7 +190,7 @@ def _dkdv_loop(dk, dv, k, v, q_src, do_src, stat_base, stride_qs, stride_dos, fi
                softcap, lse2_ptr, delta_ptr,
                MASK: tl.constexpr, SPLIT_LOOPS: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                HAS_SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-               D_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
+               D_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, DV_LATE: tl.constexpr):
     """Accumulate dk, dv over ``n_blocks`` query blocks from ``first_m``. With MASK (a window),
     blocks outside [first_free, end_free) apply visible(): in one loop through a uniform branch,
     or with SPLIT_LOOPS the mask-free run first, in a loop with no mask code, then the edge
@@ -197,14 +202,15 @@ def _dkdv_loop(dk, dv, k, v, q_src, do_src, stat_base, stride_qs, stride_dos, fi
         dk, dv = _dkdv_block(dk, dv, k, v, q_src, do_src, stat_base, stride_qs, stride_dos, first_m + i * BLOCK_M,
                              offs_n, (i < first_free) | (i >= end_free), seqlen_q, shift, window_left,
                              window_right, scale, softcap, lse2_ptr, delta_ptr, MASK and not SPLIT_LOOPS,
-                             HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, BLOCK_M, HEAD_DIM, D_PAD, DOT_PRECISION, USE_TMA)
+                             HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, BLOCK_M, HEAD_DIM, D_PAD, DOT_PRECISION, USE_TMA,
+                             DV_LATE)
     if SPLIT_LOOPS and MASK:
         for j in range(first_free + n_blocks - end_free):
             i = tl.where(j < first_free, j, j + (end_free - first_free))   # left edge, then right edge
             dk, dv = _dkdv_block(dk, dv, k, v, q_src, do_src, stat_base, stride_qs, stride_dos,
                                  first_m + i * BLOCK_M, offs_n, True, seqlen_q, shift, window_left, window_right,
                                  scale, softcap, lse2_ptr, delta_ptr, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                                 BLOCK_M, HEAD_DIM, D_PAD, DOT_PRECISION, USE_TMA)
+                                 BLOCK_M, HEAD_DIM, D_PAD, DOT_PRECISION, USE_TMA, False)
     return dk, dv
 
 
@@ -235,6 +241,7 @@ def attention_bwd_dkdv_kernel(
     DOT_PRECISION: tl.constexpr,             # "ieee" for fp32 inputs (no tf32)
     USE_TMA: tl.constexpr,                   # inner-loop tiles through TMA descriptors
     SPLIT_LOOPS: tl.constexpr,               # mask-free and masked blocks in separate loops
+    DV_LATE: tl.constexpr,                   # dv's GEMM after dpᵀ's (_dkdv_block)
 ):
     pid_n = tl.program_id(0)
     h_kv = tl.program_id(1)
@@ -276,7 +283,7 @@ def attention_bwd_dkdv_kernel(
                             first_free, end_free, start_n, seqlen_q, shift, window_left, window_right,
                             scale, softcap, lse2_ptr, delta_ptr, HAS_LEFT or HAS_RIGHT, SPLIT_LOOPS,
                             HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, BLOCK_M, BLOCK_N, HEAD_DIM, D_PAD,
-                            DOT_PRECISION, USE_TMA)
+                            DOT_PRECISION, USE_TMA, DV_LATE)
     _store_tile(dk_ptr + b64 * stride_dkb + h_kv.to(tl.int64) * stride_dkh + k_row * stride_dks,
                 dk * scale, n_keys, stride_dks, BLOCK_N, HEAD_DIM, D_PAD)
     _store_tile(dv_ptr + b64 * stride_dvb + h_kv.to(tl.int64) * stride_dvh + k_row * stride_dvs,
