@@ -69,6 +69,11 @@ CONFIGS = {
         "A-s3-split-dkdv": dict(num_stages=3, split_loops_dkdv=True),
         # dv's GEMM after dpᵀ's, overlapping dsᵀ (the mask-free loop only)
         "A-dvlate": dict(dv_late=True),
+        "K64x128-dvlate": dict(BLOCK_M1=64, BLOCK_N1=128, num_warps=8, num_stages=3, dv_late=True),
+        "K64x128": dict(BLOCK_M1=64, BLOCK_N1=128, num_warps=8, num_stages=3),
+        "K64x64-dvlate": dict(BLOCK_M1=64, BLOCK_N1=64, num_warps=4, num_stages=3, dv_late=True),
+        "K128x64w8-dvlate": dict(BLOCK_M1=128, BLOCK_N1=64, num_warps=8, num_stages=2, dv_late=True),
+        "K128x128-dvlate": dict(BLOCK_M1=128, BLOCK_N1=128, num_warps=8, num_stages=2, dv_late=True),
     },
     128: {
         "A": {},
