@@ -14,7 +14,8 @@ blocks the block can see (FlashAttention-2), in the log2 domain::
 Key blocks are walked in three ranges: masked blocks on the window's left edge, the unmasked
 interior (every key exists and is visible to every query of the block: no mask arithmetic at
 all), and masked blocks on the right edge (the causal diagonal, the window's right edge and the
-sequence tail). Blocks outside ``key_range`` are never touched, so causal and windowed
+sequence tail). In the interior each block's P·V may be issued one block late
+(``PV_LAG``, :func:`_attend_interior_lagged`), so that it overlaps the next block's softmax. Blocks outside ``key_range`` are never touched, so causal and windowed
 attention do proportionally less work.
 
 Loads go through one of three paths (``LOAD`` constexpr):
@@ -134,7 +135,9 @@ def _attend_interior_lagged(acc, l_i, m_i, q_tile, k, v, start, end, b, hk, k_ba
     the next block's scores (FlashAttention-3's intra-warpgroup overlap): Triton 3.6 waits for a
     score GEMM as soon as it is issued, but an accumulating GEMM stays in flight until its
     accumulator is next read, so P_j·V_j now runs on the tensor cores while the softmax of block
-    j + 1 runs on the FMA / MUFU pipes. Carries P_j (16-bit) and its rescale factor."""
+    j + 1 runs on the FMA / MUFU pipes. Carries P_j in fp32 (carried as 16-bit, Triton 3.6 puts it
+    in shared memory and waits for the GEMM at once; sm_90, 128x128 tiles: 239 registers, no
+    spills) and its rescale factor."""
     if start < end:
         # the first step's P·V is a zero block against V_start: no prologue outside the loop,
         # whose tile would need shared memory beside the pipeline's stages
