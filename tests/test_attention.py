@@ -202,6 +202,27 @@ def test_varlen_matches_reference(dtype, causal, window):
     assert rel_err(out[18:27], dense[0]) <= tol
 
 
+@pytest.mark.parametrize("load", ["ptr", "desc_device"])
+def test_varlen_load_paths(load):
+    """Both varlen load paths, tiles smaller than the sequences and longer than some: pointer
+    loads, and descriptors built in the kernel per (sequence, head), whose bounds must zero the
+    rows of the next sequence and clip the output tile's store at the sequence's end; the lagged
+    P·V (PV_LAG) on both."""
+    lens_q, lens_k = [37, 0, 1, 16, 50], [40, 7, 0, 17, 50]
+    cu_q = torch.tensor([0] + torch.tensor(lens_q).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0] + torch.tensor(lens_k).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    q = _rand((sum(lens_q), 4, 32), torch.float32)
+    k, v = _rand((sum(lens_k), 2, 32), torch.float32), _rand((sum(lens_k), 2, 32), torch.float32)
+    for causal in (False, True):
+        for lag in (False, True):
+            cfg = {"LOAD": load, "BLOCK_M": 16, "BLOCK_N": 16, "PV_LAG": lag}
+            out, lse = attention_forward(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), scale=0.3,
+                                         window_right=0 if causal else None, config=cfg)
+            ref, ref_lse = attention_varlen_reference(q.double(), k.double(), v.double(), cu_q, cu_k,
+                                                      causal=causal, scale=0.3, return_lse=True)
+            assert rel_err(out, ref) <= 1e-5 and rel_err(lse, ref_lse) <= 1e-5, (causal, lag)
+
+
 @pytest.mark.parametrize("s_q,s_k,h_q,h_kv", [(19, 19, 2, 2), (29, 13, 4, 2), (13, 29, 4, 1), (1, 9, 2, 2)])
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_sdpa_wrapper(s_q, s_k, h_q, h_kv, is_causal):
@@ -410,6 +431,26 @@ def test_gpu_flex_peer_backward_retains_graph():
     second = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
     for a, b in zip(first, second):
         assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("load", ["ptr", "desc_device"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_varlen_load_paths(load, d):
+    """Both varlen load paths on the GPU with the GPU's tiles (128x128 with P·V lag at D = 128):
+    sequences of 0, 1, off-tile and multi-tile lengths, S_q != S_k, causal and windowed."""
+    lens_q, lens_k = [1000, 0, 1, 517, 4100, 77], [1000, 9, 0, 600, 4100, 77]
+    cu_q = torch.tensor([0] + torch.tensor(lens_q).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0] + torch.tensor(lens_k).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    q = _rand((sum(lens_q), 8, d), torch.bfloat16)
+    k, v = _rand((sum(lens_k), 2, d), torch.bfloat16), _rand((sum(lens_k), 2, d), torch.bfloat16)
+    for right, left in ((None, None), (0, None), (0, 300)):
+        out, lse = attention_forward(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), scale=d ** -0.5,
+                                     window_left=left, window_right=right, config={"LOAD": load})
+        ref, ref_lse = attention_varlen_reference(q.double(), k.double(), v.double(), cu_q, cu_k,
+                                                  window=(-1 if left is None else left, -1 if right is None else right),
+                                                  return_lse=True)
+        assert rel_err(out, ref) <= 1e-2 and rel_err(lse, ref_lse) <= 1e-4, (right, left)
 
 
 @pytest.mark.gpu

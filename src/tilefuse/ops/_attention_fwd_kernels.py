@@ -26,8 +26,13 @@ Loads go through one of three paths (``LOAD`` constexpr):
   dims. The default for dense inputs whose pointer and strides are 16-byte aligned.
 * ``"desc_bshd"``: the same over the natural ``[B, S, H, D]`` order with ``[1, BLOCK, 1,
   BLOCK_D]`` blocks (kept for the sweep: which of the two Triton lowers better).
-* ``"ptr"``: masked pointer loads with int64 offsets; varlen (per-sequence bounds come from
-  ``cu_seqlens``) and unaligned inputs.
+* ``"desc_device"``: descriptors built inside the kernel over each program's (sequence, head)
+  slice, ``[S, D]`` rows of the packed or dense memory: exact per-sequence bounds, so varlen
+  reads and writes its tiles through TMA too (the default for 16-byte aligned varlen inputs with
+  long sequences, :func:`varlen_load_default`; Triton's allocator gives each program scratch for
+  its descriptors).
+* ``"ptr"``: masked pointer loads with int64 offsets; inputs whose pointer or strides are not
+  16-byte aligned.
 
 D that is not a power of two is padded to BLOCK_D inside the kernel (masked / zero-filled loads:
 zero columns change neither q·k nor the output columns that are stored).
@@ -43,12 +48,12 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .._dispatch import cdiv, empty, next_power_of_2
-from .._launch import fast_launch
+from .._launch import fast_launch, use_device_descriptors
 from ._attention_common import exp2_mixed, key_range, tanh_via_exp2, visible
 
 LOG2E = 1.4426950408889634
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
-LOAD_MODES = ("ptr", "desc_bhsd", "desc_bshd")
+LOAD_MODES = ("ptr", "desc_bhsd", "desc_bshd", "desc_device")
 DEFAULT_DENSE_LOAD = "desc_bhsd"    # switch to "desc_bshd" / "ptr" here if a GPU run says so
 
 # ----------------------------------------------------------------------------------------------
@@ -57,10 +62,28 @@ DEFAULT_DENSE_LOAD = "desc_bhsd"    # switch to "desc_bshd" / "ptr" here if a GP
 
 
 @triton.jit
+def _head_source(src, base, n_rows, row_stride,
+                 HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr, LOAD: tl.constexpr):
+    """What :func:`_load_rows` reads one (sequence, head) slice through: with LOAD "desc_device"
+    a descriptor built in the kernel over exactly that slice, ``[n_rows, HEAD_DIM]`` from element
+    ``base`` (rows past the sequence come back as zeros, so varlen needs no per-sequence host
+    descriptor), else ``src`` itself (a pointer or a host descriptor)."""
+    if LOAD == "desc_device":   # one return statement: Triton rejects returns of different types
+        # at least one row: a sequence without keys still builds its (never read) descriptor
+        out = tl.make_tensor_descriptor(src + base, shape=[tl.maximum(n_rows, 1), HEAD_DIM],
+                                        strides=[row_stride, 1], block_shape=[ROWS, BLOCK_D])
+    else:
+        out = src
+    return out
+
+
+@triton.jit
 def _load_rows(src, b, h, start, base, row_stride, n_rows,
                HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr, LOAD: tl.constexpr):
     """[ROWS, BLOCK_D] tile of rows start .. start + ROWS - 1 of head h (zeros past n_rows / D)."""
-    if LOAD == "desc_bhsd":
+    if LOAD == "desc_device":
+        x = src.load([start, 0])
+    elif LOAD == "desc_bhsd":
         x = src.load([b, h, start, 0]).reshape([ROWS, BLOCK_D])
     elif LOAD == "desc_bshd":
         x = src.load([b, start, h, 0]).reshape([ROWS, BLOCK_D])
@@ -234,7 +257,7 @@ def attention_fwd_kernel(
     HAS_RIGHT: tl.constexpr,       # a right bound exists (causal is right = 0)
     HAS_SOFTCAP: tl.constexpr,     # softcap > 0
     IS_VARLEN: tl.constexpr,       # packed sequences with cu_seqlens
-    LOAD: tl.constexpr,            # "ptr", "desc_bhsd" or "desc_bshd" (module docstring)
+    LOAD: tl.constexpr,            # one of LOAD_MODES (module docstring)
     DOT_PRECISION: tl.constexpr,   # "ieee" for fp32 inputs (no tf32), None otherwise
     REVERSE_M: tl.constexpr,       # heavy (late, causal) query blocks first: shorter tail
     WARP_SPECIALIZE: tl.constexpr,  # hook for tl.range(warp_specialize=...) on the interior loop
@@ -266,6 +289,9 @@ def attention_fwd_kernel(
     q_base = b64 * stride_qb + tl.cast(row0_q, tl.int64) * stride_qs + h.to(tl.int64) * stride_qh
     k_base = b64 * stride_kb + tl.cast(row0_k, tl.int64) * stride_ks + hk.to(tl.int64) * stride_kh
     v_base = b64 * stride_vb + tl.cast(row0_k, tl.int64) * stride_vs + hk.to(tl.int64) * stride_vh
+    q = _head_source(q, q_base, seqlen_q, stride_qs, HEAD_DIM, BLOCK_M, BLOCK_D, LOAD)
+    k = _head_source(k, k_base, seqlen_k, stride_ks, HEAD_DIM, BLOCK_N, BLOCK_D, LOAD)
+    v = _head_source(v, v_base, seqlen_k, stride_vs, HEAD_DIM, BLOCK_N, BLOCK_D, LOAD)
 
     q_tile = _load_rows(q, b, h, start_m, q_base, stride_qs, seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, LOAD)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -306,6 +332,9 @@ def attention_fwd_kernel(
         out.store([b, h, start_m, 0], o.reshape([1, 1, BLOCK_M, BLOCK_D]))
     elif LOAD == "desc_bshd":
         out.store([b, start_m, h, 0], o.reshape([1, BLOCK_M, 1, BLOCK_D]))
+    elif LOAD == "desc_device":     # rows past the sequence are clipped by the descriptor's bounds
+        o_base = b64 * stride_ob + tl.cast(row0_q, tl.int64) * stride_os + h.to(tl.int64) * stride_oh
+        _head_source(out, o_base, seqlen_q, stride_os, HEAD_DIM, BLOCK_M, BLOCK_D, LOAD).store([start_m, 0], o)
     else:
         cols = tl.arange(0, BLOCK_D)
         o_base = b64 * stride_ob + tl.cast(row0_q, tl.int64) * stride_os + h.to(tl.int64) * stride_oh
@@ -351,6 +380,15 @@ def exp2_fma_parts(block_n: int) -> int:
     +4-9 % at 128x128 tiles with 1/8, less with 1/4, 1/2 slower than none); 64-key blocks lose
     1-4 % with it."""
     return 8 if block_n >= 128 else 0
+
+
+def varlen_load_default(max_seqlen_k: int) -> str:
+    """In-kernel descriptors for varlen from S_k = 4k, pointer loads below: each program builds
+    its descriptors (a few µs of latency), which short walks do not hide. H200, bf16, 16k packed
+    tokens, H = 16 (2026-11-24, scripts/attention_varlen_loads.py): S = 4k desc_device / ptr
+    494 / 470 TF/s full and 421 / 362 causal at D = 128, 378 / 370 and 340 / 342 at D = 64;
+    S = 1k 374 / 358, 266 / 279, 297 / 341, 206 / 260."""
+    return "desc_device" if max_seqlen_k >= 4096 else "ptr"
 
 
 def pv_lag_default(block_n: int) -> bool:
@@ -408,15 +446,15 @@ def attention_forward(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_
     on_gpu = q.device.type == "cuda"
     masked = window_left is not None or window_right is not None
     cfg = dict(fwd_tile_config(block_d, q.dtype, on_gpu, masked, max_seqlen_k if varlen else k.shape[1]))
-    cfg["LOAD"] = "ptr" if varlen else DEFAULT_DENSE_LOAD
+    cfg["LOAD"] = varlen_load_default(max_seqlen_k) if varlen else DEFAULT_DENSE_LOAD
     cfg["WARP_SPECIALIZE"] = False
     cfg.update(config or {})
     cfg.setdefault("EXP2_FMA_PARTS", exp2_fma_parts(cfg["BLOCK_N"]))
     cfg.setdefault("PV_LAG", pv_lag_default(cfg["BLOCK_N"]) and q.dtype != torch.float32)
     if cfg["EXP2_FMA_PARTS"] not in (0, 2, 4, 8, 16) or cfg["EXP2_FMA_PARTS"] > cfg["BLOCK_N"]:
         raise ValueError(f"config EXP2_FMA_PARTS={cfg['EXP2_FMA_PARTS']!r}: one of 0, 2, 4, 8, 16, at most BLOCK_N")
-    if cfg["LOAD"] not in LOAD_MODES or (varlen and cfg["LOAD"] != "ptr"):
-        raise ValueError(f"config LOAD={cfg['LOAD']!r}: one of {LOAD_MODES}; varlen takes 'ptr' only")
+    if cfg["LOAD"] not in LOAD_MODES or (varlen and cfg["LOAD"] not in ("ptr", "desc_device")):
+        raise ValueError(f"config LOAD={cfg['LOAD']!r}: one of {LOAD_MODES}; varlen takes 'ptr' or 'desc_device'")
 
     out = empty(q.shape, q.dtype, q.device)
     if varlen:
@@ -445,8 +483,10 @@ def attention_forward(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_
 
     load = cfg["LOAD"]
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    if load == "ptr":
+    if load in ("ptr", "desc_device"):
         q_arg, k_arg, v_arg, o_arg = q4, k4, v4, o4
+        if load == "desc_device":
+            use_device_descriptors()
     else:
         q_arg, o_arg = (_descriptor(t, load, block_m, block_d) for t in (q, out))
         k_arg, v_arg = (_descriptor(t, load, block_n, block_d) for t in (k, v))
@@ -459,7 +499,7 @@ def attention_forward(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_
         return out, lse
     # descriptors are not plain launch arguments for fast_launch's cache: a callable grid takes
     # Triton's own launch path (host cost ~20 us, against milliseconds of kernel at these sizes)
-    launch_grid = grid if load == "ptr" else (lambda meta: grid)
+    launch_grid = grid if load in ("ptr", "desc_device") else (lambda meta: grid)
     attention_fwd_kernel[launch_grid](
         q_arg, k_arg, v_arg, o_arg, lse, cu_q, cu_k,
         q4.stride(0), q4.stride(1), q4.stride(2),
