@@ -240,8 +240,8 @@ def launch_attention_backward(
         q, k, v, do, dk, dv, lse2, delta, cu_q, cu_k,
         *strides, *_bsh_strides(dk, varlen), *_bsh_strides(dv, varlen),
         seqlen_q, seqlen_k, n_stat_rows, h_q // h_kv, *common,
-        BLOCK_M=cfg["BLOCK_M1"], BLOCK_N=cfg["BLOCK_N1"], SPLIT_LOOPS=split_dkdv, DV_LATE=bool(cfg.get("dv_late", False)),
-        **flags,
+        BLOCK_M=cfg["BLOCK_M1"], BLOCK_N=cfg["BLOCK_N1"], SPLIT_LOOPS=split_dkdv,
+        DV_LATE=bool(cfg.get("dv_late", False)), **flags,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     n_q_blocks = cdiv(max_seqlen_q, cfg["BLOCK_M2"])
@@ -249,8 +249,7 @@ def launch_attention_backward(
         q, k, v, do, dq, lse2, delta, cu_q, cu_k,
         *strides, *_bsh_strides(dq, varlen),
         seqlen_q, seqlen_k, n_stat_rows, n_q_blocks, h_q // h_kv, *common,
-        BLOCK_M=cfg["BLOCK_M2"], BLOCK_N=cfg["BLOCK_N2"], SPLIT_LOOPS=split_dq,
-        **flags,
+        BLOCK_M=cfg["BLOCK_M2"], BLOCK_N=cfg["BLOCK_N2"], SPLIT_LOOPS=split_dq, **flags,
         num_warps=cfg["num_warps_dq"], num_stages=cfg["num_stages_dq"],
     )
     return dq, dk, dv

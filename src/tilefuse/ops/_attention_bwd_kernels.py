@@ -203,7 +203,8 @@ def _dkdv_loop(dk, dv, k, v, q_src, do_src, stat_base, stride_qs, stride_dos, fi
                              offs_n, (i < first_free) | (i >= end_free), seqlen_q, shift, window_left,
                              window_right, scale, softcap, lse2_ptr, delta_ptr, MASK and not SPLIT_LOOPS,
                              HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, BLOCK_M, HEAD_DIM, D_PAD, DOT_PRECISION, USE_TMA,
-                             DV_LATE)
+                             DV_LATE and not (MASK and not SPLIT_LOOPS))   # mask-free loops only: with mask
+                                                                           # code it lost (H200, causal)
     if SPLIT_LOOPS and MASK:
         for j in range(first_free + n_blocks - end_free):
             i = tl.where(j < first_free, j, j + (end_free - first_free))   # left edge, then right edge
@@ -241,7 +242,7 @@ def attention_bwd_dkdv_kernel(
     DOT_PRECISION: tl.constexpr,             # "ieee" for fp32 inputs (no tf32)
     USE_TMA: tl.constexpr,                   # inner-loop tiles through TMA descriptors
     SPLIT_LOOPS: tl.constexpr,               # mask-free and masked blocks in separate loops
-    DV_LATE: tl.constexpr,                   # dv's GEMM after dpᵀ's (_dkdv_block)
+    DV_LATE: tl.constexpr,                   # dv's GEMM after dpᵀ's in the mask-free loop (_dkdv_block)
 ):
     pid_n = tl.program_id(0)
     h_kv = tl.program_id(1)

@@ -14,11 +14,11 @@ blocks the block can see (FlashAttention-2), in the log2 domain::
 Key blocks are walked in three ranges: masked blocks on the window's left edge, the unmasked
 interior (every key exists and is visible to every query of the block: no mask arithmetic at
 all), and masked blocks on the right edge (the causal diagonal, the window's right edge and the
-sequence tail). In the interior each block's P·V may be issued one block late
-(``PV_LAG``, :func:`_attend_interior_lagged`), so that it overlaps the next block's softmax. Blocks outside ``key_range`` are never touched, so causal and windowed
-attention do proportionally less work.
+sequence tail). In the interior each block's P·V may be issued one block late (``PV_LAG``,
+:func:`_attend_interior_lagged`), so that it overlaps the next block's softmax. Blocks outside
+``key_range`` are never touched, so causal and windowed attention do proportionally less work.
 
-Loads go through one of three paths (``LOAD`` constexpr):
+Loads go through one of four paths (``LOAD`` constexpr):
 
 * ``"desc_bhsd"``: host TMA descriptors over the ``[B, S, H, D]`` memory viewed as
   ``[B, H, S, D]`` (permuted strides) with ``[1, 1, BLOCK, BLOCK_D]`` blocks: exact per-batch
@@ -384,7 +384,7 @@ def exp2_fma_parts(block_n: int) -> int:
 
 def varlen_load_default(max_seqlen_k: int) -> str:
     """In-kernel descriptors for varlen from S_k = 4k, pointer loads below: each program builds
-    its descriptors (a few µs of latency), which short walks do not hide. H200, bf16, 16k packed
+    its descriptors before its first load, a cost short walks do not hide. H200, bf16, 16k packed
     tokens, H = 16 (2026-11-24, scripts/attention_varlen_loads.py): S = 4k desc_device / ptr
     494 / 470 TF/s full and 421 / 362 causal at D = 128, 378 / 370 and 340 / 342 at D = 64;
     S = 1k 374 / 358, 266 / 279, 297 / 341, 206 / 260."""
