@@ -328,16 +328,15 @@ def attention_fwd_kernel(
     lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
     lse_offs = b64 * stride_lb + h.to(tl.int64) * stride_lh + tl.cast(row0_q, tl.int64) + offs_m
     tl.store(lse_ptr + lse_offs, lse, mask=offs_m < seqlen_q)
+    o_base = b64 * stride_ob + tl.cast(row0_q, tl.int64) * stride_os + h.to(tl.int64) * stride_oh
     if LOAD == "desc_bhsd":
         out.store([b, h, start_m, 0], o.reshape([1, 1, BLOCK_M, BLOCK_D]))
     elif LOAD == "desc_bshd":
         out.store([b, start_m, h, 0], o.reshape([1, BLOCK_M, 1, BLOCK_D]))
     elif LOAD == "desc_device":     # rows past the sequence are clipped by the descriptor's bounds
-        o_base = b64 * stride_ob + tl.cast(row0_q, tl.int64) * stride_os + h.to(tl.int64) * stride_oh
         _head_source(out, o_base, seqlen_q, stride_os, HEAD_DIM, BLOCK_M, BLOCK_D, LOAD).store([start_m, 0], o)
     else:
         cols = tl.arange(0, BLOCK_D)
-        o_base = b64 * stride_ob + tl.cast(row0_q, tl.int64) * stride_os + h.to(tl.int64) * stride_oh
         o_offs = o_base + offs_m.to(tl.int64)[:, None] * stride_os + cols[None, :]
         tl.store(out + o_offs, o, mask=(offs_m < seqlen_q)[:, None] & (cols < HEAD_DIM)[None, :])
 
