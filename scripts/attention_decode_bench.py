@@ -72,7 +72,7 @@ def report(rows, ceiling):
         print(f"{name:34s} {us:9.1f} {gbps:8.0f} {100 * gbps / ceiling:6.1f}%  {err}")
 
 
-def bench_shape(shape, dtype, ceiling, sweep, deadline):
+def bench_shape(shape, dtype, ceiling, sweep, deadline, layouts=("contiguous",)):
     batch, s_q, h_q, h_kv, length, d = shape
     q, k, v, seqlens = make_inputs(shape, dtype)
     kv_bytes = 2 * k.numel() * k.element_size()
@@ -91,8 +91,9 @@ def bench_shape(shape, dtype, ceiling, sweep, deadline):
 
     auto = ad._launch_config(q, length, h_kv, 0)
     run(f"tilefuse contiguous (splits={auto['splits']})", lambda: attention_decode(q, k, v, seqlens))
+    caches = {"contiguous": (k, v, None)}
     for page_size in (16, 256):
-        kp, vp, table = paged(k, v, page_size)
+        kp, vp, table = caches[f"paged{page_size}"] = paged(k, v, page_size)
         run(f"tilefuse paged {page_size}",
             lambda kp=kp, vp=vp, table=table: attention_decode(q, kp, vp, seqlens, block_table=table))
     for s in FORCED_SPLITS.get(length, ()):
@@ -105,18 +106,23 @@ def bench_shape(shape, dtype, ceiling, sweep, deadline):
     print(f"-- config sweep (splits auto unless given); budget left {deadline - time.time():.0f} s")
     rows = []
     splits_list = (0,) + FORCED_SPLITS.get(length, ())[1:3]
-    for block_n, stages, warps, splits in itertools.product((64, 128), (2, 3, 4), (4, 8), splits_list):
-        if time.time() > deadline:
-            print("   (time budget spent: sweep cut short)")
-            break
-        cfg = {"BLOCK_N": block_n, "num_stages": stages, "num_warps": warps}
-        fn = lambda: ad._launch_decode(q, k, v, seqlens, None, 0, -1, 0, 0.0, d ** -0.5, splits, cfg)[0]  # noqa: E731
-        try:
-            run(f"N={block_n} st={stages} w={warps} sp={splits or 'auto'}", fn)
-        except Exception as exc:  # noqa: BLE001 - a config that does not compile (shared memory) is skipped
-            print(f"   N={block_n} st={stages} w={warps}: {type(exc).__name__}: {str(exc)[:120]}")
-    rows.sort(key=lambda r: r[1] if r[1] == r[1] else float("inf"))
-    report(rows[:8], ceiling)
+    for layout in layouts:
+        kc, vc, table = caches[layout]
+        rows = []
+        grid = (itertools.product((64, 128), (2, 3, 4), (4, 8), splits_list) if layout == "contiguous"
+                else itertools.product((64, 128), (2, 3, 4, 5), (4,), (0,)))
+        for block_n, stages, warps, splits in grid:
+            if time.time() > deadline:
+                print("   (time budget spent: sweep cut short)")
+                break
+            cfg = {"BLOCK_N": block_n, "num_stages": stages, "num_warps": warps}
+            fn = lambda: ad._launch_decode(q, kc, vc, seqlens, table, 0, -1, 0, 0.0, d ** -0.5, splits, cfg)[0]  # noqa: E731
+            try:
+                run(f"{layout} N={block_n} st={stages} w={warps} sp={splits or 'auto'}", fn)
+            except Exception as exc:  # noqa: BLE001 - a config that does not compile (shared memory) is skipped
+                print(f"   N={block_n} st={stages} w={warps}: {type(exc).__name__}: {str(exc)[:120]}")
+        rows.sort(key=lambda r: r[1] if r[1] == r[1] else float("inf"))
+        report(rows[:6], ceiling)
 
 
 def main() -> int:
@@ -124,6 +130,8 @@ def main() -> int:
     parser.add_argument("--dtype", default="bf16", choices=list(DTYPES))
     parser.add_argument("--no-sweep", action="store_true", help="skip the launch-config sweep")
     parser.add_argument("--budget-s", type=float, default=100.0, help="seconds before the sweep stops")
+    parser.add_argument("--layouts", nargs="+", default=["contiguous"], choices=["contiguous", "paged16", "paged256"],
+                        help="caches the config sweep covers")
     args = parser.parse_args()
     start = time.time()
     torch.manual_seed(0)
@@ -133,7 +141,7 @@ def main() -> int:
     for i, shape in enumerate(SHAPES):
         # the sweep shares what is left of the budget with the shapes still to come
         deadline = start + args.budget_s * (i + 1) / len(SHAPES)
-        bench_shape(shape, DTYPES[args.dtype], ceiling, not args.no_sweep, deadline)
+        bench_shape(shape, DTYPES[args.dtype], ceiling, not args.no_sweep, deadline, args.layouts)
         torch.cuda.empty_cache()
     print(f"\ntotal {time.time() - start:.0f} s")
     return 0

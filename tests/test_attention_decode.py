@@ -28,6 +28,9 @@ LSE_ATOL = {torch.float32: 1e-5, torch.float16: 1e-4, torch.bfloat16: 1e-3}
 @pytest.fixture
 def small_tiles(monkeypatch):
     monkeypatch.setattr(ad, "_key_block", lambda block_d, elem_size: 16)
+    ad._decode_plan.cache_clear()       # plans built with the default tiles must not be reused
+    yield
+    ad._decode_plan.cache_clear()
 
 
 def _case(batch, s_q, h_q, h_kv, length, d, dtype, seqlens, append):

@@ -21,18 +21,24 @@ from ._common import LN2, LOG2E
 
 
 @triton.jit
-def _cache_slots(keys, b, block_table_ptr, stride_bt, key_ok, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr):
-    """(page, slot) int64 of keys ``keys`` of batch row ``b``: through the page table when paged
-    (one page id load per key; the keys of one page hit the same cached id), else (b, keys).
-    A slot's elements start at ``page · stride_page + slot · stride_slot``."""
+def _cache_pages(keys, b, block_table_ptr, stride_bt, key_ok, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """int64 page of keys ``keys`` of batch row ``b`` through the page table when paged (one page
+    id load per key; the keys of one page hit the same cached id; 0 where not ``key_ok``), else
+    the batch row itself: a slot's elements start at ``page · stride_page + slot · stride_slot``."""
     # one return of one type on both branches (Triton's compiler rejects branch-dependent types)
     if PAGED:
         page = tl.load(block_table_ptr + b.to(tl.int64) * stride_bt + keys // PAGE_SIZE, mask=key_ok, other=0)
         page = page.to(tl.int64)
-        slot = (keys % PAGE_SIZE).to(tl.int64)
     else:
         page = tl.zeros_like(keys).to(tl.int64) + b.to(tl.int64)
-        slot = keys.to(tl.int64)
+    return page
+
+
+@triton.jit
+def _cache_slots(keys, b, block_table_ptr, stride_bt, key_ok, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """(page, slot) int64 of keys ``keys`` of batch row ``b`` (:func:`_cache_pages`)."""
+    page = _cache_pages(keys, b, block_table_ptr, stride_bt, key_ok, PAGED, PAGE_SIZE)
+    slot = (keys % PAGE_SIZE).to(tl.int64) if PAGED else keys.to(tl.int64)
     return page, slot
 
 
@@ -150,11 +156,18 @@ def decode_split_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)     # running max, log2 units
     l_i = tl.zeros([BLOCK_M], tl.float32)                    # running Σ 2^(s - m)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # the pages of the next tile are read one step ahead: with K/V addresses that hang on a load
+    # of the same step, Triton's pipeliner keeps one K/V buffer and waits for it at once (paged
+    # cache 45 % of copy on the H200 against 73-79 % with the look-ahead, B = 16, L = 8k)
+    keys = start + tl.arange(0, BLOCK_N)
+    page_next = _cache_pages(keys, b, block_table_ptr, stride_bt, keys < end, PAGED, PAGE_SIZE)
     for start_n in range(start, end, BLOCK_N):              # empty when the share is: early exit
         keys = start_n + tl.arange(0, BLOCK_N)
         key_ok = keys < end
         tile_mask = key_ok[:, None] & dim_ok[None, :]
-        page, slot = _cache_slots(keys, b, block_table_ptr, stride_bt, key_ok, PAGED, PAGE_SIZE)
+        page = page_next
+        slot = (keys % PAGE_SIZE).to(tl.int64) if PAGED else keys.to(tl.int64)
+        page_next = _cache_pages(keys + BLOCK_N, b, block_table_ptr, stride_bt, keys + BLOCK_N < end, PAGED, PAGE_SIZE)
         k_slot = page * stride_kb + slot * stride_kn
         k = tl.load(k_cache_ptr + k_slot[:, None] + kv_head * stride_kh + dims[None, :], mask=tile_mask, other=0.0)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)

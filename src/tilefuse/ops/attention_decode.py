@@ -38,12 +38,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 from .._checks import check_same_device, check_same_dtype, check_shape, check_tensor
 from .._dispatch import cdiv, empty, next_power_of_2, num_sms, use_triton
+from .._launch import PreparedArgs, config_key
 from .._op import custom_op
 from ..registry import Inputs, OpSpec, register, tensor_bytes
 from ._attention_common import (
@@ -62,9 +63,11 @@ MAX_SPLITS = 128
 
 
 def _key_block(block_d: int, elem_size: int) -> int:
-    """Keys per tile: 64 (H100 sweep, bf16 D = 128: 188 vs 190 us at B = 16, L = 8k and 64 vs 71 us
-    at B = 1, L = 32k against 128-key tiles), fewer while a K+V tile pair would pass 64 KiB."""
-    return max(32, min(64, 65536 // (2 * block_d * elem_size)))
+    """Keys per tile: 128 while a K+V tile pair fits in 64 KiB (bf16 D <= 128), fewer above. H200
+    sweep, bf16 D = 128, 2026-11-24: 128 keys 134 against 152 us at B = 16, L = 8k and 138 against
+    160 us at B = 1, L = 128k (contiguous), 172 / 160 against 206 / 174 us paged (16 / 256 slots);
+    the H100's (session 2, 3.35 TB/s) had 64 keys level or ahead: 188 vs 190 us, 64 vs 71 us."""
+    return max(32, min(128, 65536 // (2 * block_d * elem_size)))
 
 
 def _query_block(rows: int, block_d: int) -> int:
@@ -94,16 +97,21 @@ def _launch_config(q: torch.Tensor, capacity: int, n_kv_heads: int, num_splits: 
                    config: dict | None = None) -> dict:
     """BLOCK_M/N/D, query blocks, splits, warps, stages; ``config`` overrides any of them
     (the bench script sweeps them)."""
-    batch, s_q, h_q, d = q.shape
+    return _config_from_shapes(tuple(q.shape), q.element_size(), capacity, n_kv_heads, num_splits, num_sms(q), config)
+
+
+def _config_from_shapes(q_shape: tuple, elem_size: int, capacity: int, n_kv_heads: int, num_splits: int, sms: int,
+                        config: dict | None) -> dict:
+    batch, s_q, h_q, d = q_shape
     rows = (h_q // n_kv_heads) * s_q
     block_d = max(16, next_power_of_2(d))
     cfg = {"BLOCK_D": block_d, "BLOCK_M": _query_block(rows, block_d),
-           "BLOCK_N": _key_block(block_d, q.element_size()), "num_warps": 4, "num_stages": 3}
+           "BLOCK_N": _key_block(block_d, elem_size), "num_warps": 4, "num_stages": 3}
     cfg.update(config or {})
     cfg["M_BLOCKS"] = cdiv(rows, cfg["BLOCK_M"])
     programs = batch * n_kv_heads * cfg["M_BLOCKS"]
     if num_splits <= 0:
-        num_splits = _num_splits(programs, cdiv(capacity, cfg["BLOCK_N"]), num_sms(q))
+        num_splits = _num_splits(programs, cdiv(capacity, cfg["BLOCK_N"]), sms)
     cfg["splits"] = max(1, min(num_splits, MAX_SPLITS))
     return cfg
 
@@ -138,11 +146,59 @@ def _launch_append(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table) -
     )
 
 
+def _contiguous_strides(shape: tuple) -> tuple:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
+
+
+class _DecodePlan(NamedTuple):
+    """One decode launch, from shapes and strides only (cached: the split kernel takes ~45
+    arguments, and keying them on every call cost more host time than the rest of the op)."""
+    part_shapes: tuple | None       # (partial out, partial lse) when the keys are split, else None
+    grid: tuple
+    split_args: PreparedArgs        # decode_split_kernel's arguments after its 7 tensors
+    combine_grid: tuple
+    combine_args: PreparedArgs | None
+
+
+@functools.lru_cache(maxsize=1024)
+def _decode_plan(q_shape: tuple, q_strides: tuple, k_strides: tuple, v_strides: tuple, h_kv: int, capacity: int,
+                 page_size: int, bt_stride: int, elem_size: int, fp32: bool, n_new: int, left: int, right: int,
+                 softcap: float, scale: float, num_splits: int, sms: int, config: tuple) -> _DecodePlan:
+    batch, s_q, h_q, d = q_shape
+    cfg = _config_from_shapes(q_shape, elem_size, capacity, h_kv, num_splits, sms, dict(config))
+    splits, group = cfg["splits"], h_q // h_kv
+    out_st, lse_st = _contiguous_strides(q_shape), _contiguous_strides((batch, h_q, s_q))
+    if splits == 1:     # the split kernel writes out and lse themselves
+        part_shapes = None
+        o_strides, l_strides = (out_st[0], 0, *out_st[1:3]), (lse_st[0], 0, *lse_st[1:])
+    else:               # fp32 partials, sized from shapes: B · splits · S_q · H_q · (D + 1) floats
+        part_shapes = ((batch, splits, s_q, h_q, d), (batch, splits, h_q, s_q))
+        o_strides, l_strides = _contiguous_strides(part_shapes[0])[:4], _contiguous_strides(part_shapes[1])
+    split_args = decode_split_kernel.prepare(
+        (*q_strides[:3], *k_strides[:3], *v_strides[:3], bt_stride, *o_strides, *l_strides, capacity, h_kv, d,
+         scale, softcap, left, right),
+        dict(S_Q=s_q, GROUP=group, N_NEW=n_new, M_BLOCKS=cfg["M_BLOCKS"], Q_SPAN=cdiv(cfg["BLOCK_M"], group) + 1,
+             PAGED=page_size > 0, PAGE_SIZE=max(page_size, 1), HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0,
+             HAS_SOFTCAP=softcap > 0, DOT_PRECISION="ieee" if fp32 else "tf32",
+             BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"],
+             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
+    combine_args = None
+    if splits > 1:
+        combine_args = decode_combine_kernel.prepare(
+            (*o_strides, *l_strides[:3], *out_st[:3], lse_st[0], lse_st[1], splits, h_q, d),
+            dict(S_Q=s_q, BLOCK_S=next_power_of_2(splits), CHUNK_S=16, BLOCK_D=cfg["BLOCK_D"], num_warps=4))
+    return _DecodePlan(part_shapes, (batch * h_kv * cfg["M_BLOCKS"], splits), split_args, (batch * s_q * h_q,),
+                       combine_args)
+
+
 def _launch_decode(q, k_cache, v_cache, cache_seqlens, block_table, n_new: int, left: int, right: int,
                    softcap: float, scale: float, num_splits: int, config: dict | None = None):
     """(out [B, S_q, H_q, D], lse fp32 [B, H_q, S_q])."""
     batch, s_q, h_q, d = q.shape
-    h_kv = k_cache.shape[2]
     out = empty(q.shape, q.dtype, q.device)
     lse = empty((batch, h_q, s_q), torch.float32, q.device)
     if out.numel() == 0:
@@ -150,34 +206,19 @@ def _launch_decode(q, k_cache, v_cache, cache_seqlens, block_table, n_new: int, 
     q = _unit_last(q)
     paged = block_table is not None
     bt = block_table.contiguous() if paged else cache_seqlens
-    capacity = _capacity(k_cache, block_table)
-    cfg = _launch_config(q, capacity, h_kv, num_splits, config)
-    splits, group = cfg["splits"], h_q // h_kv
-    if splits == 1:
+    plan = _decode_plan(tuple(q.shape), q.stride(), k_cache.stride(), v_cache.stride(), k_cache.shape[2],
+                        _capacity(k_cache, block_table), k_cache.shape[1] if paged else 0,
+                        bt.stride(0) if paged else 0, q.element_size(), q.dtype == torch.float32, n_new, left,
+                        right, softcap, scale, num_splits, num_sms(q), config_key(config))
+    if plan.part_shapes is None:
         part_out, part_lse = out, lse
-        o_strides = (out.stride(0), 0, out.stride(1), out.stride(2))
-        l_strides = (lse.stride(0), 0, lse.stride(1), lse.stride(2))
-    else:   # fp32 partials, sized from shapes: B · splits · S_q · H_q · (D + 1) floats
-        part_out = torch.empty((batch, splits, s_q, h_q, d), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((batch, splits, h_q, s_q), dtype=torch.float32, device=q.device)
-        o_strides, l_strides = part_out.stride()[:4], part_lse.stride()
-    decode_split_kernel[(batch * h_kv * cfg["M_BLOCKS"], splits)](
-        q, k_cache, v_cache, cache_seqlens.contiguous(), bt, part_out, part_lse,
-        *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], bt.stride(0) if paged else 0,
-        *o_strides, *l_strides, capacity, h_kv, d, scale, softcap, left, right,
-        S_Q=s_q, GROUP=group, N_NEW=n_new, M_BLOCKS=cfg["M_BLOCKS"],
-        Q_SPAN=cdiv(cfg["BLOCK_M"], group) + 1, PAGED=paged,
-        PAGE_SIZE=k_cache.shape[1] if paged else 1, HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0,
-        HAS_SOFTCAP=softcap > 0, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
-    if splits > 1:
-        decode_combine_kernel[(batch * s_q * h_q,)](
-            part_out, part_lse, out, lse, *part_out.stride()[:4], *part_lse.stride()[:3],
-            *out.stride()[:3], lse.stride(0), lse.stride(1), splits, h_q, d,
-            S_Q=s_q, BLOCK_S=next_power_of_2(splits), CHUNK_S=16, BLOCK_D=cfg["BLOCK_D"], num_warps=4,
-        )
+    else:
+        part_out = torch.empty(plan.part_shapes[0], dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(plan.part_shapes[1], dtype=torch.float32, device=q.device)
+    decode_split_kernel.launch_prepared(
+        plan.grid, (q, k_cache, v_cache, cache_seqlens.contiguous(), bt, part_out, part_lse), plan.split_args)
+    if plan.combine_args is not None:
+        decode_combine_kernel.launch_prepared(plan.combine_grid, (part_out, part_lse, out, lse), plan.combine_args)
     return out, lse
 
 
