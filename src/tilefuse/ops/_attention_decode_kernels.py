@@ -35,6 +35,34 @@ def _cache_pages(keys, b, block_table_ptr, stride_bt, key_ok, PAGED: tl.constexp
 
 
 @triton.jit
+def _tile_pages(start_n, end, b, block_table_ptr, stride_bt, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """The pages (int32) of key tile ``start_n ..`` (a multiple of BLOCK_N) of batch row ``b``,
+    for :func:`_tile_rows`: the batch row itself (contiguous cache), one page id when a page holds
+    whole tiles, else one id per key (as int32: the carried ids of the next tile cost half the
+    registers of int64 ones). Ids past ``end`` read as 0 (never used: their keys are masked).
+    (One id per page of a tile holding several, expanded with a reshape, measured 255 registers
+    + stack and no pipelining: not used.)"""
+    if not PAGED:
+        return b
+    elif PAGE_SIZE % BLOCK_N == 0:
+        return tl.load(block_table_ptr + b.to(tl.int64) * stride_bt + start_n // PAGE_SIZE, mask=start_n < end, other=0)
+    else:
+        keys = start_n + tl.arange(0, BLOCK_N)
+        return tl.load(block_table_ptr + b.to(tl.int64) * stride_bt + keys // PAGE_SIZE, mask=keys < end, other=0)
+
+
+@triton.jit
+def _tile_rows(pages, start_n, stride_page, stride_slot, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+    """int64 offsets ``[BLOCK_N]`` of the first element of each key slot of the tile, from
+    :func:`_tile_pages`' ``pages``: ``page · stride_page + slot · stride_slot``."""
+    keys = start_n + tl.arange(0, BLOCK_N)
+    slot = (keys % PAGE_SIZE) if PAGED else keys
+    return pages.to(tl.int64) * stride_page + slot.to(tl.int64) * stride_slot
+
+
+@triton.jit
 def _cache_slots(keys, b, block_table_ptr, stride_bt, key_ok, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr):
     """(page, slot) int64 of keys ``keys`` of batch row ``b`` (:func:`_cache_pages`)."""
     page = _cache_pages(keys, b, block_table_ptr, stride_bt, key_ok, PAGED, PAGE_SIZE)
@@ -159,17 +187,15 @@ def decode_split_kernel(
     # the pages of the next tile are read one step ahead: with K/V addresses that hang on a load
     # of the same step, Triton's pipeliner keeps one K/V buffer and waits for it at once (paged
     # cache 45 % of copy on the H200 against 73-79 % with the look-ahead, B = 16, L = 8k)
-    keys = start + tl.arange(0, BLOCK_N)
-    page_next = _cache_pages(keys, b, block_table_ptr, stride_bt, keys < end, PAGED, PAGE_SIZE)
+    pages_next = _tile_pages(start, end, b, block_table_ptr, stride_bt, PAGED, PAGE_SIZE, BLOCK_N)
     for start_n in range(start, end, BLOCK_N):              # empty when the share is: early exit
         keys = start_n + tl.arange(0, BLOCK_N)
         key_ok = keys < end
         tile_mask = key_ok[:, None] & dim_ok[None, :]
-        page = page_next
-        slot = (keys % PAGE_SIZE).to(tl.int64) if PAGED else keys.to(tl.int64)
-        page_next = _cache_pages(keys + BLOCK_N, b, block_table_ptr, stride_bt, keys + BLOCK_N < end, PAGED, PAGE_SIZE)
-        k_slot = page * stride_kb + slot * stride_kn
-        k = tl.load(k_cache_ptr + k_slot[:, None] + kv_head * stride_kh + dims[None, :], mask=tile_mask, other=0.0)
+        pages = pages_next
+        pages_next = _tile_pages(start_n + BLOCK_N, end, b, block_table_ptr, stride_bt, PAGED, PAGE_SIZE, BLOCK_N)
+        k_rows = _tile_rows(pages, start_n, stride_kb, stride_kn, PAGED, PAGE_SIZE, BLOCK_N)
+        k = tl.load(k_cache_ptr + k_rows[:, None] + kv_head * stride_kh + dims[None, :], mask=tile_mask, other=0.0)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if HAS_SOFTCAP:
             s, _ = apply_softcap(qk * scale, softcap, HAS_SOFTCAP)
@@ -183,8 +209,8 @@ def decode_split_kernel(
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v_slot = page * stride_vb + slot * stride_vn
-        v = tl.load(v_cache_ptr + v_slot[:, None] + kv_head * stride_vh + dims[None, :], mask=tile_mask, other=0.0)
+        v_rows = _tile_rows(pages, start_n, stride_vb, stride_vn, PAGED, PAGE_SIZE, BLOCK_N)
+        v = tl.load(v_cache_ptr + v_rows[:, None] + kv_head * stride_vh + dims[None, :], mask=tile_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
