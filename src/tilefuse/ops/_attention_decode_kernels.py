@@ -3,9 +3,8 @@
 * ``kv_append_kernel``: k_new / v_new written into their cache slots (through the block table
   when paged), one program per new token;
 * ``decode_split_kernel``: one (kv head, query block, split) per program, GQA-packed rows, an
-  exp2 online softmax over the split's share of the visible keys; with several splits, fp32
-  partial out + lse, merged by their lse by the last split of the rows to finish
-  (:func:`_merge_splits`).
+  exp2 online softmax over the split's share of the visible keys, fp32 partial out + lse;
+* ``decode_combine_kernel``: the splits merged by their lse.
 """
 
 from __future__ import annotations
@@ -123,20 +122,14 @@ def decode_split_kernel(
     v_cache_ptr,        # *v_cache, same layout
     seqlens_ptr,        # *int32 [B] keys cached before the append
     block_table_ptr,    # *int32 [B, max_pages] (paged; any valid pointer otherwise)
-    out_ptr,            # *out [B, S_q, H_q, D]
-    lse_ptr,            # *fp32 lse [B, H_q, S_q]
-    part_ptr,           # *fp32 workspace (SPLIT): partial outs [B, splits, S_q, H_q, D], then partial lse
-                        #   [B, splits, H_q, S_q] from element part_lse_offset
-    counter_ptr,        # *int32 arrival counters, one per program of grid axis 0, zero (SPLIT; left zero)
+    out_ptr,            # *out: final [B, S_q, H_q, D] (one split) or fp32 partials [B, splits, S_q, H_q, D]
+    lse_ptr,            # *fp32 lse: final [B, H_q, S_q] or partials [B, splits, H_q, S_q]
     stride_qb, stride_qs, stride_qh,         # q strides: batch, query, head
     stride_kb, stride_kn, stride_kh,         # k_cache strides: batch row or page, slot, head
     stride_vb, stride_vn, stride_vh,         # v_cache strides
     stride_bt,          # block_table row stride
-    stride_ob, stride_os, stride_oh,         # out strides: batch, query, head
-    stride_lb, stride_lh,                    # lse strides: batch, head (query stride 1)
-    stride_pb, stride_psplit, stride_ps, stride_ph,   # partial out strides: batch, split, query, head
-    part_lse_offset,                                  # first element of the partial lse in part_ptr
-    stride_plb, stride_plsplit, stride_plh,           # partial lse strides: batch, split, head (query 1)
+    stride_ob, stride_osplit, stride_os, stride_oh,   # out strides: batch, split (0: final), query, head
+    stride_lb, stride_lsplit, stride_lh, stride_ls,   # lse strides: batch, split, head, query
     capacity,           # slots per batch row (keys beyond it are never read)
     n_kv_heads,         # H_kv
     head_dim,           # D
@@ -155,7 +148,6 @@ def decode_split_kernel(
     HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,   # "ieee" for fp32 inputs (no tf32 rounding), else the default
-    SPLIT: tl.constexpr,        # more than one split: partials, merged by the last split to finish
     BLOCK_M: tl.constexpr,      # packed (query head, query) rows per tile, >= 16
     BLOCK_N: tl.constexpr,      # keys per tile
     BLOCK_D: tl.constexpr,      # next power of two >= D
@@ -226,55 +218,56 @@ def decode_split_kernel(
     l_safe = tl.where(seen, l_i, 1.0)
     out = acc / l_safe[:, None]
     lse = tl.where(seen, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))
-    out_mask = row_ok[:, None] & dim_ok[None, :]
-    if SPLIT:   # this split's partial, then the last split of the program's rows to finish merges
-        p_offs = b64 * stride_pb + query[:, None] * stride_ps + head[:, None] * stride_ph + dims[None, :]
-        pl_offs = part_lse_offset + b64 * stride_plb + head * stride_plh + query
-        tl.store(part_ptr + p_offs + split * stride_psplit, out, mask=out_mask)
-        tl.store(part_ptr + pl_offs + split * stride_plsplit, lse, mask=row_ok)
-        tl.debug_barrier()      # every thread's partial is written before the arrival is released
-        arrived = tl.atomic_add(counter_ptr + pid, 1, sem="acq_rel", scope="gpu")
-        if arrived == n_splits - 1:
-            out, lse = _merge_splits(part_ptr, p_offs, pl_offs, stride_psplit, stride_plsplit, n_splits, row_ok,
-                                     out_mask, BLOCK_M, BLOCK_D)
-            tl.store(counter_ptr + pid, 0)
-            _store_out(out, lse, out_ptr, lse_ptr, b64, query, head, dims, stride_ob, stride_os, stride_oh,
-                       stride_lb, stride_lh, row_ok, out_mask)
-    else:
-        _store_out(out, lse, out_ptr, lse_ptr, b64, query, head, dims, stride_ob, stride_os, stride_oh,
-                   stride_lb, stride_lh, row_ok, out_mask)
+    o_offs = b64 * stride_ob + split * stride_osplit + query[:, None] * stride_os + head[:, None] * stride_oh
+    tl.store(out_ptr + o_offs + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+    l_offs = b64 * stride_lb + split * stride_lsplit + head * stride_lh + query * stride_ls
+    tl.store(lse_ptr + l_offs, lse, mask=row_ok)
 
 
+@fast_launch
 @triton.jit
-def _store_out(out, lse, out_ptr, lse_ptr, b64, query, head, dims, stride_ob, stride_os, stride_oh, stride_lb,
-               stride_lh, row_ok, out_mask):
-    o_offs = b64 * stride_ob + query[:, None] * stride_os + head[:, None] * stride_oh + dims[None, :]
-    tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
-    tl.store(lse_ptr + b64 * stride_lb + head * stride_lh + query, lse, mask=row_ok)
-
-
-@triton.jit
-def _merge_splits(part_ptr, p_offs, pl_offs, stride_psplit, stride_plsplit, n_splits, row_ok, out_mask,
-                  BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    """(out, lse) of rows whose splits left normalized partials ``out_s`` and ``lse_s`` (natural
-    log; -inf: the split saw no key): ``out = Σ_s e^{lse_s - lse} out_s``, ``lse = log Σ_s
-    e^{lse_s}``, merged in split order (the same bits whichever split finishes last) with a
-    running max. The loads bypass L1 (.cg): other programs wrote the partials."""
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    total = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for s in range(n_splits):
-        lse_s = tl.load(part_ptr + pl_offs + s * stride_plsplit, mask=row_ok, other=float("-inf"),
-                        cache_modifier=".cg")
-        m_new = tl.maximum(m, lse_s)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2((m - m_safe) * LOG2E)
-        w = tl.exp2((lse_s - m_safe) * LOG2E)
-        o = tl.load(part_ptr + p_offs + s * stride_psplit, mask=out_mask, other=0.0, cache_modifier=".cg")
-        acc = acc * alpha[:, None] + w[:, None] * o
-        total = total * alpha + w
-        m = m_new
-    seen = total > 0.0
-    out = acc / tl.where(seen, total, 1.0)[:, None]
+def decode_combine_kernel(
+    part_out_ptr,       # *fp32 [B, splits, S_q, H_q, D] per-split normalized outputs
+    part_lse_ptr,       # *fp32 [B, splits, H_q, S_q] per-split lse (-inf: the split saw no key)
+    out_ptr,            # *out [B, S_q, H_q, D]
+    lse_ptr,            # *fp32 [B, H_q, S_q]
+    stride_pb, stride_psplit, stride_ps, stride_ph,   # partial out strides
+    stride_plb, stride_plsplit, stride_plh,           # partial lse strides (query stride 1)
+    stride_ob, stride_os, stride_oh,                  # out strides
+    stride_lb, stride_lh,                             # lse strides (query stride 1)
+    n_splits,           # splits
+    n_heads,            # H_q
+    head_dim,           # D
+    S_Q: tl.constexpr,
+    BLOCK_S: tl.constexpr,      # next power of two >= n_splits (the lse pass)
+    CHUNK_S: tl.constexpr,      # splits per step of the output pass
+    BLOCK_D: tl.constexpr,
+):
+    row = tl.program_id(0)                  # ((b · S_q) + i) · H_q + h
+    h = row % n_heads
+    query = (row // n_heads) % S_Q
+    b64 = (row // (n_heads * S_Q)).to(tl.int64)
+    lse_base = part_lse_ptr + b64 * stride_plb + h * stride_plh + query
+    splits = tl.arange(0, BLOCK_S)
+    lse = tl.load(lse_base + splits * stride_plsplit, mask=splits < n_splits, other=float("-inf"))
+    m = tl.max(lse, 0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    return out, tl.where(seen, m_safe + tl.log2(tl.where(seen, total, 1.0)) * LN2, float("-inf"))
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < head_dim
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    total = 0.0
+    out_base = part_out_ptr + b64 * stride_pb + query * stride_ps + h * stride_ph
+    for s0 in range(0, n_splits, CHUNK_S):
+        ss = s0 + tl.arange(0, CHUNK_S)
+        s_ok = ss < n_splits
+        w = tl.exp2((tl.load(lse_base + ss * stride_plsplit, mask=s_ok, other=float("-inf")) - m_safe) * LOG2E)
+        o = tl.load(out_base + ss[:, None] * stride_psplit + dims[None, :], mask=s_ok[:, None] & dim_ok[None, :],
+                    other=0.0)
+        acc += tl.sum(w[:, None] * o, 0)
+        total += tl.sum(w, 0)
+    seen = total > 0.0
+    out = acc / tl.where(seen, total, 1.0)
+    tl.store(out_ptr + b64 * stride_ob + query * stride_os + h * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
+             mask=dim_ok)
+    tl.store(lse_ptr + b64 * stride_lb + h * stride_lh + query,
+             tl.where(seen, m_safe + tl.log2(tl.where(seen, total, 1.0)) * LN2, float("-inf")))

@@ -22,17 +22,12 @@ Kernels. (1) ``kv_append_kernel`` (only with k_new): one program per new token. 
 (query head, query) pairs of its kv head as the M rows of one tile (GQA packing: a KV tile is
 read once per group, not G times), walks its share of the row's visible key range in BLOCK_N
 tiles with an exp2 online softmax, and writes fp32 partial out + lse; with one split it writes
-the final out directly. With several, each split counts its arrival on its rows' counter and
-the last to arrive merges the partials by their lse in split order (the same bits whichever
-finishes last): ``out = Σ_s e^{lse_s - lse} out_s``, ``lse = log Σ_s e^{lse_s}``, in the same
-launch (a separate combine kernel cost a launch: 38.4 us in a CUDA graph at B = 1, L = 32k on
-the H200 with it).
+the final out directly. (3) ``decode_combine_kernel`` merges the splits by their lse:
+``out = Σ_s e^{lse_s - lse} out_s``, ``lse = log Σ_s e^{lse_s}``.
 
 CUDA-graph capturable: the split count and every buffer come from shapes only (B, H_kv, the
 cache capacity, SM count), never from ``cache_seqlens`` values; the key range of a row is split
 on the device, and a program whose share is empty writes an empty partial (lse -inf) at once.
-The partials and counters are the GEMMs' split-K workspace (per stream; a fresh pair under
-graph capture), so a call allocates only its outputs.
 
 Bytes counted (registry): K and V cache bytes actually read ``2·B·L·H_kv·D·elem`` + q + out
 (+ k_new, v_new read and written into the cache when appended). No backward (inference op).
@@ -55,8 +50,7 @@ from ..registry import Inputs, OpSpec, register, tensor_bytes
 from ._attention_common import (
     attention_reference, normalize_scale, normalize_softcap, normalize_window, visible_mask,
 )
-from ._attention_decode_kernels import decode_split_kernel, kv_append_kernel
-from ._matmul_kernels import split_k_buffers
+from ._attention_decode_kernels import decode_combine_kernel, decode_split_kernel, kv_append_kernel
 
 MAX_QUERIES = 16          # S_q limit: the new tokens of one decode step (speculative decoding)
 MAX_HEAD_DIM = 256
@@ -170,12 +164,13 @@ def _contiguous_strides(shape: tuple) -> tuple:
 
 
 class _DecodePlan(NamedTuple):
-    """One decode launch, from shapes and strides only (cached: the split kernel takes ~50
+    """One decode launch, from shapes and strides only (cached: the split kernel takes ~45
     arguments, and keying them on every call cost more host time than the rest of the op)."""
+    part_shapes: tuple | None       # (partial out, partial lse) when the keys are split, else None
     grid: tuple
-    prepared: PreparedArgs      # decode_split_kernel's arguments after its 9 tensors
-    counters: int               # arrival counters (0: one split, no workspace)
-    workspace: int              # fp32 elements of the partials
+    split_args: PreparedArgs        # decode_split_kernel's arguments after its 7 tensors
+    combine_grid: tuple
+    combine_args: PreparedArgs | None
 
 
 @functools.lru_cache(maxsize=1024)
@@ -185,23 +180,28 @@ def _decode_plan(q_shape: tuple, q_strides: tuple, k_strides: tuple, v_strides: 
     batch, s_q, h_q, d = q_shape
     cfg = _config_from_shapes(q_shape, elem_size, capacity, h_kv, num_splits, sms, dict(config))
     splits, group = cfg["splits"], h_q // h_kv
-    programs = batch * h_kv * cfg["M_BLOCKS"]
     out_st, lse_st = _contiguous_strides(q_shape), _contiguous_strides((batch, h_q, s_q))
-    # fp32 partials when split, sized from shapes: B · splits · S_q · H_q · (D + 1) floats
-    part_out = (batch, splits, s_q, h_q, d)
-    part_lse_offset = math.prod(part_out)
-    prepared = decode_split_kernel.prepare(
-        (*q_strides[:3], *k_strides[:3], *v_strides[:3], bt_stride, *out_st[:3], *lse_st[:2],
-         *_contiguous_strides(part_out)[:4], part_lse_offset, *_contiguous_strides((batch, splits, h_q, s_q))[:3],
-         capacity, h_kv, d, scale, softcap, left, right),
+    if splits == 1:     # the split kernel writes out and lse themselves
+        part_shapes = None
+        o_strides, l_strides = (out_st[0], 0, *out_st[1:3]), (lse_st[0], 0, *lse_st[1:])
+    else:               # fp32 partials, sized from shapes: B · splits · S_q · H_q · (D + 1) floats
+        part_shapes = ((batch, splits, s_q, h_q, d), (batch, splits, h_q, s_q))
+        o_strides, l_strides = _contiguous_strides(part_shapes[0])[:4], _contiguous_strides(part_shapes[1])
+    split_args = decode_split_kernel.prepare(
+        (*q_strides[:3], *k_strides[:3], *v_strides[:3], bt_stride, *o_strides, *l_strides, capacity, h_kv, d,
+         scale, softcap, left, right),
         dict(S_Q=s_q, GROUP=group, N_NEW=n_new, M_BLOCKS=cfg["M_BLOCKS"], Q_SPAN=cdiv(cfg["BLOCK_M"], group) + 1,
              PAGED=page_size > 0, PAGE_SIZE=max(page_size, 1), HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0,
-             HAS_SOFTCAP=softcap > 0, DOT_PRECISION="ieee" if fp32 else "tf32", SPLIT=splits > 1,
+             HAS_SOFTCAP=softcap > 0, DOT_PRECISION="ieee" if fp32 else "tf32",
              BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"],
              num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
-    if splits == 1:
-        return _DecodePlan((programs, 1), prepared, 0, 0)
-    return _DecodePlan((programs, splits), prepared, programs, part_lse_offset + batch * splits * h_q * s_q)
+    combine_args = None
+    if splits > 1:
+        combine_args = decode_combine_kernel.prepare(
+            (*o_strides, *l_strides[:3], *out_st[:3], lse_st[0], lse_st[1], splits, h_q, d),
+            dict(S_Q=s_q, BLOCK_S=next_power_of_2(splits), CHUNK_S=16, BLOCK_D=cfg["BLOCK_D"], num_warps=4))
+    return _DecodePlan(part_shapes, (batch * h_kv * cfg["M_BLOCKS"], splits), split_args, (batch * s_q * h_q,),
+                       combine_args)
 
 
 def _launch_decode(q, k_cache, v_cache, cache_seqlens, block_table, n_new: int, left: int, right: int,
@@ -219,10 +219,15 @@ def _launch_decode(q, k_cache, v_cache, cache_seqlens, block_table, n_new: int, 
                         _capacity(k_cache, block_table), k_cache.shape[1] if paged else 0,
                         bt.stride(0) if paged else 0, q.element_size(), q.dtype == torch.float32, n_new, left,
                         right, softcap, scale, num_splits, num_sms(q), config_key(config))
-    # the split-K workspace of the GEMMs (per stream, counters left zero by every kernel that uses them)
-    counters, part = split_k_buffers(q.device, plan.counters, plan.workspace) if plan.counters else (lse, lse)
+    if plan.part_shapes is None:
+        part_out, part_lse = out, lse
+    else:
+        part_out = torch.empty(plan.part_shapes[0], dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(plan.part_shapes[1], dtype=torch.float32, device=q.device)
     decode_split_kernel.launch_prepared(
-        plan.grid, (q, k_cache, v_cache, cache_seqlens.contiguous(), bt, out, lse, part, counters), plan.prepared)
+        plan.grid, (q, k_cache, v_cache, cache_seqlens.contiguous(), bt, part_out, part_lse), plan.split_args)
+    if plan.combine_args is not None:
+        decode_combine_kernel.launch_prepared(plan.combine_grid, (part_out, part_lse, out, lse), plan.combine_args)
     return out, lse
 
 
