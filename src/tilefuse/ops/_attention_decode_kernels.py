@@ -39,8 +39,8 @@ def _tile_pages(start_n, end, b, block_table_ptr, stride_bt, PAGED: tl.constexpr
                 BLOCK_N: tl.constexpr):
     """The pages (int32) of key tile ``start_n ..`` (a multiple of BLOCK_N) of batch row ``b``,
     for :func:`_tile_rows`: the batch row itself (contiguous cache), one page id when a page holds
-    whole tiles, else one id per key (as int32: the carried ids of the next tile cost half the
-    registers of int64 ones). Ids past ``end`` read as 0 (never used: their keys are masked).
+    whole tiles, else one id per key (int32 as the table holds them, widened where used). Ids
+    past ``end`` read as 0 (never used: their keys are masked).
     (One id per page of a tile holding several, expanded with a reshape, measured 255 registers
     + stack and no pipelining: not used.)"""
     if not PAGED:
