@@ -39,8 +39,8 @@ def _tile_pages(start_n, end, b, block_table_ptr, stride_bt, PAGED: tl.constexpr
                 BLOCK_N: tl.constexpr):
     """The pages (int32) of key tile ``start_n ..`` (a multiple of BLOCK_N) of batch row ``b``,
     for :func:`_tile_rows`: the batch row itself (contiguous cache), one page id when a page holds
-    whole tiles, else one id per key (int32 as the table holds them, widened where used). Ids
-    past ``end`` read as 0 (never used: their keys are masked).
+    whole tiles, else one id per key (:func:`_cache_pages`). Ids past ``end`` read as 0 (never
+    used: their keys are masked).
     (One id per page of a tile holding several, expanded with a reshape, measured 255 registers
     + stack and no pipelining: not used.)"""
     if not PAGED:
@@ -49,7 +49,7 @@ def _tile_pages(start_n, end, b, block_table_ptr, stride_bt, PAGED: tl.constexpr
         return tl.load(block_table_ptr + b.to(tl.int64) * stride_bt + start_n // PAGE_SIZE, mask=start_n < end, other=0)
     else:
         keys = start_n + tl.arange(0, BLOCK_N)
-        return tl.load(block_table_ptr + b.to(tl.int64) * stride_bt + keys // PAGE_SIZE, mask=keys < end, other=0)
+        return _cache_pages(keys, b, block_table_ptr, stride_bt, keys < end, PAGED, PAGE_SIZE)
 
 
 @triton.jit

@@ -71,8 +71,8 @@ def _key_block(block_d: int, elem_size: int) -> int:
 
 
 def _decode_warps(block_n: int, block_d: int) -> int:
-    """8 warps from 128×128 K/V tiles: a paged cache's per-key page offsets take a thread to 244
-    registers at 4 (128 at 8), and 8 warps ran paged caches faster, contiguous ones level (H200
+    """8 warps from 128×128 K/V tiles: a paged cache's per-key page offsets take a thread to ~240
+    registers at 4 (108-128 at 8, offline sm_90 compiles), and 8 warps ran paged caches faster, contiguous ones level (H200
     2026-11-24, B = 16, L = 8k: 16-slot pages 143 against 177 us, 256-slot 135 against 139,
     contiguous 134.8 against 134.4)."""
     return 8 if block_n * block_d >= 128 * 128 else 4
