@@ -8,39 +8,28 @@ triton.testing.do_bench (median); TFLOP/s = 2·M·N·K / time. _scaled_mm is tim
 use_fast_accum; "precise" configs promote the tensor-core partial sums every BLOCK_K of K.
 """
 
+import time
+
 import torch
 import triton.testing
 
 from tilefuse.ops import _fp8_kernels as fk
+from tilefuse.ops._fp8_gluon import launch_fp8_gemm_ws
 from tilefuse.testing import rel_err
 
 E4 = torch.float8_e4m3fn
 CONFIGS = {
     "default": {},
     "fast-default": dict(_fast=True),
-    "fast-128x256x128-s3": dict(_fast=True, BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, num_warps=8, num_stages=3),
-    "fast-128x256x128-s4": dict(_fast=True, BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, num_warps=8, num_stages=4),
-    "fast-128x128x128-s5": dict(_fast=True, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=5),
-    "fast-128x256x64-s5": dict(_fast=True, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=5),
-    "fast-256x128x128-s3": dict(_fast=True, BLOCK_M=256, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3),
-    "precise-128x256x128-s3": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, num_warps=8, num_stages=3),
-    "precise-128x128x128-s5": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=5),
-    "precise-128x128x256-s3": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=256, num_warps=8, num_stages=3),
-    "fast-g16": dict(_fast=True, GROUP_M=16),
-    "promote4-128x128x128-s4": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=4, PROMOTE_EVERY=4),
-    "promote2-128x128x128-s4": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=4, PROMOTE_EVERY=2),
-    "promote4-128x256x128-s3": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, num_warps=8, num_stages=3, PROMOTE_EVERY=4),
-    "promote4-128x128x128-s4-flat": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=4,
-                                         PROMOTE_EVERY=4, FLATTEN=True),
-    "precise-128x256x128-s3-acc256": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, num_warps=8, num_stages=3,
-                                          MAX_IMPRECISE_ACC=256),
-    "precise-128x256x128-s4-acc512": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, num_warps=8, num_stages=4,
-                                          MAX_IMPRECISE_ACC=512),
-    "precise-128x256x128-s4-acc1024": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, num_warps=8, num_stages=4,
-                                           MAX_IMPRECISE_ACC=1024),
-    "precise-128x256x128-s4-flatten": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, num_warps=8, num_stages=4,
-                                           FLATTEN=True),
-    "fast-flatten": dict(_fast=True, FLATTEN=True),
+    # the warp-specialized Gluon kernel (_fp8_gluon.py): 2 or 3 consumer warp groups, one TMA warp
+    "ws-c2-s4": dict(_ws=True, STAGES=4),
+    "ws-c2-s6": dict(_ws=True, STAGES=6),
+    "ws-c2-s5-p2": dict(_ws=True, STAGES=5, PROMOTE_EVERY=2),
+    "ws-c2-s5-p4": dict(_ws=True, STAGES=5, PROMOTE_EVERY=4),
+    "ws-c3-s4": dict(_ws=True, CONSUMERS=3, STAGES=4),
+    "ws-c3-s3": dict(_ws=True, CONSUMERS=3, STAGES=3),
+    "ws-c3-s4-g16": dict(_ws=True, CONSUMERS=3, STAGES=4, GROUP_M=16),
+    "ws-c3-s4-p2": dict(_ws=True, CONSUMERS=3, STAGES=4, PROMOTE_EVERY=2),
 }
 
 
@@ -49,7 +38,7 @@ def tflops(fn, m, n, k):
 
 
 def main() -> None:
-    for m, n, k in [(8192, 8192, 8192), (8192, 4096, 4096)]:
+    for m, n, k in [(8192, 8192, 8192), (8192, 4096, 4096), (4096, 4096, 4096), (8192, 14336, 4096)]:
         a = (torch.randn(m, k, device="cuda") * 4).to(E4)
         b = (torch.randn(n, k, device="cuda") * 4).to(E4)
         sa, sb = torch.tensor(0.5, device="cuda"), torch.tensor(0.25, device="cuda")
@@ -61,8 +50,12 @@ def main() -> None:
         for name, cfg in CONFIGS.items():
             cfg = dict(cfg)
             fast_accum = cfg.pop("_fast", False)
-            fn = lambda: fk.launch_fp8_gemm(a, sa.reshape(1), b, sb.reshape(1), None, torch.bfloat16,  # noqa: E731
-                                            fast_accum=fast_accum, config=cfg)
+            if cfg.pop("_ws", False):
+                out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+                fn = lambda: launch_fp8_gemm_ws(a, sa.reshape(1), b, sb.reshape(1), None, out, cfg)  # noqa: E731
+            else:
+                fn = lambda: fk.launch_fp8_gemm(a, sa.reshape(1), b, sb.reshape(1), None, torch.bfloat16,  # noqa: E731
+                                                fast_accum=fast_accum, config=cfg)
             try:
                 err = rel_err(fn(), ref)
                 if err > 1e-2:
@@ -72,7 +65,15 @@ def main() -> None:
             except Exception as exc:  # noqa: BLE001 - a config that fails to compile is reported
                 print(f"  {name:24s} FAILED {type(exc).__name__}: {str(exc)[:120]}")
                 continue
-            print(f"  {name:24s} {tf:6.0f} TF/s  {tf / slow:5.2f}x _scaled_mm  {tf / fast:5.2f}x fast-accum")
+            host = ""
+            if name in ("ws-c3-s4", "default"):     # host time per call: back-to-back launches, no sync
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(50):
+                    fn()
+                host = f"  host {(time.perf_counter() - t0) / 50 * 1e6:.0f} us/call"
+                torch.cuda.synchronize()
+            print(f"  {name:26s} err={err:.2e} {tf:6.0f} TF/s  {tf / slow:5.2f}x _scaled_mm  {tf / fast:5.2f}x fast-accum{host}")
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._dispatch import cdiv, empty, interpreting, is_hopper_or_newer, next_power_of_2, num_sms
+from .._dispatch import cdiv, empty, interpreting, is_hopper, is_hopper_or_newer, next_power_of_2, num_sms
 from .._launch import fast_launch, use_device_descriptors
 from ._matmul_kernels import _tile_coords
 
@@ -333,6 +333,7 @@ GEMM_CONFIGS = {
 LARGE_TILES_PRECISE = ("tile_128x128", "tile_64x128")      # largest first
 LARGE_TILES_FAST = ("tile_128x256", "tile_128x128", "tile_64x128")
 DEFAULT_USE_TMA = True
+DEFAULT_WARP_SPECIALIZE = True  # precise accumulation on sm_90 through _fp8_gluon (use_warp_specialized)
 DEFAULT_FLATTEN = False         # off, as matmul (its H100 sweep: flatten 4x slower at M=1); unswept for fp8
 SMALL_M = 64                    # M up to this: the small-M config
 
@@ -356,6 +357,18 @@ def choose_gemm_config(m: int, n: int, k: int, sms: int, fast_accum: bool = Fals
     cfg["BLOCK_N"] = _fit(cfg["BLOCK_N"], n, 16)
     cfg["BLOCK_K"] = _fit(cfg["BLOCK_K"], k, 32)
     return cfg
+
+
+def use_warp_specialized(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, fast_accum: bool) -> bool:
+    """The Gluon kernel (``_fp8_gluon.py``) for precise accumulation on sm_90 when its tiles fill
+    every SM and TMA can read the operands and write ``out``: its consumer warp groups add their
+    partial sums while another group's wgmma runs (8192³, H200: 1275-1354 against 982 TF/s;
+    session 15). Fast accumulation keeps this kernel (no promotion to overlap)."""
+    m, n = a.shape[0], b.shape[0]
+    fills_sms = cdiv(m, 192) * cdiv(n, 128) >= num_sms(a)     # its 192x128 tiles give every SM one
+    out_tma_ok = out.stride(1) == 1 and out.data_ptr() % 16 == 0 and (out.stride(0) * out.element_size()) % 16 == 0
+    return (not fast_accum and DEFAULT_WARP_SPECIALIZE and a.shape[1] > 0 and is_hopper(a) and fills_sms
+            and gemm_tma_ok(a, b) and out_tma_ok)
 
 
 def gemm_tma_ok(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -448,11 +461,18 @@ def launch_fp8_gemm(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, sca
     [1], scale_b [N] or [1] contiguous fp32. ``fast_accum``: sm_90 wgmma partial sums stay in the
     tensor core's reduced-precision accumulator over the whole K (as _scaled_mm's use_fast_accum);
     otherwise they are promoted to fp32 once per K step. ``config`` overrides any key of
-    :func:`choose_gemm_config`'s result, plus USE_TMA, FLATTEN and MAX_IMPRECISE_ACC."""
+    :func:`choose_gemm_config`'s result, plus USE_TMA, FLATTEN and MAX_IMPRECISE_ACC; with
+    ``WARP_SPECIALIZE`` (True / False: force; absent: :func:`use_warp_specialized`) the keys of
+    ``_fp8_gluon.WS_CONFIG`` instead."""
     (m, k), n = a.shape, b.shape[0]
     out = empty((m, n), out_dtype, a.device)
     if m == 0 or n == 0:
         return out
+    config = dict(config or {})
+    ws = config.pop("WARP_SPECIALIZE", None)
+    if ws or (ws is None and not config and use_warp_specialized(a, b, out, fast_accum)):
+        from ._fp8_gluon import launch_fp8_gemm_ws      # Gluon: imported on first use on an sm_90 GPU
+        return launch_fp8_gemm_ws(a, scale_a, b, scale_b, bias, out, config)
     cfg = choose_gemm_config(m, n, k, num_sms(a), fast_accum)
     cfg.update(config or {})
     use_tma = cfg.pop("USE_TMA", None)

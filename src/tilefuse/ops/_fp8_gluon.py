@@ -1,0 +1,274 @@
+"""fp8 GEMM with fp32 promotion of the tensor-core partial sums, warp-specialized for Hopper (Gluon).
+
+Why a second kernel: sm_90's fp8 wgmma accumulates in reduced precision, so the precise mode
+adds each K step's partial sum into an fp32 tile (DeepSeek-V3's two-level accumulation, as
+``torch._scaled_mm`` without ``use_fast_accum``). Adding a wgmma result needs the wgmma finished.
+In the ``tl`` kernel (``fp8_gemm_kernel``) every warp runs the same instruction stream and the
+pipeliner's CTA barriers keep the two warp groups in lockstep, so both drain the tensor core at
+once on every step: 0.67x ``_scaled_mm`` at 8192^3 (sessions 7 and 15). Here:
+
+- one producer warp issues the TMA loads of a ``STAGES``-deep ring (``ready`` / ``empty`` mbarriers);
+- two consumer warp groups each own 64 rows of the 128-row tile and share its B tile; each waits
+  for its own wgmma, adds it into its fp32 tile and releases the stage, with no barrier across
+  the two groups. While one group adds, the tensor core runs the other group's wgmma.
+- the epilogue (scales, bias, cast) goes through shared memory and a TMA store that completes
+  while the next tile's main loop runs.
+
+    out[M, N] = (a[M, K] @ b[N, K]ᵀ) · scale_a · scale_b + bias,   a, b fp8 (e4m3 / e5m2)
+
+Bytes and FLOPs are the same as ``fp8_gemm_kernel``'s (the op registry's model in ``fp8.py``).
+GPU only (Gluon has no interpreter): the launcher is reached from ``launch_fp8_gemm`` on sm_90
+when the operands can be read through TMA; tests compare it with the ``tl`` kernel on the GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from .._dispatch import cdiv, num_sms
+
+ROWS_PER_GROUP = 64             # rows of the tile per consumer warp group (wgmma's M per warp group)
+WG_ROWS = gl.constexpr(ROWS_PER_GROUP)      # the same, for the kernels
+
+
+@gluon.jit
+def _grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
+    """(pid_m, pid_n) of a tile in grouped order: GROUP_M row tiles walk the columns together
+    (L2 reuse of the B tiles), as fp8_gemm_kernel's _tile_coords."""
+    width = GROUP_M * num_pid_n
+    group = tile_id // width
+    first_m = group * GROUP_M
+    group_m = gl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (tile_id % width) % group_m
+    pid_n = (tile_id % width) // group_m
+    return pid_m, pid_n
+
+
+@gluon.jit
+def fp8_load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
+                       NUM_PROGRAMS: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                       BLOCK_K: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
+    """The producer warp: for every K step of every tile of this program, wait for a free stage,
+    then TMA the 64-row pieces of the A tile (one per consumer group) and the B tile into it (out-of-range rows and
+    K columns read as zeros)."""
+    num_pid_m = gl.cdiv(M, WG_ROWS * CONSUMERS)
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    k_tiles = gl.cdiv(K, BLOCK_K)
+    step_bytes: gl.constexpr = CONSUMERS * a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    it = 0
+    for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
+        pid_m, pid_n = _grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * (WG_ROWS * CONSUMERS)
+        off_n = pid_n * BLOCK_N
+        for ki in range(k_tiles):
+            s = it % STAGES
+            # a fresh mbarrier counts as phase 1 complete: the first lap does not wait
+            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+            bar = ready.index(s)
+            mbarrier.expect(bar, step_bytes)
+            for g in gl.static_range(CONSUMERS):
+                tma.async_copy_global_to_shared(a_desc, [off_m + g * WG_ROWS, ki * BLOCK_K], bar,
+                                                a_bufs.index(CONSUMERS * s + g))
+            tma.async_copy_global_to_shared(b_desc, [off_n, ki * BLOCK_K], bar, b_bufs.index(s))
+            it += 1
+
+
+@gluon.jit
+def _release(empty, s):
+    """Hand stage ``s`` back to the producer once every warp of this group is past its wgmma wait."""
+    gl.thread_barrier()
+    mbarrier.arrive(empty.index(s), count=1)
+
+
+@gluon.jit
+def fp8_mma_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, scale_a_ptr, scale_b_ptr, bias_ptr,
+                      M, N, K,
+                      WG: gl.constexpr, SCALE_A_ROWWISE: gl.constexpr, SCALE_B_ROWWISE: gl.constexpr,
+                      HAS_BIAS: gl.constexpr, NUM_PROGRAMS: gl.constexpr, GROUP_M: gl.constexpr,
+                      BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                      PROMOTE_EVERY: gl.constexpr, CONSUMERS: gl.constexpr):
+    """One consumer warp group: rows [WG·64, WG·64 + 64) of each tile. Each K step's wgmma
+    starts from zero (use_acc=False) or, with PROMOTE_EVERY > 1, continues the partial sum for
+    that many steps; the finished partial sum is added into the fp32 tile."""
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BLOCK_N, 32])
+    row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
+    col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
+    num_pid_m = gl.cdiv(M, WG_ROWS * CONSUMERS)
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    k_tiles = gl.cdiv(K, BLOCK_K)
+    if not SCALE_A_ROWWISE:
+        scale_a = gl.load(scale_a_ptr)
+    if not SCALE_B_ROWWISE:
+        scale_b = gl.load(scale_b_ptr)
+    part = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, mma_layout)
+    it = 0
+    for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
+        pid_m, pid_n = _grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * (WG_ROWS * CONSUMERS) + WG * WG_ROWS
+        off_n = pid_n * BLOCK_N
+        acc = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, mma_layout)
+        for ki in range(k_tiles):
+            s = it % STAGES
+            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+            # the previous partial sum's registers are the wgmma's C (dead after the add), so
+            # restarting from zero costs no register copies. The add must wait for the wgmma
+            # (ptxas serializes every wgmma if a partial sum is read while another is in flight):
+            # the other consumer groups' wgmmas keep the tensor core busy meanwhile.
+            part = warpgroup_mma(a_bufs.index(CONSUMERS * s + WG), b_bufs.index(s).permute((1, 0)), part,
+                                 use_acc=(ki % PROMOTE_EVERY) != 0, is_async=True)
+            part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+            _release(empty, s)
+            if (ki % PROMOTE_EVERY == PROMOTE_EVERY - 1) or (ki == k_tiles - 1):
+                acc += part
+            it += 1
+
+        # epilogue: out = acc · scale_a[row] · scale_b[col] + bias[col], stored through TMA
+        rows = off_m + gl.arange(0, WG_ROWS, layout=row_layout)
+        cols = off_n + gl.arange(0, BLOCK_N, layout=col_layout)
+        if SCALE_A_ROWWISE:
+            acc = acc * gl.load(scale_a_ptr + rows, mask=rows < M, other=0.0)[:, None]
+        else:
+            acc = acc * scale_a
+        if SCALE_B_ROWWISE:
+            acc = acc * gl.load(scale_b_ptr + cols, mask=cols < N, other=0.0)[None, :]
+        else:
+            acc = acc * scale_b
+        if HAS_BIAS:
+            acc = acc + gl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(gl.float32)[None, :]
+        tma.store_wait(pendings=0)      # the last tile's store has left c_smem
+        c_smem.store(acc.to(c_desc.dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(c_desc, [off_m, off_n], c_smem)
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def fp8_gemm_ws_kernel(
+    a_desc,             # TMA descriptor of a [M, K] fp8, block [64, BLOCK_K]
+    b_desc,             # TMA descriptor of b [N, K] fp8, block [BLOCK_N, BLOCK_K]
+    c_desc,             # TMA descriptor of out [M, N], block [64, BLOCK_N]
+    scale_a_ptr,        # *fp32 [M] (SCALE_A_ROWWISE) or [1]
+    scale_b_ptr,        # *fp32 [N] (SCALE_B_ROWWISE) or [1]
+    bias_ptr,           # *bias [N], any float dtype (ignored unless HAS_BIAS)
+    M,                  # rows of a and out
+    N,                  # rows of b, columns of out
+    K,                  # the reduced dimension (> 0)
+    SCALE_A_ROWWISE: gl.constexpr,  # one scale per row of a
+    SCALE_B_ROWWISE: gl.constexpr,  # one scale per row of b (output column)
+    HAS_BIAS: gl.constexpr,         # add bias[N] after scaling
+    NUM_PROGRAMS: gl.constexpr,     # persistent grid size
+    GROUP_M: gl.constexpr,          # row tiles per group of the tile order
+    STAGES: gl.constexpr,           # depth of the shared-memory ring
+    PROMOTE_EVERY: gl.constexpr,    # K steps per fp32 promotion (1: every step, <= 128 K)
+    CONSUMERS: gl.constexpr,        # consumer warp groups, 2 or 3: BLOCK_M = 64 * CONSUMERS
+    CONSUMER_REGS: gl.constexpr,    # registers per thread of the worker consumer groups
+):
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = b_desc.block_type.shape[1]
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [CONSUMERS * STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    c_bufs = gl.allocate_shared_memory(c_desc.dtype, [CONSUMERS] + c_desc.block_type.shape, c_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=CONSUMERS)     # every consumer group releases a stage
+    # the partitions' argument lists are written out: warp_specialize takes literal tuples
+    if CONSUMERS == 2:
+        gl.warp_specialize([
+            (fp8_mma_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs.index(0), scale_a_ptr, scale_b_ptr,
+                                 bias_ptr, M, N, K, 0, SCALE_A_ROWWISE, SCALE_B_ROWWISE, HAS_BIAS, NUM_PROGRAMS,
+                                 GROUP_M, BLOCK_N, BLOCK_K, STAGES, PROMOTE_EVERY, CONSUMERS)),
+            (fp8_mma_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs.index(1), scale_a_ptr, scale_b_ptr,
+                                 bias_ptr, M, N, K, 1, SCALE_A_ROWWISE, SCALE_B_ROWWISE, HAS_BIAS, NUM_PROGRAMS,
+                                 GROUP_M, BLOCK_N, BLOCK_K, STAGES, PROMOTE_EVERY, CONSUMERS)),
+            (fp8_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, NUM_PROGRAMS, GROUP_M,
+                                  BLOCK_N, BLOCK_K, STAGES, CONSUMERS)),
+        ], [4, 1], [CONSUMER_REGS, 40])
+    else:
+        gl.static_assert(CONSUMERS == 3, "2 or 3 consumer warp groups")
+        gl.warp_specialize([
+            (fp8_mma_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs.index(0), scale_a_ptr, scale_b_ptr,
+                                 bias_ptr, M, N, K, 0, SCALE_A_ROWWISE, SCALE_B_ROWWISE, HAS_BIAS, NUM_PROGRAMS,
+                                 GROUP_M, BLOCK_N, BLOCK_K, STAGES, PROMOTE_EVERY, CONSUMERS)),
+            (fp8_mma_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs.index(1), scale_a_ptr, scale_b_ptr,
+                                 bias_ptr, M, N, K, 1, SCALE_A_ROWWISE, SCALE_B_ROWWISE, HAS_BIAS, NUM_PROGRAMS,
+                                 GROUP_M, BLOCK_N, BLOCK_K, STAGES, PROMOTE_EVERY, CONSUMERS)),
+            (fp8_mma_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs.index(2), scale_a_ptr, scale_b_ptr,
+                                 bias_ptr, M, N, K, 2, SCALE_A_ROWWISE, SCALE_B_ROWWISE, HAS_BIAS, NUM_PROGRAMS,
+                                 GROUP_M, BLOCK_N, BLOCK_K, STAGES, PROMOTE_EVERY, CONSUMERS)),
+            (fp8_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, NUM_PROGRAMS, GROUP_M,
+                                  BLOCK_N, BLOCK_K, STAGES, CONSUMERS)),
+        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 40])
+
+
+# ----------------------------------------------------------------------------------------------
+# launch
+# ----------------------------------------------------------------------------------------------
+
+GLUON_DTYPES = {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5,
+                torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
+# session 15 sweep (H200, 8192³ / 8192x4096² / 8192x14336x4096): 3 groups 1275 / 1188 / 1210 TF/s,
+# 2 groups 1298 / 1193 / 1178; promotion every 2 steps (256 K) 1433 at 8192³ (kept at DeepSeek's 128)
+WS_CONFIG = dict(BLOCK_N=128, BLOCK_K=128, STAGES=4, GROUP_M=8, PROMOTE_EVERY=1, CONSUMERS=3)
+
+
+@functools.lru_cache(maxsize=None)
+def _smem_layout(block: tuple[int, int], dtype: torch.dtype) -> gl.NVMMASharedLayout:
+    return gl.NVMMASharedLayout.get_default_for(list(block), GLUON_DTYPES[dtype])     # ~10 µs uncached
+
+
+def _descriptor(t: torch.Tensor, block: tuple[int, int]) -> TensorDescriptor:
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), _smem_layout(block, t.dtype))
+
+
+SMEM_BYTES = 227 * 1024         # sm_90's shared memory per block (opt-in maximum)
+
+
+def fit_stages(requested: int, consumers: int, block_n: int, block_k: int, out_bytes: int) -> int:
+    """The ring depth that fits beside the output tiles (one [64, BLOCK_N] per consumer group):
+    3 groups with fp32 output leave room for 3 stages of 40 KB, not 4."""
+    stage = (consumers * ROWS_PER_GROUP + block_n) * block_k          # fp8 operand bytes per stage
+    free = SMEM_BYTES - consumers * ROWS_PER_GROUP * block_n * out_bytes - 1024
+    return max(2, min(requested, free // stage))
+
+
+def consumer_regs(consumers: int) -> tuple[int, int]:
+    """(registers per thread at launch, registers of each worker consumer group): all warp groups
+    (the loader's one warp counts as a group) share the 64K-register file; the loader keeps 40."""
+    groups = consumers + 1
+    launch = 65536 // (groups * 128) // 8 * 8
+    worker = min(232, (65536 - 40 * 128) // consumers // 128 // 8 * 8)
+    return launch, worker
+
+
+def launch_fp8_gemm_ws(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor,
+                       bias: torch.Tensor | None, out: torch.Tensor, config: dict | None = None) -> torch.Tensor:
+    """out [M, N] = (a @ bᵀ) · scale_a · scale_b + bias with precise accumulation; a [M, K] and
+    b [N, K] fp8 with K > 0, scales fp32 [M]/[N] or [1]; ``out`` preallocated; every base and
+    row stride TMA-aligned (``_fp8_kernels.use_warp_specialized``)."""
+    cfg = dict(WS_CONFIG, **(config or {}))
+    (m, k), n = a.shape, b.shape[0]
+    block_n, block_k, consumers = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["CONSUMERS"]
+    tiles = cdiv(m, ROWS_PER_GROUP * consumers) * cdiv(n, block_n)
+    programs = max(1, min(num_sms(a), tiles))
+    launch_regs, worker_regs = consumer_regs(consumers)
+    stages = fit_stages(cfg["STAGES"], consumers, block_n, block_k, out.element_size())
+    fp8_gemm_ws_kernel[(programs,)](
+        _descriptor(a, (ROWS_PER_GROUP, block_k)), _descriptor(b, (block_n, block_k)),
+        _descriptor(out, (ROWS_PER_GROUP, block_n)),
+        scale_a, scale_b, bias if bias is not None else scale_b,
+        m, n, k,
+        SCALE_A_ROWWISE=scale_a.numel() != 1, SCALE_B_ROWWISE=scale_b.numel() != 1, HAS_BIAS=bias is not None,
+        NUM_PROGRAMS=programs, GROUP_M=cfg["GROUP_M"], STAGES=stages, PROMOTE_EVERY=cfg["PROMOTE_EVERY"],
+        CONSUMERS=consumers, CONSUMER_REGS=worker_regs, num_warps=4, maxnreg=launch_regs,
+    )
+    return out
