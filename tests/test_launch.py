@@ -18,6 +18,17 @@ def test_arg_key_separates_what_triton_specializes():
     assert k(a[1:]) != k(a)                              # 2-byte offset: no longer 16-byte aligned
 
 
+def test_arg_key_of_gluon_descriptors():
+    """A Gluon host descriptor keys on what its kernel signature holds (dtype, block, layout), not
+    on the tensor's address or shape, and the key is hashable."""
+    from tilefuse.ops._fp8_gluon import _descriptor
+    a, b = torch.empty(256, 128, dtype=torch.float8_e4m3fn), torch.empty(512, 256, dtype=torch.float8_e4m3fn)
+    ka, kb = _launch._arg_key(_descriptor(a, (64, 128))), _launch._arg_key(_descriptor(b, (64, 128)))
+    assert ka == kb and hash(ka) == hash(kb)
+    assert _launch._arg_key(_descriptor(a, (128, 128))) != ka
+    assert _launch._arg_key(_descriptor(a.view(torch.float8_e5m2), (64, 128))) != ka
+
+
 @pytest.mark.gpu
 def test_cached_launches_match_triton_path(monkeypatch):
     """Alternate shapes whose specialization differs (n_cols == 1, % 16, misaligned rows) through

@@ -12,7 +12,8 @@ cache of compiled kernels under a key that is at least as fine as Triton's own s
 * constexpr parameters and keyword options (``num_warps``...) by value;
 * tensors by dtype and 16-byte alignment of the data pointer;
 * integers by ``== 1``, divisibility by 16 and the i32 / i64 / u64 range;
-* floats as one type; anything else by value;
+* floats as one type; Gluon tensor descriptors by dtype, block shape and layout; anything else
+  by value;
 * the current CUDA device.
 
 A miss goes through Triton's normal launch (which compiles, specializes and launches) and keeps
@@ -57,6 +58,10 @@ def _arg_key(a):
         return _int_key(int(a))
     if isinstance(a, float):
         return ("f",)
+    if t.__name__ == "TensorDescriptor" and hasattr(a, "layout"):
+        # a Gluon host descriptor: Triton specializes it on dtype, block shape and shared layout
+        # (the shape and strides travel in the TMA descriptor the launcher builds on each call)
+        return ("d", a.base.dtype, tuple(a.block_shape), a.layout, a.padding)
     return ("v", a)
 
 

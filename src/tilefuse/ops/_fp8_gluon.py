@@ -33,6 +33,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .._dispatch import cdiv, num_sms
+from .._launch import fast_launch
 
 ROWS_PER_GROUP = 64             # rows of the tile per consumer warp group (wgmma's M per warp group)
 WG_ROWS = gl.constexpr(ROWS_PER_GROUP)      # the same, for the kernels
@@ -150,6 +151,7 @@ def fp8_mma_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, scale_a_ptr,
     tma.store_wait(pendings=0)
 
 
+@fast_launch
 @gluon.jit
 def fp8_gemm_ws_kernel(
     a_desc,             # TMA descriptor of a [M, K] fp8, block [64, BLOCK_K]
