@@ -134,6 +134,7 @@ def main() -> None:
                     ours["fwd+bwd"]()
                 pr.disable()
                 pstats.Stats(pr).sort_stats("tottime").print_stats(14)
+                pstats.Stats(pr).sort_stats("cumtime").print_stats(30)
         except Exception as exc:  # noqa: BLE001 - one op's failure should not hide the others
             print(f"{spec.name:22s} ERROR {type(exc).__name__}: {str(exc)[:200]}", flush=True)
 
