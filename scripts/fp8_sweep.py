@@ -23,12 +23,10 @@ CONFIGS = {
     "tl-precise": dict(WARP_SPECIALIZE=False),       # precise: the tl kernel (promotion per tl.dot)
     "fast-default": dict(_fast=True),
     # the warp-specialized Gluon kernel's options (_fp8_gluon.WS_CONFIG)
-    "ws-c2-s4": dict(_ws=True, CONSUMERS=2, STAGES=4),
-    "ws-c3-s4-g16": dict(_ws=True, GROUP_M=16),
-    "ws-c3-s4-p2": dict(_ws=True, PROMOTE_EVERY=2),
+    "ws-g16": dict(_ws=True, GROUP_M=16),
+    "ws-p2": dict(_ws=True, PROMOTE_EVERY=2),
     # fast accumulation in the Gluon kernel: one partial sum over the whole K, added once
     "ws-fast": dict(_ws=True, PROMOTE_EVERY=1 << 30),
-    "ws-fast-c2": dict(_ws=True, PROMOTE_EVERY=1 << 30, CONSUMERS=2),
 }
 
 

@@ -541,8 +541,8 @@ def test_gpu_compile_inductor():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,n,k", [(4096, 4096, 4096), (130, 4104, 1008), (1, 64, 32), (700, 72, 4096), (2048, 14336, 512)])
-@pytest.mark.parametrize("promote_every,consumers", [(1, 2), (4, 2), (1, 3)])
-def test_gpu_warp_specialized_gemm(m, n, k, promote_every, consumers):
+@pytest.mark.parametrize("promote_every", [1, 4])
+def test_gpu_warp_specialized_gemm(m, n, k, promote_every):
     """The Gluon kernel (_fp8_gluon.py): row / column tails (TMA zero fill and clipped stores), K
     tails, M = 1, every scale form, bias, both operand formats, every output dtype; NaN-poisoned
     output so an unwritten element fails; within the tl kernel's precise tolerance."""
@@ -554,6 +554,6 @@ def test_gpu_warp_specialized_gemm(m, n, k, promote_every, consumers):
         qa, sa, qb, sb = _operands(m, n, k, dta, dtb, row_a, row_b)
         bias = torch.randn(n, device="cuda", dtype=torch.bfloat16) if has_bias else None
         out = torch.full((m, n), float("nan"), device="cuda", dtype=out_dtype)
-        launch_fp8_gemm_ws(qa, sa.reshape(-1), qb, sb.reshape(-1), bias, out, dict(PROMOTE_EVERY=promote_every, CONSUMERS=consumers))
+        launch_fp8_gemm_ws(qa, sa.reshape(-1), qb, sb.reshape(-1), bias, out, dict(PROMOTE_EVERY=promote_every))
         ref = fp8_ops.scaled_matmul_reference(qa, sa, qb, sb, bias)
         assert rel_err(out, ref) <= GEMM_TOL[out_dtype], (dta, dtb, out_dtype, rel_err(out, ref))

@@ -8,9 +8,9 @@ pipeliner's CTA barriers keep the two warp groups in lockstep, so both drain the
 once on every step: 0.67x ``_scaled_mm`` at 8192^3 (sessions 7 and 15). Here:
 
 - one producer warp issues the TMA loads of a ``STAGES``-deep ring (``ready`` / ``empty`` mbarriers);
-- two consumer warp groups each own 64 rows of the 128-row tile and share its B tile; each waits
+- three consumer warp groups each own 64 rows of the 192-row tile and share its B tile; each waits
   for its own wgmma, adds it into its fp32 tile and releases the stage, with no barrier across
-  the two groups. While one group adds, the tensor core runs the other group's wgmma.
+  the groups. While one group adds, the tensor core runs the other groups' wgmmas.
 - the epilogue (scales, bias, cast) goes through shared memory and a TMA store that completes
   while the next tile's main loop runs.
 
@@ -18,7 +18,8 @@ once on every step: 0.67x ``_scaled_mm`` at 8192^3 (sessions 7 and 15). Here:
 
 Bytes and FLOPs are the same as ``fp8_gemm_kernel``'s (the op registry's model in ``fp8.py``).
 GPU only (Gluon has no interpreter): the launcher is reached from ``launch_fp8_gemm`` on sm_90
-when the operands can be read through TMA; tests compare it with the ``tl`` kernel on the GPU.
+when the operands can be read through TMA (``use_warp_specialized``); GPU tests compare it with
+the fp64 product of the dequantized operands.
 """
 
 from __future__ import annotations
@@ -57,8 +58,8 @@ def fp8_load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
                        NUM_PROGRAMS: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_N: gl.constexpr,
                        BLOCK_K: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
     """The producer warp: for every K step of every tile of this program, wait for a free stage,
-    then TMA the 64-row pieces of the A tile (one per consumer group) and the B tile into it (out-of-range rows and
-    K columns read as zeros)."""
+    then TMA the 64-row pieces of the A tile (one per consumer group) and the B tile into it
+    (out-of-range rows and K columns read as zeros)."""
     num_pid_m = gl.cdiv(M, WG_ROWS * CONSUMERS)
     num_pid_n = gl.cdiv(N, BLOCK_N)
     k_tiles = gl.cdiv(K, BLOCK_K)
@@ -170,7 +171,7 @@ def fp8_gemm_ws_kernel(
     GROUP_M: gl.constexpr,          # row tiles per group of the tile order
     STAGES: gl.constexpr,           # depth of the shared-memory ring
     PROMOTE_EVERY: gl.constexpr,    # K steps per fp32 promotion (1: every step, <= 128 K)
-    CONSUMERS: gl.constexpr,        # consumer warp groups, 2 or 3: BLOCK_M = 64 * CONSUMERS
+    CONSUMERS: gl.constexpr,        # consumer warp groups (3): BLOCK_M = 64 * CONSUMERS
     CONSUMER_REGS: gl.constexpr,    # registers per thread of the worker consumer groups
 ):
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
@@ -183,33 +184,21 @@ def fp8_gemm_ws_kernel(
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=CONSUMERS)     # every consumer group releases a stage
-    # the partitions' argument lists are written out: warp_specialize takes literal tuples
-    if CONSUMERS == 2:
-        gl.warp_specialize([
-            (fp8_mma_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs.index(0), scale_a_ptr, scale_b_ptr,
-                                 bias_ptr, M, N, K, 0, SCALE_A_ROWWISE, SCALE_B_ROWWISE, HAS_BIAS, NUM_PROGRAMS,
-                                 GROUP_M, BLOCK_N, BLOCK_K, STAGES, PROMOTE_EVERY, CONSUMERS)),
-            (fp8_mma_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs.index(1), scale_a_ptr, scale_b_ptr,
-                                 bias_ptr, M, N, K, 1, SCALE_A_ROWWISE, SCALE_B_ROWWISE, HAS_BIAS, NUM_PROGRAMS,
-                                 GROUP_M, BLOCK_N, BLOCK_K, STAGES, PROMOTE_EVERY, CONSUMERS)),
-            (fp8_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, NUM_PROGRAMS, GROUP_M,
-                                  BLOCK_N, BLOCK_K, STAGES, CONSUMERS)),
-        ], [4, 1], [CONSUMER_REGS, 40])
-    else:
-        gl.static_assert(CONSUMERS == 3, "2 or 3 consumer warp groups")
-        gl.warp_specialize([
-            (fp8_mma_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs.index(0), scale_a_ptr, scale_b_ptr,
-                                 bias_ptr, M, N, K, 0, SCALE_A_ROWWISE, SCALE_B_ROWWISE, HAS_BIAS, NUM_PROGRAMS,
-                                 GROUP_M, BLOCK_N, BLOCK_K, STAGES, PROMOTE_EVERY, CONSUMERS)),
-            (fp8_mma_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs.index(1), scale_a_ptr, scale_b_ptr,
-                                 bias_ptr, M, N, K, 1, SCALE_A_ROWWISE, SCALE_B_ROWWISE, HAS_BIAS, NUM_PROGRAMS,
-                                 GROUP_M, BLOCK_N, BLOCK_K, STAGES, PROMOTE_EVERY, CONSUMERS)),
-            (fp8_mma_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs.index(2), scale_a_ptr, scale_b_ptr,
-                                 bias_ptr, M, N, K, 2, SCALE_A_ROWWISE, SCALE_B_ROWWISE, HAS_BIAS, NUM_PROGRAMS,
-                                 GROUP_M, BLOCK_N, BLOCK_K, STAGES, PROMOTE_EVERY, CONSUMERS)),
-            (fp8_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, NUM_PROGRAMS, GROUP_M,
-                                  BLOCK_N, BLOCK_K, STAGES, CONSUMERS)),
-        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 40])
+    # the argument lists are written out: warp_specialize takes literal tuples
+    gl.static_assert(CONSUMERS == 3, "three consumer warp groups (CONSUMER_GROUPS)")
+    gl.warp_specialize([
+        (fp8_mma_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs.index(0), scale_a_ptr, scale_b_ptr,
+                             bias_ptr, M, N, K, 0, SCALE_A_ROWWISE, SCALE_B_ROWWISE, HAS_BIAS, NUM_PROGRAMS,
+                             GROUP_M, BLOCK_N, BLOCK_K, STAGES, PROMOTE_EVERY, CONSUMERS)),
+        (fp8_mma_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs.index(1), scale_a_ptr, scale_b_ptr,
+                             bias_ptr, M, N, K, 1, SCALE_A_ROWWISE, SCALE_B_ROWWISE, HAS_BIAS, NUM_PROGRAMS,
+                             GROUP_M, BLOCK_N, BLOCK_K, STAGES, PROMOTE_EVERY, CONSUMERS)),
+        (fp8_mma_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs.index(2), scale_a_ptr, scale_b_ptr,
+                             bias_ptr, M, N, K, 2, SCALE_A_ROWWISE, SCALE_B_ROWWISE, HAS_BIAS, NUM_PROGRAMS,
+                             GROUP_M, BLOCK_N, BLOCK_K, STAGES, PROMOTE_EVERY, CONSUMERS)),
+        (fp8_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, NUM_PROGRAMS, GROUP_M,
+                              BLOCK_N, BLOCK_K, STAGES, CONSUMERS)),
+    ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 40])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -218,9 +207,12 @@ def fp8_gemm_ws_kernel(
 
 GLUON_DTYPES = {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5,
                 torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
-# session 15 sweep (H200, 8192³ / 8192x4096² / 8192x14336x4096): 3 groups 1275 / 1188 / 1210 TF/s,
-# 2 groups 1298 / 1193 / 1178; promotion every 2 steps (256 K) 1433 at 8192³ (kept at DeepSeek's 128)
-WS_CONFIG = dict(BLOCK_N=128, BLOCK_K=128, STAGES=4, GROUP_M=8, PROMOTE_EVERY=1, CONSUMERS=3)
+# Three consumer groups: with two, a group's turnaround (wait, barrier, arrive, 64 FADDs, issue)
+# must fit in the other's ~256-cycle wgmma. Session 15 sweeps (H200, 8192³, four runs): 3 groups
+# 1,275-1,414 TF/s, 2 groups 1,167-1,298 (the 2-group variant was removed: it repeated the
+# partition list). Promotion every 2 steps (256 K): 1,322-1,433 at 8192³ (kept at DeepSeek's 128).
+CONSUMER_GROUPS = 3
+WS_CONFIG = dict(BLOCK_N=128, BLOCK_K=128, STAGES=4, GROUP_M=8, PROMOTE_EVERY=1)
 
 
 @functools.lru_cache(maxsize=None)
@@ -259,7 +251,7 @@ def launch_fp8_gemm_ws(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, 
     row stride TMA-aligned (``_fp8_kernels.use_warp_specialized``)."""
     cfg = dict(WS_CONFIG, **(config or {}))
     (m, k), n = a.shape, b.shape[0]
-    block_n, block_k, consumers = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["CONSUMERS"]
+    block_n, block_k, consumers = cfg["BLOCK_N"], cfg["BLOCK_K"], CONSUMER_GROUPS
     tiles = cdiv(m, ROWS_PER_GROUP * consumers) * cdiv(n, block_n)
     programs = max(1, min(num_sms(a), tiles))
     launch_regs, worker_regs = consumer_regs(consumers)
