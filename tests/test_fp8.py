@@ -515,18 +515,22 @@ def test_gpu_quantize_large_bitwise():
 @pytest.mark.gpu
 def test_gpu_bf16_fwd_bwd_and_graph_capture():
     """bf16 training-size shapes through fp8.matmul's forward and backward, then the whole step
-    captured in a CUDA graph (no host synchronization anywhere: the per-tensor amax stays on device)."""
+    captured in a CUDA graph (no host synchronization anywhere: the per-tensor amax stays on device),
+    through both GEMM kernels."""
     a, b, bias = _leaf((4, 256, 1024), torch.bfloat16), _leaf((1536, 1024), torch.bfloat16, 1024 ** -0.5), _leaf(1536, torch.bfloat16)
     _check_matmul(a, b, bias, "row", torch.bfloat16)
-    x, w = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16), torch.randn(768, 1024, device="cuda", dtype=torch.bfloat16)
-    for scaling in ("tensor", "row"):
-        fp8.matmul(x, w, scaling)                          # compile outside the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            y = fp8.matmul(x, w, scaling)
-        x.copy_(torch.randn_like(x))
-        graph.replay()
-        assert rel_err(y, fp8.matmul(x, w, scaling).double()) == 0.0
+    # 512 x 768: the tl GEMM; 4096 x 1024: the Gluon GEMM (its TMA descriptors are kernel
+    # parameters, captured by value)
+    for m, n in ((512, 768), (4096, 1024)):
+        x, w = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16), torch.randn(n, 1024, device="cuda", dtype=torch.bfloat16)
+        for scaling in ("tensor", "row"):
+            fp8.matmul(x, w, scaling)                          # compile outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                y = fp8.matmul(x, w, scaling)
+            x.copy_(torch.randn_like(x))
+            graph.replay()
+            assert rel_err(y, fp8.matmul(x, w, scaling).double()) == 0.0
 
 
 @pytest.mark.gpu
