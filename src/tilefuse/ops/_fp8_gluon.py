@@ -35,22 +35,10 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .._dispatch import cdiv, num_sms
 from .._launch import fast_launch
+from ._matmul_kernels import _tile_coords     # the grouped tile order, shared with the tl GEMMs
 
 ROWS_PER_GROUP = 64             # rows of the tile per consumer warp group (wgmma's M per warp group)
 WG_ROWS = gl.constexpr(ROWS_PER_GROUP)      # the same, for the kernels
-
-
-@gluon.jit
-def _grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
-    """(pid_m, pid_n) of a tile in grouped order: GROUP_M row tiles walk the columns together
-    (L2 reuse of the B tiles), as fp8_gemm_kernel's _tile_coords."""
-    width = GROUP_M * num_pid_n
-    group = tile_id // width
-    first_m = group * GROUP_M
-    group_m = gl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (tile_id % width) % group_m
-    pid_n = (tile_id % width) // group_m
-    return pid_m, pid_n
 
 
 @gluon.jit
@@ -66,7 +54,7 @@ def fp8_load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
     step_bytes: gl.constexpr = CONSUMERS * a_desc.block_type.nbytes + b_desc.block_type.nbytes
     it = 0
     for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
-        pid_m, pid_n = _grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * (WG_ROWS * CONSUMERS)
         off_n = pid_n * BLOCK_N
         for ki in range(k_tiles):
@@ -113,7 +101,7 @@ def fp8_mma_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, scale_a_ptr,
     part = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, mma_layout)
     it = 0
     for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
-        pid_m, pid_n = _grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * (WG_ROWS * CONSUMERS) + WG * WG_ROWS
         off_n = pid_n * BLOCK_N
         acc = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, mma_layout)
