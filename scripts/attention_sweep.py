@@ -1,7 +1,7 @@
 """Forward launch-config sweep for tilefuse.attention on the GPU, beside SDPA's backends.
 
     python scripts/attention_sweep.py [--d 64 128] [--s 1024 4096 16384] [--causal 0 1] [--budget 170]
-                                      [--exp2 | --lag] [--rounds 5]
+                                      [--exp2 | --lag | --gluon] [--rounds 5]
 
 Shapes: B·S = 16k tokens, H = 16, bf16. Per (D, S, causal): every config of ``configs(D)`` is
 checked against SDPA (max abs error; FAILED / WRONG rows instead of aborting) and timed with
@@ -43,12 +43,12 @@ def configs(head_dim: int, causal: bool, seqlen: int) -> list[dict]:
 
 
 def exp2_configs(head_dim: int, causal: bool, seqlen: int) -> list[dict]:
-    """The default tiles and the other measured-best tile, each with 0, 1/16, 1/8 and 1/4 of the
+    """The default tiles and the other measured-best tile, each with 0, 1/8 and 1/4 of the
     interior exp2s on the FMA pipe (EXP2_FMA_PARTS; 1/2 was slower everywhere on the H200)."""
     base = {"LOAD": "desc_bhsd", **fwd_tile_config(head_block(head_dim), DTYPE, True, causal, seqlen)}
     other = (64, 64, 4) if base["BLOCK_M"] == 128 else (128, 128, 8)
     alt = {**base, "BLOCK_M": other[0], "BLOCK_N": other[1], "num_warps": other[2]}
-    return [{**c, "EXP2_FMA_PARTS": p} for c in (base, alt) for p in (0, 16, 8, 4)]
+    return [{**c, "EXP2_FMA_PARTS": p} for c in (base, alt) for p in (0, 8, 4)]
 
 
 def lag_configs(head_dim: int, causal: bool, seqlen: int) -> list[dict]:
@@ -62,7 +62,21 @@ def lag_configs(head_dim: int, causal: bool, seqlen: int) -> list[dict]:
     return out
 
 
+def gluon_configs(head_dim: int, causal: bool, seqlen: int) -> list[dict]:
+    """The tl kernel's default against the warp-specialized Gluon kernel (sm_90) and its knobs:
+    ring depth, 64-key blocks, exp2 share on the FMA pipe."""
+    base = {"LOAD": "desc_bhsd", **fwd_tile_config(head_block(head_dim), DTYPE, True, causal, seqlen), "GLUON": False}
+    gluon = [{"GLUON": True}, {"GLUON": True, "STAGES": 2}, {"GLUON": True, "EXP2_FMA_PARTS": 0},
+             {"GLUON": True, "EXP2_FMA_PARTS": 4}, {"GLUON": True, "BLOCK_N": 64, "EXP2_FMA_PARTS": 0}]
+    if head_dim <= 64:
+        gluon.append({"GLUON": True, "STAGES": 4})
+    return [base] + gluon
+
+
 def label(cfg: dict) -> str:
+    if cfg.get("GLUON"):
+        return (f"gluon ws BN{cfg.get('BLOCK_N', 128)} s{cfg.get('STAGES', 3)}"
+                f" fma1/{cfg.get('EXP2_FMA_PARTS', 8 if cfg.get('BLOCK_N', 128) >= 128 else 0)}")
     ws = " ws" if cfg.get("WARP_SPECIALIZE") else ""
     fma = f" fma1/{cfg['EXP2_FMA_PARTS']}" if cfg.get("EXP2_FMA_PARTS") else ""
     lag = " lag" if cfg.get("PV_LAG") else ""
@@ -147,6 +161,7 @@ def main():
     parser.add_argument("--budget", type=float, default=170.0, help="seconds before remaining configs are skipped")
     parser.add_argument("--exp2", action="store_true", help="sweep EXP2_FMA_PARTS on two tiles (exp2_configs)")
     parser.add_argument("--lag", action="store_true", help="sweep PV_LAG on three tiles (lag_configs)")
+    parser.add_argument("--gluon", action="store_true", help="tl default against the Gluon kernel's configs (gluon_configs)")
     parser.add_argument("--rounds", type=int, default=1, help="time the configs and cuDNN interleaved, this many rounds")
     args = parser.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__, flush=True)
@@ -156,7 +171,9 @@ def main():
     for d in sorted(args.d, reverse=True):
         for s in sorted(args.s, key=lambda n: (n < 4096, n)):
             for causal in args.causal:
-                rows += sweep_shape(d, s, bool(causal), deadline, lag_configs if args.lag else exp2_configs if args.exp2 else configs, args.rounds)
+                pick = (gluon_configs if args.gluon else lag_configs if args.lag else exp2_configs if args.exp2
+                        else configs)
+                rows += sweep_shape(d, s, bool(causal), deadline, pick, args.rounds)
     print("\nconfig | TFLOP/s | vs cuDNN | SDPA cuDNN / flash TFLOP/s | status")
     for row in rows:
         print(format_row(row))

@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 from tilefuse.nn.functional import scaled_dot_product_attention
 from tilefuse.ops import attention as attention_module   # registers the ops
 from tilefuse.ops._attention_common import attention_reference, attention_varlen_reference, exp2_mixed, visible_mask
-from tilefuse.ops._attention_fwd_kernels import LOAD_MODES, attention_forward
+from tilefuse._dispatch import is_hopper
+from tilefuse.ops._attention_fwd_kernels import LOAD_MODES, _use_gluon, attention_forward
 from tilefuse.ops.attention import attention, attention_varlen
 from tilefuse.testing import rel_err
 
@@ -127,7 +128,7 @@ def _exp2_mixed_kernel(x_ptr, y_ptr, ROWS: tl.constexpr, COLS: tl.constexpr, PAR
     tl.store(y_ptr + offs, exp2_mixed(tl.load(x_ptr + offs), ROWS, COLS, PARTS))
 
 
-@pytest.mark.parametrize("parts", [0, 2, 4, 8, 16])
+@pytest.mark.parametrize("parts", [0, 2, 4, 8])
 def test_exp2_mixed_elementwise(parts):
     """Every element within 1e-4 relative of fp64 exp2 (the polynomial's fit: 7.5e-5; MUFU's and
     the interpreter's exp2: ~1e-7), the last 1/parts of the columns on the polynomial, exponents
@@ -152,7 +153,7 @@ def test_exp2_mixed_elementwise(parts):
     assert (y[tiny & ~poly].double() - ref[tiny & ~poly]).abs().max() <= 2.0 ** -125
 
 
-@pytest.mark.parametrize("parts", [2, 4, 8, 16])
+@pytest.mark.parametrize("parts", [2, 4, 8])
 def test_exp2_on_fma_pipe(parts):
     """EXP2_FMA_PARTS: 1/parts of the interior blocks' exp2s by the FMA-pipe polynomial (fp16: the
     16-bit probabilities it feeds); masked edge blocks keep MUFU, rows that see nothing stay -inf."""
@@ -404,7 +405,7 @@ def test_gpu_configs(load, tiles, lag):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("parts", [2, 8, 16])
+@pytest.mark.parametrize("parts", [2, 4, 8])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_exp2_on_fma_pipe(parts, dtype):
     q, k, v = (_rand((2, 2048, 4, 128), dtype) for _ in range(3))
@@ -413,6 +414,46 @@ def test_gpu_exp2_on_fma_pipe(parts, dtype):
         _check_dense(q, k, v, config=cfg)
         _check_dense(q, k, v, causal=True, config=cfg)
         _check_dense(q * 4, k, v, softcap=30.0, config=cfg)
+
+
+# (B, S_q, S_k, H_q, H_kv): S_q = 1, both lengths off the 128-row / key tiles with GQA, S_q > S_k
+# (causal rows that see nothing), several hundred key blocks per program
+WS_SHAPES = [(1, 1, 21, 2, 2), (2, 65, 129, 4, 2), (1, 1000, 1531, 8, 2), (1, 300, 200, 2, 1), (2, 2048, 2048, 4, 4)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("cfg", [{}, {"STAGES": 2}, {"BLOCK_N": 64, "EXP2_FMA_PARTS": 0}], ids=["default", "stages2", "n64"])
+def test_gpu_warp_specialized_forward(d, dtype, cfg):
+    """The Gluon kernel (sm_90) by the flash-attn rule at every masking mode, a negative scale
+    (no folding into the exp2) and softcap; its output also within bf16 rounding of the tl kernel's."""
+    if not is_hopper(torch.empty(0, device=DEVICE)):
+        pytest.skip("the warp-specialized forward is sm_90 only")
+    config = dict(cfg, GLUON=True)
+    for b, s_q, s_k, h_q, h_kv in WS_SHAPES:
+        q, k, v = _rand((b, s_q, h_q, d), dtype), _rand((b, s_k, h_kv, d), dtype), _rand((b, s_k, h_kv, d), dtype)
+        _check_dense(q, k, v, config=config)
+        _check_dense(q, k, v, causal=True, config=config)
+        _check_dense(q, k, v, window=(100, 7), softcap=20.0, config=config)
+        _check_dense(q, k, v, causal=True, scale=-0.3, config=config)
+        ws, ws_lse = attention_forward(q, k, v, scale=d ** -0.5, window_right=0, config=config)
+        tl_out, tl_lse = attention_forward(q, k, v, scale=d ** -0.5, window_right=0, config={"GLUON": False})
+        assert rel_err(ws, tl_out) <= 1e-2 and rel_err(ws_lse, tl_lse) <= 1e-5
+
+
+@pytest.mark.gpu
+def test_gpu_default_forward_is_warp_specialized():
+    """On sm_90 the public API reaches the Gluon kernel for dense 16-bit D = 64 / 128 (so every
+    other GPU test of those shapes tests it), and the tl kernel otherwise."""
+    x = _rand((1, 64, 2, 128), torch.bfloat16)
+    hopper = is_hopper(x)
+    assert _use_gluon(x, False, "desc_bhsd", None) == hopper
+    assert not _use_gluon(x, True, "desc_device", None)                  # varlen
+    assert not _use_gluon(x.float(), False, "desc_bhsd", None)          # fp32
+    assert not _use_gluon(x[..., :96], False, "desc_bhsd", None)        # D = 96
+    assert not _use_gluon(x, False, "desc_bhsd", {"BLOCK_M": 64})       # a tl tile config
+    assert _use_gluon(x, False, "desc_bhsd", {"BLOCK_M": 64, "GLUON": True}) == hopper
 
 
 @pytest.mark.gpu

@@ -107,17 +107,37 @@ def exp2_fma(x):
 
 
 @triton.jit
-def _exp2_halves(x, ROWS: tl.constexpr, COLS: tl.constexpr, FMA_PARTS: tl.constexpr):
-    """exp2 of ``x [ROWS, COLS]`` with 1/FMA_PARTS of the columns on the FMA pipe: the column
-    halves are split on the highest column bit (a register bit of the MMA accumulator layout: no
-    data moves), the upper half again for FMA_PARTS > 2."""
-    lo, hi = tl.split(tl.permute(tl.reshape(x, (ROWS, 2, COLS // 2)), (0, 2, 1)))
-    e_lo = tl.exp2(lo)
-    if FMA_PARTS == 2:
-        e_hi = exp2_fma(hi)
+def _exp2_tree(x, DEPTH: tl.constexpr, FMA: tl.constexpr):
+    """exp2 of ``x [..., 2 x DEPTH]`` split on its trailing size-2 dims: the all-upper leaf by
+    :func:`exp2_fma` when FMA, every other leaf on MUFU. Both halves of every split go down the
+    same chain of splits and joins, so their layouts match at each join (Gluon requires it; tl
+    folds the moves away)."""
+    if DEPTH == 0:
+        if FMA:
+            out = exp2_fma(x)
+        else:
+            out = tl.exp2(x)
     else:
-        e_hi = _exp2_halves(hi, ROWS, COLS // 2, FMA_PARTS // 2)
-    return tl.reshape(tl.permute(tl.join(e_lo, e_hi), (0, 2, 1)), (ROWS, COLS))
+        lo, hi = tl.split(x)
+        out = tl.join(_exp2_tree(lo, DEPTH - 1, False), _exp2_tree(hi, DEPTH - 1, FMA))
+    return out
+
+
+@triton.jit
+def _exp2_parts(x, ROWS: tl.constexpr, COLS: tl.constexpr, FMA_PARTS: tl.constexpr):
+    """exp2 of ``x [ROWS, COLS]`` with the last 1/FMA_PARTS (2, 4 or 8) of the columns on the FMA
+    pipe: the split is on the highest column bits (register bits of the MMA accumulator layout:
+    no data moves)."""
+    if FMA_PARTS == 2:
+        y = tl.permute(tl.reshape(x, (ROWS, 2, COLS // 2)), (0, 2, 1))
+        return tl.reshape(tl.permute(_exp2_tree(y, 1, True), (0, 2, 1)), (ROWS, COLS))
+    elif FMA_PARTS == 4:
+        y = tl.permute(tl.reshape(x, (ROWS, 2, 2, COLS // 4)), (0, 3, 2, 1))
+        return tl.reshape(tl.permute(_exp2_tree(y, 2, True), (0, 3, 2, 1)), (ROWS, COLS))
+    else:
+        tl.static_assert(FMA_PARTS == 8, "FMA_PARTS: 0, 2, 4 or 8")
+        y = tl.permute(tl.reshape(x, (ROWS, 2, 2, 2, COLS // 8)), (0, 4, 3, 2, 1))
+        return tl.reshape(tl.permute(_exp2_tree(y, 3, True), (0, 4, 3, 2, 1)), (ROWS, COLS))
 
 
 @triton.jit
@@ -127,7 +147,7 @@ def exp2_mixed(x, ROWS: tl.constexpr, COLS: tl.constexpr, FMA_PARTS: tl.constexp
     if FMA_PARTS == 0:
         return tl.exp2(x)
     else:
-        return _exp2_halves(x, ROWS, COLS, FMA_PARTS)
+        return _exp2_parts(x, ROWS, COLS, FMA_PARTS)
 
 
 @triton.jit

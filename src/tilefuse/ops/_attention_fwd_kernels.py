@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .._dispatch import cdiv, empty, next_power_of_2
+from .._dispatch import cdiv, empty, is_hopper, next_power_of_2
 from .._launch import fast_launch, use_device_descriptors
 from ._attention_common import exp2_mixed, key_range, tanh_via_exp2, visible
 
@@ -96,10 +96,10 @@ def _load_rows(src, b, h, start, base, row_stride, n_rows,
 
 
 @triton.jit
-def _block_probs(qk, m_i, start_n, seqlen_k, offs_m, shift, score_scale, softcap_log2, window_left, window_right,
+def _block_probs(qk, m_i, offs_n, seqlen_k, offs_m, shift, score_scale, softcap_log2, window_left, window_right,
                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                  HAS_SOFTCAP: tl.constexpr, FOLD_SCALE: tl.constexpr, EXP2_FMA_PARTS: tl.constexpr):
-    """(p, alpha, m_new) of one key block from its raw scores qk = q·kᵀ: the probabilities
+    """(p, alpha, m_new) of one key block (keys ``offs_n``) from its raw scores qk = q·kᵀ: the probabilities
     exp2(s2 - m_new) (module docstring), the factor exp2(m_i - m_new) that rescales what was
     accumulated at the old max, and the new running max.
     MASKED=False: the caller guarantees every key of the block is visible to every query; there
@@ -117,7 +117,7 @@ def _block_probs(qk, m_i, start_n, seqlen_k, offs_m, shift, score_scale, softcap
         s = qk * score_scale
         s_scale = 1.0
     if MASKED:
-        ok = visible(offs_m, start_n + tl.arange(0, BLOCK_N), seqlen_k, shift, window_left,
+        ok = visible(offs_m, offs_n, seqlen_k, shift, window_left,
                      window_right, HAS_LEFT, HAS_RIGHT)
         s = tl.where(ok, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1) * s_scale)
@@ -139,7 +139,7 @@ def _online_softmax_step(acc, l_i, m_i, qk, v, b, hk, start_n, v_base, stride_vs
                          HAS_SOFTCAP: tl.constexpr, FOLD_SCALE: tl.constexpr, LOAD: tl.constexpr,
                          DOT_PRECISION: tl.constexpr, EXP2_FMA_PARTS: tl.constexpr):
     """One key block's update of (acc, l, m) from its raw scores qk (:func:`_block_probs`)."""
-    p, alpha, m_new = _block_probs(qk, m_i, start_n, seqlen_k, offs_m, shift, score_scale, softcap_log2,
+    p, alpha, m_new = _block_probs(qk, m_i, start_n + tl.arange(0, BLOCK_N), seqlen_k, offs_m, shift, score_scale, softcap_log2,
                                    window_left, window_right, BLOCK_N, MASKED, HAS_LEFT, HAS_RIGHT,
                                    HAS_SOFTCAP, FOLD_SCALE, EXP2_FMA_PARTS)
     l_i = l_i * alpha + tl.sum(p, 1)
@@ -172,7 +172,7 @@ def _attend_interior_lagged(acc, l_i, m_i, q_tile, k, v, start, end, b, hk, k_ba
             v_tile = _load_rows(v, b, hk, tl.maximum(start_n - BLOCK_N, start), v_base, stride_vs, seqlen_k,
                                 HEAD_DIM, BLOCK_N, BLOCK_D, LOAD)
             acc = tl.dot(p_prev.to(v_tile.dtype), v_tile, acc * alpha_prev[:, None], input_precision=DOT_PRECISION)
-            p, alpha, m_i = _block_probs(qk, m_i, start_n, seqlen_k, offs_m, shift, score_scale, softcap_log2, 0, 0,
+            p, alpha, m_i = _block_probs(qk, m_i, start_n + tl.arange(0, BLOCK_N), seqlen_k, offs_m, shift, score_scale, softcap_log2, 0, 0,
                                          BLOCK_N, False, False, False, HAS_SOFTCAP, FOLD_SCALE, EXP2_FMA_PARTS)
             l_i = l_i * alpha + tl.sum(p, 1)
             p_prev = p
@@ -398,6 +398,24 @@ def pv_lag_default(block_n: int) -> bool:
     return block_n >= 128
 
 
+def _use_gluon(q: torch.Tensor, varlen: bool, load: str, config: dict | None) -> bool:
+    """The warp-specialized Gluon kernel (``_attention_fwd_gluon``) on sm_90 for the inputs it
+    serves; ``config={"GLUON": True / False}`` forces the choice where it can serve them, and a
+    config that sets a ``tl``-only key (:data:`TL_ONLY_KEYS`) without "GLUON" keeps the ``tl`` kernel."""
+    if not is_hopper(q):
+        return False
+    from ._attention_fwd_gluon import use_gluon_forward
+    if not use_gluon_forward(q, varlen, load):
+        return False
+    config = config or {}
+    if "GLUON" in config:
+        return bool(config["GLUON"])
+    return not any(key in config for key in TL_ONLY_KEYS)
+
+
+TL_ONLY_KEYS = ("BLOCK_M", "num_warps", "num_stages", "LOAD", "PV_LAG", "WARP_SPECIALIZE")
+
+
 def _desc_strides(t: torch.Tensor) -> list[int]:
     """t's strides with size-1 dims given a 16-byte one (their coordinate is always 0, but TMA
     still checks the stride's alignment; torch leaves arbitrary strides on size-1 dims)."""
@@ -436,7 +454,9 @@ def attention_forward(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_
     """(out, lse). Dense: q [B, S_q, H_q, D], k/v [B, S_k, H_kv, D], lse [B, H_q, S_q]. Varlen
     (cu_seqlens given): packed [total, H, D], lse [H_q, total_q]. Window bounds: None for
     unbounded, any int otherwise (a negative right bound is allowed: the SDPA wrapper's top-left
-    causal). ``config`` overrides fwd_tile_config's keys and may set LOAD, WARP_SPECIALIZE,
+    causal). On sm_90, dense 16-bit inputs with D = 64 / 128 take the warp-specialized Gluon
+    kernel (:func:`_use_gluon`; its keys BLOCK_N, STAGES, EXP2_FMA_PARTS). Otherwise
+    ``config`` overrides fwd_tile_config's keys and may set LOAD, WARP_SPECIALIZE,
     EXP2_FMA_PARTS (default: :func:`exp2_fma_parts` of the BLOCK_N in use; fp32 inputs always
     take exact exp2s, as their tolerance is 1e-5) and PV_LAG (default: :func:`pv_lag_default`)."""
     varlen = cu_seqlens_q is not None
@@ -450,8 +470,8 @@ def attention_forward(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_
     cfg.update(config or {})
     cfg.setdefault("EXP2_FMA_PARTS", exp2_fma_parts(cfg["BLOCK_N"]))
     cfg.setdefault("PV_LAG", pv_lag_default(cfg["BLOCK_N"]) and q.dtype != torch.float32)
-    if cfg["EXP2_FMA_PARTS"] not in (0, 2, 4, 8, 16) or cfg["EXP2_FMA_PARTS"] > cfg["BLOCK_N"]:
-        raise ValueError(f"config EXP2_FMA_PARTS={cfg['EXP2_FMA_PARTS']!r}: one of 0, 2, 4, 8, 16, at most BLOCK_N")
+    if cfg["EXP2_FMA_PARTS"] not in (0, 2, 4, 8) or cfg["EXP2_FMA_PARTS"] > cfg["BLOCK_N"]:
+        raise ValueError(f"config EXP2_FMA_PARTS={cfg['EXP2_FMA_PARTS']!r}: one of 0, 2, 4, 8, at most BLOCK_N")
     if cfg["LOAD"] not in LOAD_MODES or (varlen and cfg["LOAD"] not in ("ptr", "desc_device")):
         raise ValueError(f"config LOAD={cfg['LOAD']!r}: one of {LOAD_MODES}; varlen takes 'ptr' or 'desc_device'")
 
@@ -481,6 +501,16 @@ def attention_forward(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_
         cfg["LOAD"] = "ptr"
 
     load = cfg["LOAD"]
+    has_softcap = softcap > 0
+    score_scale = scale / softcap if has_softcap else scale * LOG2E
+    if _use_gluon(q, varlen, load, config):
+        from ._attention_fwd_gluon import WS_CONFIG, launch_attention_fwd_ws   # Gluon imports on first use
+        ws_cfg = dict(WS_CONFIG, **{key: config[key] for key in WS_CONFIG if config and key in config})
+        parts = (config or {}).get("EXP2_FMA_PARTS", exp2_fma_parts(ws_cfg["BLOCK_N"]))
+        launch_attention_fwd_ws(q, k, v, out, lse, scale_arg=score_scale, softcap_log2=softcap * LOG2E,
+                                window_left=window_left, window_right=window_right, has_softcap=has_softcap,
+                                exp2_fma_parts=parts, config=ws_cfg)
+        return out, lse
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
     if load in ("ptr", "desc_device"):
         q_arg, k_arg, v_arg, o_arg = q4, k4, v4, o4
@@ -489,8 +519,6 @@ def attention_forward(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_
     else:
         q_arg, o_arg = (_descriptor(t, load, block_m, block_d) for t in (q, out))
         k_arg, v_arg = (_descriptor(t, load, block_n, block_d) for t in (k, v))
-    has_softcap = softcap > 0
-    score_scale = scale / softcap if has_softcap else scale * LOG2E
     cu_q = cu_seqlens_q if varlen else lse     # any pointer: never read when not varlen
     cu_k = cu_seqlens_k if varlen else lse
     grid = (cdiv(seqlen_q, block_m), batch * n_heads_q)
