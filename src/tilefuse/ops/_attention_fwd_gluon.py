@@ -29,8 +29,6 @@ reference and with the ``tl`` kernel.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -41,6 +39,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from .._dispatch import cdiv
 from .._launch import fast_launch
 from ._attention_common import key_range
+from ._gluon_common import LOADER_REGS_KERNEL, consumer_regs, smem_layout
 from ._attention_fwd_kernels import LN2, _block_probs, _desc_strides, _unmasked_key_blocks
 
 ROWS_PER_GROUP = 64                           # query rows per consumer warp group (wgmma's M)
@@ -280,7 +279,7 @@ def attention_fwd_ws_kernel(
         (attn_load_partition, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_empty,
                                seqlen_q, seqlen_k, n_heads_q, group_size, window_left, window_right, BLOCK_N,
                                HAS_LEFT, HAS_RIGHT, REVERSE_M, STAGES, CONSUMERS)),
-    ], [4, 1], [CONSUMER_REGS, 40])
+    ], [4, 1], [CONSUMER_REGS, LOADER_REGS_KERNEL])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -291,14 +290,7 @@ CONSUMER_GROUPS = 2
 # 3 stages: a group holds blocks j - 1 (its P·V) and j (its scores) while the loader fills j + 1;
 # q 32 KB + 3 x (K, V) 192 KB at D = 128 fit sm_90's 227 KB
 WS_CONFIG = dict(BLOCK_N=128, STAGES=3)
-GLUON_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 GLUON_HEAD_DIMS = (64, 128)
-MAX_REGS = 224          # 9 warps (two groups and the loader warp) x 32 x 224 <= 64K registers
-
-
-@functools.lru_cache(maxsize=None)
-def _smem_layout(block: tuple[int, ...], dtype: torch.dtype) -> gl.NVMMASharedLayout:
-    return gl.NVMMASharedLayout.get_default_for(list(block), GLUON_DTYPES[dtype])
 
 
 def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
@@ -306,13 +298,13 @@ def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     sb, ss, sh, _ = _desc_strides(t)
     b, s, h, d = t.shape
     block = (1, 1, rows, d)
-    return TensorDescriptor(t, [b, h, s, d], [sb, sh, ss, 1], list(block), _smem_layout(block, t.dtype))
+    return TensorDescriptor(t, [b, h, s, d], [sb, sh, ss, 1], list(block), smem_layout(block, t.dtype))
 
 
 def use_gluon_forward(q: torch.Tensor, varlen: bool, load: str) -> bool:
     """The warp-specialized kernel serves dense 16-bit inputs with D = 64 or 128 read through
     host TMA descriptors (``load`` the ``tl`` path's "desc_*"), on sm_90 exactly."""
-    return (not varlen and q.dtype in GLUON_DTYPES and q.shape[-1] in GLUON_HEAD_DIMS
+    return (not varlen and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] in GLUON_HEAD_DIMS
             and load.startswith("desc_") and load != "desc_device")
 
 
@@ -324,6 +316,7 @@ def launch_attention_fwd_ws(q, k, v, out, lse, *, scale_arg: float, softcap_log2
     batch, seqlen_q, n_heads_q, _ = q.shape
     seqlen_k, n_heads_kv = k.shape[1], k.shape[2]
     block_m = ROWS_PER_GROUP * CONSUMER_GROUPS
+    launch_regs, worker_regs = consumer_regs(CONSUMER_GROUPS)
     grid = (cdiv(seqlen_q, block_m), batch * n_heads_q)
     attention_fwd_ws_kernel[grid](
         _descriptor(q, ROWS_PER_GROUP), _descriptor(k, cfg["BLOCK_N"]), _descriptor(v, cfg["BLOCK_N"]),
@@ -332,6 +325,6 @@ def launch_attention_fwd_ws(q, k, v, out, lse, *, scale_arg: float, softcap_log2
         window_left if window_left is not None else 0, window_right if window_right is not None else 0,
         HAS_LEFT=window_left is not None, HAS_RIGHT=window_right is not None, HAS_SOFTCAP=has_softcap,
         FOLD_SCALE=scale_arg > 0, EXP2_FMA_PARTS=exp2_fma_parts, REVERSE_M=window_right is not None,
-        STAGES=cfg["STAGES"], CONSUMERS=CONSUMER_GROUPS, CONSUMER_REGS=MAX_REGS,
-        num_warps=4, maxnreg=MAX_REGS,
+        STAGES=cfg["STAGES"], CONSUMERS=CONSUMER_GROUPS, CONSUMER_REGS=worker_regs,
+        num_warps=4, maxnreg=launch_regs,
     )

@@ -24,8 +24,6 @@ the fp64 product of the dequantized operands.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -35,6 +33,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .._dispatch import cdiv, num_sms
 from .._launch import fast_launch
+from ._gluon_common import LOADER_REGS_KERNEL, SMEM_BYTES, consumer_regs, smem_layout
 from ._matmul_kernels import _tile_coords     # the grouped tile order, shared with the tl GEMMs
 
 ROWS_PER_GROUP = 64             # rows of the tile per consumer warp group (wgmma's M per warp group)
@@ -186,15 +185,13 @@ def fp8_gemm_ws_kernel(
                              GROUP_M, BLOCK_N, BLOCK_K, STAGES, PROMOTE_EVERY, CONSUMERS)),
         (fp8_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, NUM_PROGRAMS, GROUP_M,
                               BLOCK_N, BLOCK_K, STAGES, CONSUMERS)),
-    ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 40])
+    ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS_KERNEL])
 
 
 # ----------------------------------------------------------------------------------------------
 # launch
 # ----------------------------------------------------------------------------------------------
 
-GLUON_DTYPES = {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5,
-                torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
 # Three consumer groups: with two, a group's turnaround (wait, barrier, arrive, 64 FADDs, issue)
 # must fit in the other's ~256-cycle wgmma. Session 15 sweeps (H200, 8192³, four runs): 3 groups
 # 1,275-1,414 TF/s, 2 groups 1,167-1,298 (the 2-group variant was removed: it repeated the
@@ -203,16 +200,8 @@ CONSUMER_GROUPS = 3
 WS_CONFIG = dict(BLOCK_N=128, BLOCK_K=128, STAGES=4, GROUP_M=8, PROMOTE_EVERY=1)
 
 
-@functools.lru_cache(maxsize=None)
-def _smem_layout(block: tuple[int, int], dtype: torch.dtype) -> gl.NVMMASharedLayout:
-    return gl.NVMMASharedLayout.get_default_for(list(block), GLUON_DTYPES[dtype])     # ~10 µs uncached
-
-
 def _descriptor(t: torch.Tensor, block: tuple[int, int]) -> TensorDescriptor:
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), _smem_layout(block, t.dtype))
-
-
-SMEM_BYTES = 227 * 1024         # sm_90's shared memory per block (opt-in maximum)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), smem_layout(block, t.dtype))
 
 
 def fit_stages(requested: int, consumers: int, block_n: int, block_k: int, out_bytes: int) -> int:
@@ -221,15 +210,6 @@ def fit_stages(requested: int, consumers: int, block_n: int, block_k: int, out_b
     stage = (consumers * ROWS_PER_GROUP + block_n) * block_k          # fp8 operand bytes per stage
     free = SMEM_BYTES - consumers * ROWS_PER_GROUP * block_n * out_bytes - 1024
     return max(2, min(requested, free // stage))
-
-
-def consumer_regs(consumers: int) -> tuple[int, int]:
-    """(registers per thread at launch, registers of each worker consumer group): all warp groups
-    (the loader's one warp counts as a group) share the 64K-register file; the loader keeps 40."""
-    groups = consumers + 1
-    launch = 65536 // (groups * 128) // 8 * 8
-    worker = min(232, (65536 - 40 * 128) // consumers // 128 // 8 * 8)
-    return launch, worker
 
 
 def launch_fp8_gemm_ws(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor,

@@ -1,0 +1,40 @@
+"""What the warp-specialized Gluon kernels (``_fp8_gluon``, ``_attention_fwd_gluon``) share:
+dtype names, cached shared-memory layouts and the register split between warp groups.
+
+Registers: Triton pads the worker partitions to whole warp groups (a 1-warp loader becomes a
+4-warp group) and, when the partitions request register counts, emits ``setmaxnreg`` so that the
+groups' shares add up to the 64K-register file: the kernel launches at 64K / threads registers per
+thread, the worker groups take what they request, and the default group gets what is left.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from triton.experimental.gluon import language as gl
+
+GLUON_DTYPES = {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5,
+                torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
+SMEM_BYTES = 227 * 1024         # sm_90's shared memory per block (opt-in maximum)
+LOADER_REGS = 40                # the TMA producer warp's registers (addresses and phase bits)
+
+
+@functools.lru_cache(maxsize=None)
+def smem_layout(block: tuple[int, ...], dtype: torch.dtype) -> gl.NVMMASharedLayout:
+    """The widest-swizzle shared layout of a TMA / wgmma tile (~10 µs uncached)."""
+    return gl.NVMMASharedLayout.get_default_for(list(block), GLUON_DTYPES[dtype])
+
+
+def consumer_regs(consumers: int) -> tuple[int, int]:
+    """(registers per thread at launch, registers requested by each worker consumer group) for
+    ``consumers`` 4-warp consumer groups (the first is the default partition) and one loader warp,
+    padded to a group: the loader's group keeps LOADER_REGS, the consumer groups split the rest
+    (at most 232, the largest multiple of 8 under the 255-register limit that leaves room)."""
+    groups = consumers + 1
+    launch = 65536 // (groups * 128) // 8 * 8
+    worker = min(232, (65536 - LOADER_REGS * 128) // consumers // 128 // 8 * 8)
+    return launch, worker
+
+
+LOADER_REGS_KERNEL = gl.constexpr(LOADER_REGS)    # the same, for kernels (globals they read are constexprs)
