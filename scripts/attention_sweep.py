@@ -66,17 +66,17 @@ def gluon_configs(head_dim: int, causal: bool, seqlen: int) -> list[dict]:
     """The tl kernel's default against the warp-specialized Gluon kernel (sm_90) and its knobs:
     ring depth, 64-key blocks, exp2 share on the FMA pipe."""
     base = {"LOAD": "desc_bhsd", **fwd_tile_config(head_block(head_dim), DTYPE, True, causal, seqlen), "GLUON": False}
-    gluon = [{"GLUON": True}, {"GLUON": True, "STAGES": 2}, {"GLUON": True, "EXP2_FMA_PARTS": 0},
-             {"GLUON": True, "EXP2_FMA_PARTS": 4}, {"GLUON": True, "BLOCK_N": 64, "EXP2_FMA_PARTS": 0}]
+    gluon = [{"GLUON": True, "EXP2_FMA_PARTS": 0}, {"GLUON": True, "EXP2_FMA_PARTS": 8},
+             {"GLUON": True, "EXP2_FMA_PARTS": 4}, {"GLUON": True, "STAGES": 2, "EXP2_FMA_PARTS": 0},
+             {"GLUON": True, "BLOCK_N": 64, "EXP2_FMA_PARTS": 0}]
     if head_dim <= 64:
-        gluon.append({"GLUON": True, "STAGES": 4})
+        gluon += [{"GLUON": True, "STAGES": 4, "EXP2_FMA_PARTS": p} for p in (0, 8)]
     return [base] + gluon
 
 
 def label(cfg: dict) -> str:
     if cfg.get("GLUON"):
-        return (f"gluon ws BN{cfg.get('BLOCK_N', 128)} s{cfg.get('STAGES', 3)}"
-                f" fma1/{cfg.get('EXP2_FMA_PARTS', 8 if cfg.get('BLOCK_N', 128) >= 128 else 0)}")
+        return f"gluon ws BN{cfg.get('BLOCK_N', 128)} s{cfg.get('STAGES', 3)} fma1/{cfg['EXP2_FMA_PARTS']}"
     ws = " ws" if cfg.get("WARP_SPECIALIZE") else ""
     fma = f" fma1/{cfg['EXP2_FMA_PARTS']}" if cfg.get("EXP2_FMA_PARTS") else ""
     lag = " lag" if cfg.get("PV_LAG") else ""

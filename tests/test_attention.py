@@ -444,16 +444,17 @@ def test_gpu_warp_specialized_forward(d, dtype, cfg):
 
 @pytest.mark.gpu
 def test_gpu_default_forward_is_warp_specialized():
-    """On sm_90 the public API reaches the Gluon kernel for dense 16-bit D = 64 / 128 (so every
-    other GPU test of those shapes tests it), and the tl kernel otherwise."""
+    """On sm_90 the public API reaches the Gluon kernel for dense 16-bit D = 64 / 128 where it is
+    the faster kernel, and the tl kernel otherwise."""
     x = _rand((1, 64, 2, 128), torch.bfloat16)
     hopper = is_hopper(x)
-    assert _use_gluon(x, False, "desc_bhsd", None) == hopper
-    assert not _use_gluon(x, True, "desc_device", None)                  # varlen
-    assert not _use_gluon(x.float(), False, "desc_bhsd", None)          # fp32
-    assert not _use_gluon(x[..., :96], False, "desc_bhsd", None)        # D = 96
-    assert not _use_gluon(x, False, "desc_bhsd", {"BLOCK_M": 64})       # a tl tile config
-    assert _use_gluon(x, False, "desc_bhsd", {"BLOCK_M": 64, "GLUON": True}) == hopper
+    assert _use_gluon(x, False, "desc_bhsd", None, False, 4096) == hopper
+    assert not _use_gluon(x, False, "desc_bhsd", None, True, 1024)                  # short causal: tl
+    assert not _use_gluon(x, True, "desc_device", None, False, 4096)                # varlen
+    assert not _use_gluon(x.float(), False, "desc_bhsd", None, False, 4096)         # fp32
+    assert not _use_gluon(x[..., :96], False, "desc_bhsd", None, False, 4096)       # D = 96
+    assert not _use_gluon(x, False, "desc_bhsd", {"BLOCK_M": 64}, False, 4096)      # a tl tile config
+    assert _use_gluon(x, False, "desc_bhsd", {"BLOCK_M": 64, "GLUON": True}, True, 64) == hopper
 
 
 @pytest.mark.gpu

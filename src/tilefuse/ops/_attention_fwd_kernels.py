@@ -398,10 +398,11 @@ def pv_lag_default(block_n: int) -> bool:
     return block_n >= 128
 
 
-def _use_gluon(q: torch.Tensor, varlen: bool, load: str, config: dict | None) -> bool:
+def _use_gluon(q: torch.Tensor, varlen: bool, load: str, config: dict | None, masked: bool, seqlen_k: int) -> bool:
     """The warp-specialized Gluon kernel (``_attention_fwd_gluon``) on sm_90 for the inputs it
-    serves; ``config={"GLUON": True / False}`` forces the choice where it can serve them, and a
-    config that sets a ``tl``-only key (:data:`TL_ONLY_KEYS`) without "GLUON" keeps the ``tl`` kernel."""
+    serves, where :func:`gluon_forward_default` says it is faster; ``config={"GLUON": True /
+    False}`` forces the choice where it can serve them, and a config that sets a ``tl``-only key
+    (:data:`TL_ONLY_KEYS`) without "GLUON" keeps the ``tl`` kernel."""
     if not is_hopper(q):
         return False
     from ._attention_fwd_gluon import use_gluon_forward
@@ -410,7 +411,26 @@ def _use_gluon(q: torch.Tensor, varlen: bool, load: str, config: dict | None) ->
     config = config or {}
     if "GLUON" in config:
         return bool(config["GLUON"])
-    return not any(key in config for key in TL_ONLY_KEYS)
+    return not any(key in config for key in TL_ONLY_KEYS) and gluon_forward_default(q.shape[-1], masked, seqlen_k)
+
+
+def gluon_forward_default(head_dim: int, masked: bool, seqlen_k: int) -> bool:
+    """Where the Gluon kernel beats the tl kernel's best tiles (H200, bf16, B·S = 16k, H = 16,
+    3 interleaved rounds, session 16): D = 128 at every S but causal S = 1k (full 516 / 605 / 621
+    TF/s against 418 / 489 / 524 at S = 1k / 4k / 16k; causal 306 / 531 / 619 against 340 / 438
+    / 516); D = 64 from S = 4k full and 16k causal (434 / 446 against 400 / 404 full; causal 444
+    against 390 at 16k, 358 against 369 at 4k; S = 1k 338 against 369). The switch points
+    between the measured lengths (2k, 8k) are guesses."""
+    if head_dim == 128:
+        return not masked or seqlen_k >= 2048
+    return seqlen_k >= (8192 if masked else 4096)
+
+
+def gluon_exp2_fma_parts(masked: bool) -> int:
+    """1/8 of the Gluon kernel's exp2s on the FMA pipe without masks, none with them (same
+    sweep: full D = 128 621 against 607 TF/s at 16k, D = 64 421-445 against 399-408; causal
+    D = 128 531 / 619 with none against 504 / 581 at 4k / 16k, D = 64 358 / 444 against 350 / 430)."""
+    return 0 if masked else 8
 
 
 TL_ONLY_KEYS = ("BLOCK_M", "num_warps", "num_stages", "LOAD", "PV_LAG", "WARP_SPECIALIZE")
@@ -503,10 +523,10 @@ def attention_forward(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_
     load = cfg["LOAD"]
     has_softcap = softcap > 0
     score_scale = scale / softcap if has_softcap else scale * LOG2E
-    if _use_gluon(q, varlen, load, config):
+    if _use_gluon(q, varlen, load, config, masked, k.shape[1]):
         from ._attention_fwd_gluon import WS_CONFIG, launch_attention_fwd_ws   # Gluon imports on first use
         ws_cfg = dict(WS_CONFIG, **{key: config[key] for key in WS_CONFIG if config and key in config})
-        parts = (config or {}).get("EXP2_FMA_PARTS", exp2_fma_parts(ws_cfg["BLOCK_N"]))
+        parts = (config or {}).get("EXP2_FMA_PARTS", gluon_exp2_fma_parts(masked))
         launch_attention_fwd_ws(q, k, v, out, lse, scale_arg=score_scale, softcap_log2=softcap * LOG2E,
                                 window_left=window_left, window_right=window_right, has_softcap=has_softcap,
                                 exp2_fma_parts=parts, config=ws_cfg)
