@@ -1,0 +1,120 @@
+"""The Gluon kernels compiled offline for sm_90 on the CPU (no GPU, no interpreter needed).
+
+Gluon has no interpreter, so CI cannot run these kernels; it can compile them. Each config is
+compiled to a cubin exactly as the launchers would launch it, and the result must keep what makes
+the kernel fast and correct to launch: no register spills, ``setmaxnreg`` between the warp groups
+(USETMAXREG in the SASS), shared memory within sm_90's 227 KB, and no ptxas notice that the
+wgmmas were serialized (which happens when a warp group reads an accumulator while a wgmma that
+writes registers is in flight). Their results are checked on the GPU (test_attention.py,
+test_fp8.py). Each compile runs in a child process without TRITON_INTERPRET: under the
+interpreter the kernels' @triton.jit helpers are interpreted functions, which do not compile.
+"""
+
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.runtime.jit import mangle_type
+
+gluon_runtime = pytest.importorskip("triton.experimental.gluon._runtime")
+
+from tilefuse.ops import _attention_fwd_gluon as attn  # noqa: E402
+from tilefuse.ops import _fp8_gluon as fp8  # noqa: E402
+from tilefuse.ops._gluon_common import SMEM_BYTES, consumer_regs  # noqa: E402
+
+NVIDIA_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
+
+def _compile_sm90(kernel, args: dict, constexprs: dict, maxnreg: int):
+    """cubin of ``kernel`` (a Gluon JIT function, possibly behind fast_launch) for the given
+    runtime argument values (their types make the signature) and constexprs."""
+    names = [p.name for p in kernel.params]
+    signature = {name: "constexpr" if name in constexprs else mangle_type(args[name]) for name in names}
+    src = gluon_runtime.GluonASTSource(fn=kernel, signature=signature,
+                                       constexprs={(names.index(k),): v for k, v in constexprs.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=maxnreg))
+
+
+def _check(compiled):
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
+        with open(ptx, "w") as f:
+            f.write(compiled.asm["ptx"])
+        ptxas = subprocess.run([os.path.join(NVIDIA_BIN, "ptxas"), "--gpu-name", "sm_90a", "-v", ptx, "-o", cubin],
+                               capture_output=True, text=True)
+        assert ptxas.returncode == 0, ptxas.stderr
+        sass = subprocess.run([os.path.join(NVIDIA_BIN, "cuobjdump"), "-sass", cubin],
+                              capture_output=True, text=True).stdout
+    report = ptxas.stdout + ptxas.stderr
+    assert "0 bytes spill stores, 0 bytes spill loads" in report, report
+    assert "serialized" not in report, report
+    assert "USETMAXREG" in sass                 # the register split between the warp groups
+    assert compiled.metadata.shared <= SMEM_BYTES
+
+
+ATTN_CASES = {   # name: (D, BLOCK_N, STAGES, masks, softcap, exp2 parts on the FMA pipe)
+    "d128-full": (128, 128, 3, (False, False), False, 8),
+    "d128-causal": (128, 128, 3, (False, True), False, 0),
+    "d64-window-softcap": (64, 128, 3, (True, True), True, 0),
+    "d128-n64-stages2": (128, 64, 2, (False, True), False, 0),
+}
+
+
+def _in_child(kind: str, case: str):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, __file__, kind, case], capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0 and run.stdout.strip().endswith("OK"), (run.stdout + run.stderr)[-3000:]
+
+
+@pytest.mark.parametrize("case", list(ATTN_CASES))
+def test_attention_forward_compiles_for_sm90(case):
+    _in_child("attention", case)
+
+
+@pytest.mark.parametrize("case", ["bf16", "rowwise-bias-fp32"])
+def test_fp8_gemm_compiles_for_sm90(case):
+    _in_child("fp8", case)
+
+
+def compile_attention(case):
+    d, block_n, stages, (left, right), softcap, parts = ATTN_CASES[case]
+    q = torch.empty(2, 300, 4, d, dtype=torch.bfloat16)
+    kv = torch.empty(2, 500, 2, d, dtype=torch.bfloat16)
+    lse = torch.empty(2, 4, 300)
+    launch_regs, worker_regs = consumer_regs(attn.CONSUMER_GROUPS)
+    args = dict(q_desc=attn._descriptor(q, attn.ROWS_PER_GROUP), k_desc=attn._descriptor(kv, block_n),
+                v_desc=attn._descriptor(kv, block_n), o_desc=attn._descriptor(q, attn.ROWS_PER_GROUP), lse_ptr=lse,
+                stride_lb=lse.stride(0), stride_lh=lse.stride(1), seqlen_q=300, seqlen_k=500, n_heads_q=4,
+                group_size=2, score_scale=0.1, softcap_log2=1.5, window_left=7, window_right=0)
+    constexprs = dict(HAS_LEFT=left, HAS_RIGHT=right, HAS_SOFTCAP=softcap, FOLD_SCALE=True, EXP2_FMA_PARTS=parts,
+                      REVERSE_M=right, STAGES=stages, CONSUMERS=attn.CONSUMER_GROUPS, CONSUMER_REGS=worker_regs)
+    _check(_compile_sm90(attn.attention_fwd_ws_kernel, args, constexprs, launch_regs))
+
+
+def compile_fp8(case):
+    rowwise_bias_fp32 = case == "rowwise-bias-fp32"
+    a = torch.empty(512, 256, dtype=torch.float8_e4m3fn)
+    b = torch.empty(384, 256, dtype=torch.float8_e4m3fn)
+    out = torch.empty(512, 384, dtype=torch.float32 if rowwise_bias_fp32 else torch.bfloat16)
+    cfg = fp8.WS_CONFIG
+    launch_regs, worker_regs = consumer_regs(fp8.CONSUMER_GROUPS)
+    rows = fp8.ROWS_PER_GROUP
+    args = dict(a_desc=fp8._descriptor(a, (rows, cfg["BLOCK_K"])), b_desc=fp8._descriptor(b, (cfg["BLOCK_N"], cfg["BLOCK_K"])),
+                c_desc=fp8._descriptor(out, (rows, cfg["BLOCK_N"])), scale_a_ptr=torch.empty(512),
+                scale_b_ptr=torch.empty(384), bias_ptr=torch.empty(384, dtype=torch.bfloat16), M=512, N=384, K=256)
+    stages = fp8.fit_stages(cfg["STAGES"], fp8.CONSUMER_GROUPS, cfg["BLOCK_N"], cfg["BLOCK_K"], out.element_size())
+    constexprs = dict(SCALE_A_ROWWISE=rowwise_bias_fp32, SCALE_B_ROWWISE=rowwise_bias_fp32, HAS_BIAS=rowwise_bias_fp32,
+                      NUM_PROGRAMS=132, GROUP_M=cfg["GROUP_M"], STAGES=stages, PROMOTE_EVERY=cfg["PROMOTE_EVERY"],
+                      CONSUMERS=fp8.CONSUMER_GROUPS, CONSUMER_REGS=worker_regs)
+    _check(_compile_sm90(fp8.fp8_gemm_ws_kernel, args, constexprs, launch_regs))
+
+
+if __name__ == "__main__":
+    kind, name = sys.argv[1:]
+    (compile_attention if kind == "attention" else compile_fp8)(name)
+    print("OK")
