@@ -71,14 +71,12 @@ def gluon_configs(head_dim: int, causal: bool, seqlen: int) -> list[dict]:
              {"GLUON": True, "BLOCK_N": 64, "EXP2_FMA_PARTS": 0}]
     if head_dim <= 64:
         gluon += [{"GLUON": True, "STAGES": 4, "EXP2_FMA_PARTS": p} for p in (0, 8)]
-    gluon += [{"GLUON": True, "PINGPONG": True, "EXP2_FMA_PARTS": p} for p in (0, 8)]
     return [base] + gluon
 
 
 def label(cfg: dict) -> str:
     if cfg.get("GLUON"):
-        pingpong = " pingpong" if cfg.get("PINGPONG") else ""
-        return f"gluon ws BN{cfg.get('BLOCK_N', 128)} s{cfg.get('STAGES', 3)} fma1/{cfg['EXP2_FMA_PARTS']}{pingpong}"
+        return f"gluon ws BN{cfg.get('BLOCK_N', 128)} s{cfg.get('STAGES', 3)} fma1/{cfg['EXP2_FMA_PARTS']}"
     ws = " ws" if cfg.get("WARP_SPECIALIZE") else ""
     fma = f" fma1/{cfg['EXP2_FMA_PARTS']}" if cfg.get("EXP2_FMA_PARTS") else ""
     lag = " lag" if cfg.get("PV_LAG") else ""

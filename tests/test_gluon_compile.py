@@ -57,12 +57,11 @@ def _check(compiled):
     assert compiled.metadata.shared <= SMEM_BYTES
 
 
-ATTN_CASES = {   # name: (D, BLOCK_N, STAGES, masks, softcap, exp2 parts on the FMA pipe, ping-pong)
-    "d128-full": (128, 128, 3, (False, False), False, 8, False),
-    "d128-causal": (128, 128, 3, (False, True), False, 0, False),
-    "d64-window-softcap": (64, 128, 3, (True, True), True, 0, False),
-    "d128-n64-stages2": (128, 64, 2, (False, True), False, 0, False),
-    "d128-causal-pingpong": (128, 128, 3, (False, True), False, 0, True),
+ATTN_CASES = {   # name: (D, BLOCK_N, STAGES, masks, softcap, exp2 parts on the FMA pipe)
+    "d128-full": (128, 128, 3, (False, False), False, 8),
+    "d128-causal": (128, 128, 3, (False, True), False, 0),
+    "d64-window-softcap": (64, 128, 3, (True, True), True, 0),
+    "d128-n64-stages2": (128, 64, 2, (False, True), False, 0),
 }
 
 
@@ -83,7 +82,7 @@ def test_fp8_gemm_compiles_for_sm90(case):
 
 
 def compile_attention(case):
-    d, block_n, stages, (left, right), softcap, parts, pingpong = ATTN_CASES[case]
+    d, block_n, stages, (left, right), softcap, parts = ATTN_CASES[case]
     q = torch.empty(2, 300, 4, d, dtype=torch.bfloat16)
     kv = torch.empty(2, 500, 2, d, dtype=torch.bfloat16)
     lse = torch.empty(2, 4, 300)
@@ -93,8 +92,7 @@ def compile_attention(case):
                 stride_lb=lse.stride(0), stride_lh=lse.stride(1), seqlen_q=300, seqlen_k=500, n_heads_q=4,
                 group_size=2, score_scale=0.1, softcap_log2=1.5, window_left=7, window_right=0)
     constexprs = dict(HAS_LEFT=left, HAS_RIGHT=right, HAS_SOFTCAP=softcap, FOLD_SCALE=True, EXP2_FMA_PARTS=parts,
-                      REVERSE_M=right, STAGES=stages, CONSUMERS=attn.CONSUMER_GROUPS, CONSUMER_REGS=worker_regs,
-                      PINGPONG=pingpong)
+                      REVERSE_M=right, STAGES=stages, CONSUMERS=attn.CONSUMER_GROUPS, CONSUMER_REGS=worker_regs)
     _check(_compile_sm90(attn.attention_fwd_ws_kernel, args, constexprs, launch_regs))
 
 

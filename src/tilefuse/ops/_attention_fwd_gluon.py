@@ -95,7 +95,7 @@ def _attend_block(acc, l_i, m_i, p, s_acc, q_tile, k_bufs, v_bufs, k_ready, v_re
                   start_n, lo_aligned, offs_m, seqlen_k, shift, score_scale, softcap_log2, window_left, window_right,
                   BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr,
                   HAS_RIGHT: gl.constexpr, HAS_SOFTCAP: gl.constexpr, FOLD_SCALE: gl.constexpr,
-                  EXP2_FMA_PARTS: gl.constexpr, STAGES: gl.constexpr, FIRST: gl.constexpr, TURN: gl.constexpr):
+                  EXP2_FMA_PARTS: gl.constexpr, STAGES: gl.constexpr, FIRST: gl.constexpr):
     """Key block j (keys start_n ..): its score GEMM, then (unless FIRST) block j - 1's P·V
     into acc, both in flight while block j's probabilities are formed; acc is rescaled once
     P·V has landed, and block j's probabilities come back as the next call's P."""
@@ -104,7 +104,6 @@ def _attend_block(acc, l_i, m_i, p, s_acc, q_tile, k_bufs, v_bufs, k_ready, v_re
     j = (start_n - lo_aligned) // BLOCK_N
     stage = j % STAGES
     mbarrier.wait(k_ready.index(stage), (j // STAGES) & 1)
-    _take_turn(kv_empty, j, STAGES, TURN)
     # the dead previous scores are the wgmma's C (use_acc=False): no register copies
     s_acc = warpgroup_mma(q_tile, _tile_2d(k_bufs.index(stage), BLOCK_N, BLOCK_D).permute((1, 0)), s_acc,
                           use_acc=False, is_async=True)
@@ -112,10 +111,8 @@ def _attend_block(acc, l_i, m_i, p, s_acc, q_tile, k_bufs, v_bufs, k_ready, v_re
         prev = (j - 1) % STAGES
         mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
         acc = warpgroup_mma(p, _tile_2d(v_bufs.index(prev), BLOCK_N, BLOCK_D), acc, is_async=True)
-        _pass_turn(kv_empty, STAGES, TURN)
         s_acc = warpgroup_mma_wait(num_outstanding=1, deps=(s_acc,))   # scores done, P·V in flight
     else:
-        _pass_turn(kv_empty, STAGES, TURN)
         s_acc = warpgroup_mma_wait(num_outstanding=0, deps=(s_acc,))
     offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     p_new, alpha, m_i = _block_probs(s_acc, m_i, offs_n, seqlen_k, offs_m, shift, score_scale, softcap_log2,
@@ -134,23 +131,6 @@ def _attend_block(acc, l_i, m_i, p, s_acc, q_tile, k_bufs, v_bufs, k_ready, v_re
 
 
 @gluon.jit
-def _take_turn(kv_empty, k, STAGES: gl.constexpr, TURN: gl.constexpr):
-    """Ping-pong (TURN = this group's index, -1: off): wait until the other group has issued
-    its k-th GEMMs (group 0's first issue does not wait: a fresh mbarrier counts as phase 1
-    complete). The turn barriers sit after the ring's: kv_empty[STAGES + group]."""
-    if TURN >= 0:
-        mbarrier.wait(kv_empty.index(STAGES + TURN), (k & 1) ^ (1 - TURN))
-
-
-@gluon.jit
-def _pass_turn(kv_empty, STAGES: gl.constexpr, TURN: gl.constexpr):
-    """Ping-pong: this group's GEMMs are issued, the other group may issue its own."""
-    if TURN >= 0:
-        gl.thread_barrier()
-        mbarrier.arrive(kv_empty.index(STAGES + 1 - TURN), count=1)
-
-
-@gluon.jit
 def _release(kv_empty, stage):
     """Hand a K/V stage back once every warp of this group is past the GEMMs that read it."""
     gl.thread_barrier()
@@ -162,13 +142,13 @@ def _attend_range(acc, l_i, m_i, p, s_acc, q_tile, k_bufs, v_bufs, k_ready, v_re
                   start, end, lo_aligned, offs_m, seqlen_k, shift, score_scale, softcap_log2, window_left, window_right,
                   BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, MASKED: gl.constexpr, HAS_LEFT: gl.constexpr,
                   HAS_RIGHT: gl.constexpr, HAS_SOFTCAP: gl.constexpr, FOLD_SCALE: gl.constexpr,
-                  EXP2_FMA_PARTS: gl.constexpr, STAGES: gl.constexpr, TURN: gl.constexpr):
+                  EXP2_FMA_PARTS: gl.constexpr, STAGES: gl.constexpr):
     """Key blocks start, start + BLOCK_N, .. < end (none when end <= start)."""
     for start_n in range(start, end, BLOCK_N):
         acc, l_i, m_i, p, s_acc = _attend_block(
             acc, l_i, m_i, p, s_acc, q_tile, k_bufs, v_bufs, k_ready, v_ready, kv_empty, start_n, lo_aligned,
             offs_m, seqlen_k, shift, score_scale, softcap_log2, window_left, window_right, BLOCK_N, BLOCK_D,
-            MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, FOLD_SCALE, EXP2_FMA_PARTS, STAGES, False, TURN)
+            MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, FOLD_SCALE, EXP2_FMA_PARTS, STAGES, False)
     return acc, l_i, m_i, p, s_acc
 
 
@@ -178,8 +158,7 @@ def attn_mma_partition(q_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_emp
                        score_scale, softcap_log2, window_left, window_right,
                        WG: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                        HAS_SOFTCAP: gl.constexpr, FOLD_SCALE: gl.constexpr, EXP2_FMA_PARTS: gl.constexpr,
-                       REVERSE_M: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
-                       PINGPONG: gl.constexpr):
+                       REVERSE_M: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
     """One consumer warp group: query rows [WG·64, WG·64 + 64) of the program's block, over the
     key blocks of the whole block (the same walk for every group, so the ring's stages are
     released in order): masked left edge, unmasked interior, masked right edge (the
@@ -190,7 +169,6 @@ def attn_mma_partition(q_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_emp
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_D, 16])
     block_m: gl.constexpr = WG_ROWS * CONSUMERS
-    TURN: gl.constexpr = WG if PINGPONG else -1
     start_m, b, h, hk = _tile_of_program(seqlen_q, n_heads_q, group_size, block_m, REVERSE_M)
     shift = seqlen_k - seqlen_q
     row0 = start_m + WG * WG_ROWS
@@ -210,28 +188,25 @@ def attn_mma_partition(q_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_emp
         acc, l_i, m_i, p, s_acc = _attend_block(
             acc, l_i, m_i, p, s_acc, q_tile, k_bufs, v_bufs, k_ready, v_ready, kv_empty, lo_aligned, lo_aligned,
             offs_m, seqlen_k, shift, score_scale, softcap_log2, window_left, window_right, BLOCK_N, BLOCK_D,
-            True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, FOLD_SCALE, 0, STAGES, True, TURN)
+            True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, FOLD_SCALE, 0, STAGES, True)
         nxt = lo_aligned + BLOCK_N
         acc, l_i, m_i, p, s_acc = _attend_range(
             acc, l_i, m_i, p, s_acc, q_tile, k_bufs, v_bufs, k_ready, v_ready, kv_empty, nxt, full_lo, lo_aligned,
             offs_m, seqlen_k, shift, score_scale, softcap_log2, window_left, window_right, BLOCK_N, BLOCK_D,
-            True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, FOLD_SCALE, 0, STAGES, TURN)
+            True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, FOLD_SCALE, 0, STAGES)
         acc, l_i, m_i, p, s_acc = _attend_range(
             acc, l_i, m_i, p, s_acc, q_tile, k_bufs, v_bufs, k_ready, v_ready, kv_empty, gl.maximum(nxt, full_lo),
             full_hi, lo_aligned, offs_m, seqlen_k, shift, score_scale, softcap_log2, window_left, window_right,
-            BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, FOLD_SCALE, EXP2_FMA_PARTS, STAGES, TURN)
+            BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, FOLD_SCALE, EXP2_FMA_PARTS, STAGES)
         acc, l_i, m_i, p, s_acc = _attend_range(
             acc, l_i, m_i, p, s_acc, q_tile, k_bufs, v_bufs, k_ready, v_ready, kv_empty,
             gl.maximum(nxt, gl.maximum(full_lo, full_hi)), hi, lo_aligned, offs_m, seqlen_k, shift, score_scale,
             softcap_log2, window_left, window_right, BLOCK_N, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-            FOLD_SCALE, 0, STAGES, TURN)
+            FOLD_SCALE, 0, STAGES)
         # the last block's P·V
         last = (hi - 1 - lo_aligned) // BLOCK_N
         mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
-        _take_turn(kv_empty, last + 1, STAGES, TURN)
-        acc = warpgroup_mma(p, _tile_2d(v_bufs.index(last % STAGES), BLOCK_N, BLOCK_D), acc, is_async=True)
-        _pass_turn(kv_empty, STAGES, TURN)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        acc = warpgroup_mma(p, _tile_2d(v_bufs.index(last % STAGES), BLOCK_N, BLOCK_D), acc)
         _release(kv_empty, last % STAGES)
 
     # deferred normalization; rows that saw no key: l = 0 -> out 0, lse = -inf (m = -inf)
@@ -275,7 +250,6 @@ def attention_fwd_ws_kernel(
     STAGES: gl.constexpr,           # K/V ring depth
     CONSUMERS: gl.constexpr,        # consumer warp groups (2): BLOCK_M = 64 · CONSUMERS
     CONSUMER_REGS: gl.constexpr,    # registers per thread of the worker consumer group
-    PINGPONG: gl.constexpr,         # the groups take turns issuing their GEMMs (FlashAttention-3)
 ):
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
     q_bufs = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
@@ -284,27 +258,24 @@ def attention_fwd_ws_kernel(
     q_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    # kv_empty[:STAGES]: the ring's releases; kv_empty[STAGES + g]: group g's turn (PINGPONG)
-    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES + CONSUMERS, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(CONSUMERS):
         mbarrier.init(q_ready.index(i), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(kv_empty.index(i), count=CONSUMERS)
-    for i in gl.static_range(CONSUMERS):
-        mbarrier.init(kv_empty.index(STAGES + i), count=1)
     # the argument lists are written out: warp_specialize takes literal tuples
     gl.static_assert(CONSUMERS == 2, "two consumer warp groups (CONSUMER_GROUPS)")
     gl.warp_specialize([
         (attn_mma_partition, (q_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_empty, o_desc, lse_ptr,
                               stride_lb, stride_lh, seqlen_q, seqlen_k, n_heads_q, group_size, score_scale,
                               softcap_log2, window_left, window_right, 0, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                              FOLD_SCALE, EXP2_FMA_PARTS, REVERSE_M, STAGES, CONSUMERS, PINGPONG)),
+                              FOLD_SCALE, EXP2_FMA_PARTS, REVERSE_M, STAGES, CONSUMERS)),
         (attn_mma_partition, (q_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_empty, o_desc, lse_ptr,
                               stride_lb, stride_lh, seqlen_q, seqlen_k, n_heads_q, group_size, score_scale,
                               softcap_log2, window_left, window_right, 1, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                              FOLD_SCALE, EXP2_FMA_PARTS, REVERSE_M, STAGES, CONSUMERS, PINGPONG)),
+                              FOLD_SCALE, EXP2_FMA_PARTS, REVERSE_M, STAGES, CONSUMERS)),
         (attn_load_partition, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_empty,
                                seqlen_q, seqlen_k, n_heads_q, group_size, window_left, window_right, BLOCK_N,
                                HAS_LEFT, HAS_RIGHT, REVERSE_M, STAGES, CONSUMERS)),
@@ -318,7 +289,7 @@ def attention_fwd_ws_kernel(
 CONSUMER_GROUPS = 2
 # 3 stages: a group holds blocks j - 1 (its P·V) and j (its scores) while the loader fills j + 1;
 # q 32 KB + 3 x (K, V) 192 KB at D = 128 fit sm_90's 227 KB
-WS_CONFIG = dict(BLOCK_N=128, STAGES=3, PINGPONG=False)
+WS_CONFIG = dict(BLOCK_N=128, STAGES=3)
 GLUON_HEAD_DIMS = (64, 128)
 
 
@@ -354,6 +325,6 @@ def launch_attention_fwd_ws(q, k, v, out, lse, *, scale_arg: float, softcap_log2
         window_left if window_left is not None else 0, window_right if window_right is not None else 0,
         HAS_LEFT=window_left is not None, HAS_RIGHT=window_right is not None, HAS_SOFTCAP=has_softcap,
         FOLD_SCALE=scale_arg > 0, EXP2_FMA_PARTS=exp2_fma_parts, REVERSE_M=window_right is not None,
-        STAGES=cfg["STAGES"], CONSUMERS=CONSUMER_GROUPS, CONSUMER_REGS=worker_regs, PINGPONG=cfg["PINGPONG"],
+        STAGES=cfg["STAGES"], CONSUMERS=CONSUMER_GROUPS, CONSUMER_REGS=worker_regs,
         num_warps=4, maxnreg=launch_regs,
     )
