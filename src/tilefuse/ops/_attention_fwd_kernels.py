@@ -426,11 +426,15 @@ def gluon_forward_default(head_dim: int, masked: bool, seqlen_k: int) -> bool:
     return seqlen_k >= (8192 if masked else 4096)
 
 
-def gluon_exp2_fma_parts(masked: bool) -> int:
-    """1/8 of the Gluon kernel's exp2s on the FMA pipe without masks, none with them (same
-    sweep: full D = 128 621 against 607 TF/s at 16k, D = 64 421-445 against 399-408; causal
-    D = 128 531 / 619 with none against 504 / 581 at 4k / 16k, D = 64 358 / 444 against 350 / 430)."""
-    return 0 if masked else 8
+def gluon_exp2_fma_parts(head_dim: int, masked: bool) -> int:
+    """1/8 of the Gluon kernel's exp2s on the FMA pipe at D = 64 without masks, none otherwise.
+    At D = 64 a key block's GEMMs take half the tensor-core time of D = 128 while its exp2s do
+    not shrink, so MUFU (16 ex2 per SM clock) limits: H200 sweeps (session 16, two runs, 3
+    rounds each) full D = 64 421-449 TF/s with 1/8 against 387-410 without; causal D = 64 350 /
+    420-430 with it against 354-358 / 435-444 at 4k / 16k (no mechanism found for the causal
+    rows); D = 128 600-621 with it against 605-628 without (full), 504-512 / 581-599 against
+    522-531 / 619-620 (causal)."""
+    return 8 if head_dim <= 64 and not masked else 0
 
 
 TL_ONLY_KEYS = ("BLOCK_M", "num_warps", "num_stages", "LOAD", "PV_LAG", "WARP_SPECIALIZE")
@@ -526,7 +530,7 @@ def attention_forward(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_
     if _use_gluon(q, varlen, load, config, masked, k.shape[1]):
         from ._attention_fwd_gluon import WS_CONFIG, launch_attention_fwd_ws   # Gluon imports on first use
         ws_cfg = dict(WS_CONFIG, **{key: config[key] for key in WS_CONFIG if config and key in config})
-        parts = (config or {}).get("EXP2_FMA_PARTS", gluon_exp2_fma_parts(masked))
+        parts = (config or {}).get("EXP2_FMA_PARTS", gluon_exp2_fma_parts(head_dim, masked))
         launch_attention_fwd_ws(q, k, v, out, lse, scale_arg=score_scale, softcap_log2=softcap * LOG2E,
                                 window_left=window_left, window_right=window_right, has_softcap=has_softcap,
                                 exp2_fma_parts=parts, config=ws_cfg)
