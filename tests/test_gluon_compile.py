@@ -6,8 +6,9 @@ the kernel fast and correct to launch: no register spills, ``setmaxnreg`` betwee
 (USETMAXREG in the SASS), shared memory within sm_90's 227 KB, and no ptxas notice that the
 wgmmas were serialized (which happens when a warp group reads an accumulator while a wgmma that
 writes registers is in flight). Their results are checked on the GPU (test_attention.py,
-test_fp8.py). Each compile runs in a child process without TRITON_INTERPRET: under the
-interpreter the kernels' @triton.jit helpers are interpreted functions, which do not compile.
+test_fp8.py). Each compile (and the import of the Gluon modules) runs in a child process without
+TRITON_INTERPRET: under the interpreter the kernels' @triton.jit helpers are interpreted
+functions, which do not compile.
 """
 
 import os
@@ -23,10 +24,6 @@ from triton.runtime.jit import mangle_type
 
 gluon_runtime = pytest.importorskip("triton.experimental.gluon._runtime")
 
-from tilefuse.ops import _attention_fwd_gluon as attn  # noqa: E402
-from tilefuse.ops import _fp8_gluon as fp8  # noqa: E402
-from tilefuse.ops._gluon_common import SMEM_BYTES, consumer_regs  # noqa: E402
-
 NVIDIA_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 
@@ -41,6 +38,7 @@ def _compile_sm90(kernel, args: dict, constexprs: dict, maxnreg: int):
 
 
 def _check(compiled):
+    from tilefuse.ops._gluon_common import SMEM_BYTES
     with tempfile.TemporaryDirectory() as tmp:
         ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
         with open(ptx, "w") as f:
@@ -82,6 +80,8 @@ def test_fp8_gemm_compiles_for_sm90(case):
 
 
 def compile_attention(case):
+    from tilefuse.ops import _attention_fwd_gluon as attn
+    from tilefuse.ops._gluon_common import consumer_regs
     d, block_n, stages, (left, right), softcap, parts = ATTN_CASES[case]
     q = torch.empty(2, 300, 4, d, dtype=torch.bfloat16)
     kv = torch.empty(2, 500, 2, d, dtype=torch.bfloat16)
@@ -97,6 +97,8 @@ def compile_attention(case):
 
 
 def compile_fp8(case):
+    from tilefuse.ops import _fp8_gluon as fp8
+    from tilefuse.ops._gluon_common import consumer_regs
     rowwise_bias_fp32 = case == "rowwise-bias-fp32"
     a = torch.empty(512, 256, dtype=torch.float8_e4m3fn)
     b = torch.empty(384, 256, dtype=torch.float8_e4m3fn)
@@ -118,3 +120,12 @@ if __name__ == "__main__":
     kind, name = sys.argv[1:]
     (compile_attention if kind == "attention" else compile_fp8)(name)
     print("OK")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="tests the no-GPU mode")
+def test_gluon_kernels_do_not_count_as_compiled_mode():
+    """The CLI's interpreter check skips Gluon kernels (never interpreted, never launched off sm_90)."""
+    import tilefuse.ops._attention_fwd_gluon  # noqa: F401
+    import tilefuse.ops._fp8_gluon  # noqa: F401
+    from tilefuse.cli import _kernels_compiled_mode
+    assert not _kernels_compiled_mode()

@@ -42,11 +42,16 @@ def _interpreting() -> bool:
 
 
 def _kernels_compiled_mode() -> bool:
-    """True when some already-imported tilefuse module holds a non-interpreted Triton kernel."""
+    """True when some already-imported tilefuse module holds a non-interpreted Triton kernel.
+    Gluon kernels do not count: Gluon has no interpreter, and they are only launched on sm_90."""
     try:
         from triton.runtime.jit import JITFunction, KernelInterface
     except ImportError:
         return False
+    try:
+        from triton.experimental.gluon._runtime import GluonJITFunction
+    except ImportError:
+        GluonJITFunction = ()
     for name, mod in list(sys.modules.items()):
         if mod is None or not (name == "tilefuse" or name.startswith("tilefuse.")):
             continue
@@ -54,7 +59,7 @@ def _kernels_compiled_mode() -> bool:
             seen = 0
             while isinstance(v, KernelInterface) and not isinstance(v, JITFunction) and hasattr(v, "fn") and seen < 8:
                 v, seen = v.fn, seen + 1          # autotune / heuristics wrappers
-            if isinstance(v, JITFunction):
+            if isinstance(v, JITFunction) and not isinstance(v, GluonJITFunction):
                 return True
     return False
 
