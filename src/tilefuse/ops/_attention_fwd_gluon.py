@@ -40,7 +40,7 @@ from .._dispatch import cdiv
 from .._launch import fast_launch
 from ._attention_common import key_range
 from ._gluon_common import LOADER_REGS_KERNEL, consumer_regs, smem_layout
-from ._attention_fwd_kernels import LN2, _block_probs, _desc_strides, _unmasked_key_blocks
+from ._attention_fwd_kernels import LN2, _block_probs, _desc_strides, _unmasked_key_blocks, program_block
 
 ROWS_PER_GROUP = 64                           # query rows per consumer warp group (wgmma's M)
 WG_ROWS = gl.constexpr(ROWS_PER_GROUP)
@@ -48,15 +48,9 @@ WG_ROWS = gl.constexpr(ROWS_PER_GROUP)
 
 @gluon.jit
 def _tile_of_program(seqlen_q, n_heads_q, group_size, BLOCK_M: gl.constexpr, REVERSE_M: gl.constexpr):
-    """(start_m, b, h, hk) of this program: the same walk as the ``tl`` kernel (heavy causal
-    query blocks first with REVERSE_M)."""
-    pid_m = gl.program_id(0)
-    if REVERSE_M:
-        pid_m = gl.num_programs(0) - 1 - pid_m
-    pid_bh = gl.program_id(1)
-    b = pid_bh // n_heads_q
-    h = pid_bh % n_heads_q
-    return pid_m * BLOCK_M, b, h, h // group_size
+    """(start_m, b, h, hk) of this program: the ``tl`` kernel's walk (:func:`program_block`)."""
+    pid_m, b, h, hk = program_block(n_heads_q, group_size, REVERSE_M)
+    return pid_m * BLOCK_M, b, h, hk
 
 
 @gluon.jit

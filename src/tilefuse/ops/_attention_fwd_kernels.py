@@ -203,6 +203,20 @@ def _attend_key_blocks(acc, l_i, m_i, q_tile, k, v, start, end, b, hk, k_base, v
 
 
 @triton.jit
+def program_block(n_heads_q, group_size, REVERSE_M: tl.constexpr):
+    """(query block index, batch, query head, key/value head) of this program: grid (query
+    blocks, B·H_q), heavy (late, causal) query blocks first with REVERSE_M. Shared with the
+    Gluon forward."""
+    pid_m = tl.program_id(0)
+    if REVERSE_M:
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    pid_bh = tl.program_id(1)
+    b = pid_bh // n_heads_q
+    h = pid_bh % n_heads_q
+    return pid_m, b, h, h // group_size
+
+
+@triton.jit
 def _unmasked_key_blocks(start_m, lo, seqlen_k, shift, window_left, window_right,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
@@ -265,13 +279,7 @@ def attention_fwd_kernel(
     EXP2_FMA_PARTS: tl.constexpr,  # unmasked blocks: 1/this of the exp2s by polynomial on the FMA pipe (0: none)
     PV_LAG: tl.constexpr,          # unmasked blocks: P·V one block late (_attend_interior_lagged)
 ):
-    pid_m = tl.program_id(0)
-    if REVERSE_M:
-        pid_m = tl.num_programs(0) - 1 - pid_m
-    pid_bh = tl.program_id(1)
-    b = pid_bh // n_heads_q
-    h = pid_bh % n_heads_q
-    hk = h // group_size
+    pid_m, b, h, hk = program_block(n_heads_q, group_size, REVERSE_M)
     if IS_VARLEN:
         row0_q = tl.load(cu_seqlens_q_ptr + b)
         seqlen_q = tl.load(cu_seqlens_q_ptr + b + 1) - row0_q
