@@ -99,8 +99,8 @@ def _load_rows(src, b, h, start, base, row_stride, n_rows,
 def _block_probs(qk, m_i, offs_n, seqlen_k, offs_m, shift, score_scale, softcap_log2, window_left, window_right,
                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                  HAS_SOFTCAP: tl.constexpr, FOLD_SCALE: tl.constexpr, EXP2_FMA_PARTS: tl.constexpr):
-    """(p, alpha, m_new) of one key block (keys ``offs_n``) from its raw scores qk = q·kᵀ: the probabilities
-    exp2(s2 - m_new) (module docstring), the factor exp2(m_i - m_new) that rescales what was
+    """(p, alpha, m_new) of one key block (keys ``offs_n``) from its raw scores qk = q·kᵀ: the
+    probabilities exp2(s2 - m_new) (module docstring), the factor exp2(m_i - m_new) that rescales what was
     accumulated at the old max, and the new running max.
     MASKED=False: the caller guarantees every key of the block is visible to every query; there
     1/EXP2_FMA_PARTS of the exp2s (0: none) run on the FMA pipe (``exp2_mixed``: every argument is
@@ -139,8 +139,8 @@ def _online_softmax_step(acc, l_i, m_i, qk, v, b, hk, start_n, v_base, stride_vs
                          HAS_SOFTCAP: tl.constexpr, FOLD_SCALE: tl.constexpr, LOAD: tl.constexpr,
                          DOT_PRECISION: tl.constexpr, EXP2_FMA_PARTS: tl.constexpr):
     """One key block's update of (acc, l, m) from its raw scores qk (:func:`_block_probs`)."""
-    p, alpha, m_new = _block_probs(qk, m_i, start_n + tl.arange(0, BLOCK_N), seqlen_k, offs_m, shift, score_scale, softcap_log2,
-                                   window_left, window_right, BLOCK_N, MASKED, HAS_LEFT, HAS_RIGHT,
+    p, alpha, m_new = _block_probs(qk, m_i, start_n + tl.arange(0, BLOCK_N), seqlen_k, offs_m, shift, score_scale,
+                                   softcap_log2, window_left, window_right, BLOCK_N, MASKED, HAS_LEFT, HAS_RIGHT,
                                    HAS_SOFTCAP, FOLD_SCALE, EXP2_FMA_PARTS)
     l_i = l_i * alpha + tl.sum(p, 1)
     v_tile = _load_rows(v, b, hk, start_n, v_base, stride_vs, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D, LOAD)
@@ -172,8 +172,9 @@ def _attend_interior_lagged(acc, l_i, m_i, q_tile, k, v, start, end, b, hk, k_ba
             v_tile = _load_rows(v, b, hk, tl.maximum(start_n - BLOCK_N, start), v_base, stride_vs, seqlen_k,
                                 HEAD_DIM, BLOCK_N, BLOCK_D, LOAD)
             acc = tl.dot(p_prev.to(v_tile.dtype), v_tile, acc * alpha_prev[:, None], input_precision=DOT_PRECISION)
-            p, alpha, m_i = _block_probs(qk, m_i, start_n + tl.arange(0, BLOCK_N), seqlen_k, offs_m, shift, score_scale, softcap_log2, 0, 0,
-                                         BLOCK_N, False, False, False, HAS_SOFTCAP, FOLD_SCALE, EXP2_FMA_PARTS)
+            p, alpha, m_i = _block_probs(qk, m_i, start_n + tl.arange(0, BLOCK_N), seqlen_k, offs_m, shift,
+                                         score_scale, softcap_log2, 0, 0, BLOCK_N, False, False, False, HAS_SOFTCAP,
+                                         FOLD_SCALE, EXP2_FMA_PARTS)
             l_i = l_i * alpha + tl.sum(p, 1)
             p_prev = p
             alpha_prev = alpha
@@ -487,7 +488,8 @@ def attention_forward(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_
     (cu_seqlens given): packed [total, H, D], lse [H_q, total_q]. Window bounds: None for
     unbounded, any int otherwise (a negative right bound is allowed: the SDPA wrapper's top-left
     causal). On sm_90, dense 16-bit inputs with D = 64 / 128 take the warp-specialized Gluon
-    kernel (:func:`_use_gluon`; its keys BLOCK_N, STAGES, EXP2_FMA_PARTS). Otherwise
+    kernel where it measured faster (:func:`_use_gluon`; its config keys: GLUON, BLOCK_N, STAGES,
+    EXP2_FMA_PARTS). Otherwise
     ``config`` overrides fwd_tile_config's keys and may set LOAD, WARP_SPECIALIZE,
     EXP2_FMA_PARTS (default: :func:`exp2_fma_parts` of the BLOCK_N in use; fp32 inputs always
     take exact exp2s, as their tolerance is 1e-5) and PV_LAG (default: :func:`pv_lag_default`)."""
