@@ -108,6 +108,12 @@ CONFIGS = {
         "A-dvlate-nosplit": dict(dv_late=True, split_loops_dkdv=False),
     },
 }
+# the warp-specialized Gluon dk/dv kernel (sm_90; the default where it serves) against the tl one
+WS_CONFIGS = {"tl": {"GLUON": False}, "ws": {"GLUON": True}, "ws-s2": {"GLUON": True, "GLUON_STAGES": 2},
+              "ws-s4": {"GLUON": True, "GLUON_STAGES": 4}}
+CONFIGS[64].update(WS_CONFIGS, **{"ws-m128": {"GLUON": True, "GLUON_BLOCK_M": 128},
+                                  "ws-m128-s2": {"GLUON": True, "GLUON_BLOCK_M": 128, "GLUON_STAGES": 2}})
+CONFIGS[128].update(WS_CONFIGS)
 BUDGET_S = 160.0   # --budget
 PROFILE = False    # --profile
 

@@ -272,3 +272,55 @@ def test_gpu_split_loops_windows(d, window):
 @pytest.mark.gpu
 def test_gpu_softcap_strided_bf16():
     _check(2, 512, 512, 8, 8, 128, torch.bfloat16, window=(-1, 0), softcap=30.0, layout="bhsd")
+
+
+# (B, S_q, S_k, H_q, H_kv): S_q = 1, lengths off the 64-row tiles with GQA, S_q > S_k (causal
+# rows that see nothing), a 2k square with many query blocks per program
+WS_SHAPES = [(1, 1, 21, 2, 2), (2, 65, 129, 4, 2), (1, 1000, 1531, 8, 2), (1, 300, 200, 2, 1), (2, 2048, 2048, 4, 4)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("cfg", [{}, {"GLUON_STAGES": 2}, {"GLUON_BLOCK_M": 128}], ids=["default", "stages2", "m128"])
+def test_gpu_warp_specialized_dkdv(d, dtype, cfg):
+    """The Gluon dk/dv kernel (sm_90) by the flash-attn rule at every masking mode (full, causal,
+    window + softcap, top-left causal = negative windows), a negative scale and GQA; its dk / dv
+    also within bf16 rounding of the tl kernel's."""
+    from tilefuse.ops._dispatch import is_hopper
+    if not is_hopper(torch.empty(0, device=DEVICE)):
+        pytest.skip("the warp-specialized dk/dv kernel is sm_90 only")
+    if cfg.get("GLUON_BLOCK_M") == 128 and d == 128:
+        pytest.skip("128-query steps are a D = 64 tile (registers)")
+    config = dict(cfg, GLUON=True)
+    for b, sq, sk, hq, hkv in WS_SHAPES:
+        _check(b, sq, sk, hq, hkv, d, dtype, config=config)
+        _check(b, sq, sk, hq, hkv, d, dtype, window=(-1, 0), config=config)
+        _check(b, sq, sk, hq, hkv, d, dtype, window=(100, 7), softcap=20.0, config=config)
+        _check(b, sq, sk, hq, hkv, d, dtype, window=(-1, 0), s0=0, scale=-0.3, config=config)
+    # the same inputs through both dk/dv kernels (the dq kernel is shared)
+    q = torch.randn(2, 1000, 8, d, device=DEVICE, dtype=dtype)
+    k, v = (torch.randn(2, 1000, 2, d, device=DEVICE, dtype=dtype) for _ in range(2))
+    out, lse = attention_reference(q, k, v, True, (-1, -1), 0.0, d ** -0.5, return_lse=True)
+    do = torch.randn_like(out)
+    grads = {g: launch_attention_backward(do, q, k, v, out, lse.float(), scale=d ** -0.5, window_right=0,
+                                          config=dict(cfg, GLUON=g)) for g in (True, False)}
+    for name, a, r in zip(("dq", "dk", "dv"), grads[True], grads[False]):
+        assert rel_err(a, r) <= 1e-2, (name, rel_err(a, r))
+
+
+@pytest.mark.gpu
+def test_gpu_default_dkdv_is_warp_specialized():
+    """On sm_90 the backward reaches the Gluon dk/dv kernel for dense 16-bit D = 64 / 128 that TMA
+    can read, and the tl kernel otherwise."""
+    from tilefuse.ops._attention_bwd import _use_gluon
+    from tilefuse.ops._dispatch import is_hopper
+    x = torch.randn(1, 64, 2, 128, device=DEVICE, dtype=torch.bfloat16)
+    hopper = is_hopper(x)
+    assert _use_gluon(x, False, True, None) == hopper
+    assert not _use_gluon(x, True, True, None)                              # varlen
+    assert not _use_gluon(x, False, False, None)                            # pointer loads
+    assert not _use_gluon(x.float(), False, True, None)                     # fp32
+    assert not _use_gluon(x[..., :96].contiguous(), False, True, None)      # D = 96
+    assert not _use_gluon(x, False, True, {"BLOCK_M1": 32})                 # a tl tile config
+    assert _use_gluon(x, False, True, {"BLOCK_M1": 32, "GLUON": True}) == hopper

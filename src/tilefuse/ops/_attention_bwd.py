@@ -111,6 +111,25 @@ def dq_config(d_pad: int, dtype: torch.dtype, use_tma: bool) -> dict:
     return dict(BLOCK_M2=128, BLOCK_N2=64, num_warps_dq=8, num_stages_dq=3)
 
 
+# dk/dv-kernel config keys only the tl kernel has: a config with any of them (and no "GLUON") keeps it
+TL_ONLY_KEYS = ("BLOCK_M1", "BLOCK_N1", "num_warps", "num_stages", "split_loops", "split_loops_dkdv", "dv_late")
+
+
+def _use_gluon(q: torch.Tensor, varlen: bool, use_tma: bool, config: dict | None) -> bool:
+    """The warp-specialized Gluon dk/dv kernel (``_attention_bwd_gluon``) on sm_90 for the inputs
+    it serves; ``config={"GLUON": True / False}`` forces the choice, tl-only tile keys
+    (:data:`TL_ONLY_KEYS`) without "GLUON" keep the ``tl`` kernel."""
+    if q.device.type != "cuda" or not use_tma:
+        return False
+    from ._attention_bwd_gluon import use_gluon_backward
+    if not use_gluon_backward(q, varlen, use_tma):
+        return False
+    config = config or {}
+    if "GLUON" in config:
+        return bool(config["GLUON"])
+    return not any(key in config for key in TL_ONLY_KEYS)
+
+
 def tma_eligible(*tensors: torch.Tensor) -> bool:
     """The default load path: TMA descriptors where they work (sm_90+, 16-byte aligned bases and
     row strides, which D a multiple of 8 in 16-bit types gives for the usual layouts; checked,
@@ -174,7 +193,8 @@ def launch_attention_backward(
     :func:`dkdv_config` / :func:`dq_config` (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps,
     num_stages for the dk/dv kernel, num_warps_dq, num_stages_dq; use_tma; split_loops: the
     SPLIT_LOOPS variant of both kernels, split_loops_dkdv / split_loops_dq of one; dv_late: the
-    dk/dv kernel's DV_LATE) -- tests and the sweep."""
+    dk/dv kernel's DV_LATE; GLUON: the warp-specialized dk/dv kernel on or off, GLUON_BLOCK_M /
+    GLUON_STAGES its tiles) -- tests and the sweep."""
     varlen = cu_seqlens_q is not None
     q, k, v, do, out = (_unit_last_dim(t) for t in (q, k, v, do, out))
     head_dim = q.shape[-1]
@@ -219,14 +239,16 @@ def launch_attention_backward(
                  HAS_SOFTCAP=softcap > 0, IS_VARLEN=varlen, HEAD_DIM=head_dim, D_PAD=d_pad,
                  DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
 
-    delta = empty((h_q, n_stat_rows), torch.float32, q.device)
-    lse2 = empty((h_q, n_stat_rows), torch.float32, q.device)
+    # head stride a multiple of 4 elements: 16-byte rows, so the Gluon kernel's TMA can read them
+    stat_stride = cdiv(n_stat_rows, 4) * 4
+    delta = empty((h_q, stat_stride), torch.float32, q.device)
+    lse2 = empty((h_q, stat_stride), torch.float32, q.device)
     lse_strides = (0, lse.stride(0), lse.stride(1)) if varlen else lse.stride()
     block_pre = preprocess_block(d_pad)
     attention_bwd_preprocess_kernel[(cdiv(max_seqlen_q, block_pre), h_q, batch)](
         out, do, lse, delta, lse2, cu_q,
         *_bsh_strides(out, varlen), *_bsh_strides(do, varlen), *lse_strides,
-        seqlen_q, n_stat_rows,
+        seqlen_q, stat_stride,
         HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_M=block_pre, IS_VARLEN=varlen, num_warps=4,
     )
 
@@ -236,19 +258,26 @@ def launch_attention_backward(
     common = (scale, softcap, wl, wr)
     strides = (*_bsh_strides(q, varlen), *_bsh_strides(k, varlen), *_bsh_strides(v, varlen),
                *_bsh_strides(do, varlen))
-    attention_bwd_dkdv_kernel[(cdiv(max_seqlen_k, cfg["BLOCK_N1"]), h_kv, batch)](
-        q, k, v, do, dk, dv, lse2, delta, cu_q, cu_k,
-        *strides, *_bsh_strides(dk, varlen), *_bsh_strides(dv, varlen),
-        seqlen_q, seqlen_k, n_stat_rows, h_q // h_kv, *common,
-        BLOCK_M=cfg["BLOCK_M1"], BLOCK_N=cfg["BLOCK_N1"], SPLIT_LOOPS=split_dkdv,
-        DV_LATE=bool(cfg.get("dv_late", False)), **flags,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
+    if _use_gluon(q, varlen, use_tma, config):
+        from ._attention_bwd_gluon import launch_attention_bwd_dkdv_ws   # Gluon imports on first use
+        launch_attention_bwd_dkdv_ws(
+            q, k, v, do, dk, dv, lse2, delta, n_stat_rows, scale=scale, softcap=softcap,
+            window_left=None if window_left is None else wl, window_right=None if window_right is None else wr,
+            config={key: cfg["GLUON_" + key] for key in ("BLOCK_M", "STAGES") if "GLUON_" + key in cfg})
+    else:
+        attention_bwd_dkdv_kernel[(cdiv(max_seqlen_k, cfg["BLOCK_N1"]), h_kv, batch)](
+            q, k, v, do, dk, dv, lse2, delta, cu_q, cu_k,
+            *strides, *_bsh_strides(dk, varlen), *_bsh_strides(dv, varlen),
+            seqlen_q, seqlen_k, stat_stride, h_q // h_kv, *common,
+            BLOCK_M=cfg["BLOCK_M1"], BLOCK_N=cfg["BLOCK_N1"], SPLIT_LOOPS=split_dkdv,
+            DV_LATE=bool(cfg.get("dv_late", False)), **flags,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
     n_q_blocks = cdiv(max_seqlen_q, cfg["BLOCK_M2"])
     attention_bwd_dq_kernel[(n_q_blocks, h_q, batch)](
         q, k, v, do, dq, lse2, delta, cu_q, cu_k,
         *strides, *_bsh_strides(dq, varlen),
-        seqlen_q, seqlen_k, n_stat_rows, n_q_blocks, h_q // h_kv, *common,
+        seqlen_q, seqlen_k, stat_stride, n_q_blocks, h_q // h_kv, *common,
         BLOCK_M=cfg["BLOCK_M2"], BLOCK_N=cfg["BLOCK_N2"], SPLIT_LOOPS=split_dq, **flags,
         num_warps=cfg["num_warps_dq"], num_stages=cfg["num_stages_dq"],
     )

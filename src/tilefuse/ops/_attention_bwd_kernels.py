@@ -94,6 +94,23 @@ def _blocks_below(x, BLOCK: tl.constexpr):
     return tl.cdiv(tl.maximum(x, 0), BLOCK)
 
 
+@triton.jit
+def free_query_blocks(start_n, lo, n_blocks, shift, window_left, window_right, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """[first_free, end_free) of the query blocks lo + i·BLOCK_M, i < n_blocks, that every key
+    start_n .. start_n + BLOCK_N - 1 may see (no mask needed): m0 >= start_n + BLOCK_N - 1 -
+    shift - right (every key within right) and m0 + BLOCK_M - 1 <= start_n - shift + left (every
+    key within left). Shared by the tl and Gluon dk/dv kernels."""
+    first_free = 0
+    end_free = n_blocks
+    if HAS_RIGHT:
+        first_free = tl.minimum(_blocks_below(start_n + BLOCK_N - 1 - shift - window_right - lo, BLOCK_M), n_blocks)
+    if HAS_LEFT:
+        end_free = _blocks_below(start_n - shift + window_left - BLOCK_M + 2 - lo, BLOCK_M)
+        end_free = tl.maximum(tl.minimum(end_free, n_blocks), first_free)
+    return first_free, end_free
+
+
 # ----------------------------------------------------------------------------------------------
 # kernels
 # ----------------------------------------------------------------------------------------------
@@ -112,7 +129,7 @@ def attention_bwd_preprocess_kernel(
     stride_dob, stride_dos, stride_doh,    # do strides
     stride_lb, stride_lh, stride_ls,       # lse strides (batch 0 when varlen)
     seqlen_q,           # S_q (dense)
-    n_stat_rows,        # columns of delta / lse2: B·S_q or total_q
+    stat_stride,        # head stride of delta / lse2 (>= B·S_q or total_q columns)
     HEAD_DIM: tl.constexpr,   # D
     D_PAD: tl.constexpr,      # D rounded up to a power of two (>= 16)
     BLOCK_M: tl.constexpr,    # query rows per program
@@ -137,7 +154,7 @@ def attention_bwd_preprocess_kernel(
     lse = tl.load(lse_ptr + b.to(tl.int64) * stride_lb + h * stride_lh + (row + offs) * stride_ls,
                   mask=in_seq, other=0.0)
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
-    stat = h * n_stat_rows + stat_row0 + start_m + offs
+    stat = h * stat_stride + stat_row0 + start_m + offs
     tl.store(delta_ptr + stat, delta, mask=in_seq)
     tl.store(lse2_ptr + stat, lse2, mask=in_seq)
 
@@ -229,7 +246,7 @@ def attention_bwd_dkdv_kernel(
     stride_dkb, stride_dks, stride_dkh,      # dk strides
     stride_dvb, stride_dvs, stride_dvh,      # dv strides
     seqlen_q, seqlen_k,                      # S_q, S_k (dense)
-    n_stat_rows,                             # columns of lse2 / delta
+    stat_stride,                             # head stride of lse2 / delta
     group,                                   # H_q // H_kv: query heads per kv head
     scale,                                   # softmax scale
     softcap,                                 # logit cap (HAS_SOFTCAP)
@@ -264,22 +281,15 @@ def attention_bwd_dkdv_kernel(
     shift = seqlen_k - seqlen_q
     lo, hi = query_range(start_n, BLOCK_N, seqlen_q, shift, window_left, window_right, HAS_LEFT, HAS_RIGHT)
     n_blocks = tl.cdiv(hi - lo, BLOCK_M)
-    # mask-free query blocks: m0 >= start_n + BLOCK_N - 1 - shift - right (every key within
-    # right) and m0 + BLOCK_M - 1 <= start_n - shift + left (every key within left)
-    first_free = 0
-    end_free = n_blocks
-    if HAS_RIGHT:
-        first_free = tl.minimum(_blocks_below(start_n + BLOCK_N - 1 - shift - window_right - lo, BLOCK_M), n_blocks)
-    if HAS_LEFT:
-        end_free = _blocks_below(start_n - shift + window_left - BLOCK_M + 2 - lo, BLOCK_M)
-        end_free = tl.maximum(tl.minimum(end_free, n_blocks), first_free)
+    first_free, end_free = free_query_blocks(start_n, lo, n_blocks, shift, window_left, window_right,
+                                             BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     for g in range(group):
         h = (h_kv * group + g).to(tl.int64)
         q_src = _row_source(q_ptr + b64 * stride_qb + h * stride_qh + q_row0.to(tl.int64) * stride_qs,
                             seqlen_q, stride_qs, BLOCK_M, HEAD_DIM, D_PAD, USE_TMA)
         do_src = _row_source(do_ptr + b64 * stride_dob + h * stride_doh + q_row0.to(tl.int64) * stride_dos,
                              seqlen_q, stride_dos, BLOCK_M, HEAD_DIM, D_PAD, USE_TMA)
-        stat_base = h * n_stat_rows + stat_row0
+        stat_base = h * stat_stride + stat_row0
         dk, dv = _dkdv_loop(dk, dv, k, v, q_src, do_src, stat_base, stride_qs, stride_dos, lo, n_blocks,
                             first_free, end_free, start_n, seqlen_q, shift, window_left, window_right,
                             scale, softcap, lse2_ptr, delta_ptr, HAS_LEFT or HAS_RIGHT, SPLIT_LOOPS,
@@ -357,7 +367,7 @@ def attention_bwd_dq_kernel(
     stride_dob, stride_dos, stride_doh,      # do strides
     stride_dqb, stride_dqs, stride_dqh,      # dq strides
     seqlen_q, seqlen_k,                      # S_q, S_k (dense)
-    n_stat_rows,                             # columns of lse2 / delta
+    stat_stride,                             # head stride of lse2 / delta
     n_q_blocks,                              # cdiv(max S_q, BLOCK_M): grid axis 0
     group,                                   # H_q // H_kv
     scale, softcap, window_left, window_right,
@@ -390,7 +400,7 @@ def attention_bwd_dq_kernel(
                     n_rows, stride_dos, BLOCK_M, HEAD_DIM, D_PAD)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     in_seq = offs_m < seqlen_q
-    stat = h64 * n_stat_rows + stat_row0 + offs_m
+    stat = h64 * stat_stride + stat_row0 + offs_m
     lse2 = tl.load(lse2_ptr + stat, mask=in_seq, other=float("inf"))
     delta = tl.load(delta_ptr + stat, mask=in_seq, other=0.0)
     k_src = _row_source(k_ptr + b64 * stride_kb + h_kv * stride_kh + k_row0.to(tl.int64) * stride_ks,
