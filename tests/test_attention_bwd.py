@@ -287,7 +287,7 @@ def test_gpu_warp_specialized_dkdv(d, dtype, cfg):
     """The Gluon dk/dv kernel (sm_90) by the flash-attn rule at every masking mode (full, causal,
     window + softcap, top-left causal = negative windows), a negative scale and GQA; its dk / dv
     also within bf16 rounding of the tl kernel's."""
-    from tilefuse.ops._dispatch import is_hopper
+    from tilefuse._dispatch import is_hopper
     if not is_hopper(torch.empty(0, device=DEVICE)):
         pytest.skip("the warp-specialized dk/dv kernel is sm_90 only")
     if cfg.get("GLUON_BLOCK_M") == 128 and d == 128:
@@ -314,7 +314,7 @@ def test_gpu_default_dkdv_is_warp_specialized():
     """On sm_90 the backward reaches the Gluon dk/dv kernel for dense 16-bit D = 64 / 128 that TMA
     can read, and the tl kernel otherwise."""
     from tilefuse.ops._attention_bwd import _use_gluon
-    from tilefuse.ops._dispatch import is_hopper
+    from tilefuse._dispatch import is_hopper
     x = torch.randn(1, 64, 2, 128, device=DEVICE, dtype=torch.bfloat16)
     hopper = is_hopper(x)
     assert _use_gluon(x, False, True, None) == hopper

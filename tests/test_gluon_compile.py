@@ -74,6 +74,19 @@ def test_attention_forward_compiles_for_sm90(case):
     _in_child("attention", case)
 
 
+BWD_CASES = {   # name: (D, BLOCK_M, STAGES, masks, softcap)
+    "d128-full": (128, 64, 3, (False, False), False),
+    "d128-causal": (128, 64, 3, (False, True), False),
+    "d64-window-softcap": (64, 64, 3, (True, True), True),
+    "d64-m128-stages2": (64, 128, 2, (False, True), False),
+}
+
+
+@pytest.mark.parametrize("case", list(BWD_CASES))
+def test_attention_backward_compiles_for_sm90(case):
+    _in_child("attention-bwd", case)
+
+
 @pytest.mark.parametrize("case", ["bf16", "rowwise-bias-fp32"])
 def test_fp8_gemm_compiles_for_sm90(case):
     _in_child("fp8", case)
@@ -94,6 +107,26 @@ def compile_attention(case):
     constexprs = dict(HAS_LEFT=left, HAS_RIGHT=right, HAS_SOFTCAP=softcap, FOLD_SCALE=True, EXP2_FMA_PARTS=parts,
                       REVERSE_M=right, STAGES=stages, CONSUMERS=attn.CONSUMER_GROUPS, CONSUMER_REGS=worker_regs)
     _check(_compile_sm90(attn.attention_fwd_ws_kernel, args, constexprs, launch_regs))
+
+
+def compile_attention_bwd(case):
+    from tilefuse.ops import _attention_bwd_gluon as bwd
+    from tilefuse.ops._attention_fwd_gluon import _descriptor
+    from tilefuse.ops._gluon_common import consumer_regs
+    d, block_m, stages, (left, right), softcap = BWD_CASES[case]
+    q = torch.empty(2, 300, 4, d, dtype=torch.bfloat16)
+    kv = torch.empty(2, 500, 2, d, dtype=torch.bfloat16)
+    stat = torch.empty(4, 600)
+    launch_regs, worker_regs = consumer_regs(bwd.CONSUMER_GROUPS, bwd.LOADER_REGS, cap=240)
+    rows = bwd.KEYS_PER_GROUP
+    args = dict(q_desc=_descriptor(q, block_m), do_desc=_descriptor(q, block_m), k_desc=_descriptor(kv, rows),
+                v_desc=_descriptor(kv, rows), dk_desc=_descriptor(kv, rows), dv_desc=_descriptor(kv, rows),
+                lse_desc=bwd._stat_descriptor(stat, 600, block_m), delta_desc=bwd._stat_descriptor(stat, 600, block_m),
+                seqlen_q=300, seqlen_k=500, stat_seq=300, n_heads_kv=2, group_size=2, scale=0.1, score_scale=0.14, softcap=30.0,
+                window_left=7, window_right=0)
+    constexprs = dict(HAS_LEFT=left, HAS_RIGHT=right, HAS_SOFTCAP=softcap, STAGES=stages,
+                      CONSUMERS=bwd.CONSUMER_GROUPS, CONSUMER_REGS=worker_regs)
+    _check(_compile_sm90(bwd.attention_bwd_dkdv_ws_kernel, args, constexprs, launch_regs))
 
 
 def compile_fp8(case):
@@ -118,13 +151,14 @@ def compile_fp8(case):
 
 if __name__ == "__main__":
     kind, name = sys.argv[1:]
-    (compile_attention if kind == "attention" else compile_fp8)(name)
+    {"attention": compile_attention, "attention-bwd": compile_attention_bwd, "fp8": compile_fp8}[kind](name)
     print("OK")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="tests the no-GPU mode")
 def test_gluon_kernels_do_not_count_as_compiled_mode():
     """The CLI's interpreter check skips Gluon kernels (never interpreted, never launched off sm_90)."""
+    import tilefuse.ops._attention_bwd_gluon  # noqa: F401
     import tilefuse.ops._attention_fwd_gluon  # noqa: F401
     import tilefuse.ops._fp8_gluon  # noqa: F401
     from tilefuse.cli import _kernels_compiled_mode

@@ -239,7 +239,11 @@ def launch_attention_backward(
                  HAS_SOFTCAP=softcap > 0, IS_VARLEN=varlen, HEAD_DIM=head_dim, D_PAD=d_pad,
                  DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
 
-    # head stride a multiple of 4 elements: 16-byte rows, so the Gluon kernel's TMA can read them
+    # [H_q, B, stat_seq] (dense) or [H_q, total_q] (varlen); columns of a sequence and of a head
+    # start on 16 bytes, so the Gluon kernel's TMA can read them from any 4-aligned query row
+    stat_seq = cdiv(seqlen_q, 4) * 4
+    if not varlen:
+        n_stat_rows = batch * stat_seq
     stat_stride = cdiv(n_stat_rows, 4) * 4
     delta = empty((h_q, stat_stride), torch.float32, q.device)
     lse2 = empty((h_q, stat_stride), torch.float32, q.device)
@@ -248,7 +252,7 @@ def launch_attention_backward(
     attention_bwd_preprocess_kernel[(cdiv(max_seqlen_q, block_pre), h_q, batch)](
         out, do, lse, delta, lse2, cu_q,
         *_bsh_strides(out, varlen), *_bsh_strides(do, varlen), *lse_strides,
-        seqlen_q, stat_stride,
+        seqlen_q, stat_stride, stat_seq,
         HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_M=block_pre, IS_VARLEN=varlen, num_warps=4,
     )
 
@@ -261,14 +265,14 @@ def launch_attention_backward(
     if _use_gluon(q, varlen, use_tma, config):
         from ._attention_bwd_gluon import launch_attention_bwd_dkdv_ws   # Gluon imports on first use
         launch_attention_bwd_dkdv_ws(
-            q, k, v, do, dk, dv, lse2, delta, n_stat_rows, scale=scale, softcap=softcap,
+            q, k, v, do, dk, dv, lse2, delta, stat_seq, scale=scale, softcap=softcap,
             window_left=None if window_left is None else wl, window_right=None if window_right is None else wr,
             config={key: cfg["GLUON_" + key] for key in ("BLOCK_M", "STAGES") if "GLUON_" + key in cfg})
     else:
         attention_bwd_dkdv_kernel[(cdiv(max_seqlen_k, cfg["BLOCK_N1"]), h_kv, batch)](
             q, k, v, do, dk, dv, lse2, delta, cu_q, cu_k,
             *strides, *_bsh_strides(dk, varlen), *_bsh_strides(dv, varlen),
-            seqlen_q, seqlen_k, stat_stride, h_q // h_kv, *common,
+            seqlen_q, seqlen_k, stat_stride, stat_seq, h_q // h_kv, *common,
             BLOCK_M=cfg["BLOCK_M1"], BLOCK_N=cfg["BLOCK_N1"], SPLIT_LOOPS=split_dkdv,
             DV_LATE=bool(cfg.get("dv_late", False)), **flags,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
@@ -277,7 +281,7 @@ def launch_attention_backward(
     attention_bwd_dq_kernel[(n_q_blocks, h_q, batch)](
         q, k, v, do, dq, lse2, delta, cu_q, cu_k,
         *strides, *_bsh_strides(dq, varlen),
-        seqlen_q, seqlen_k, stat_stride, n_q_blocks, h_q // h_kv, *common,
+        seqlen_q, seqlen_k, stat_stride, stat_seq, n_q_blocks, h_q // h_kv, *common,
         BLOCK_M=cfg["BLOCK_M2"], BLOCK_N=cfg["BLOCK_N2"], SPLIT_LOOPS=split_dq, **flags,
         num_warps=cfg["num_warps_dq"], num_stages=cfg["num_stages_dq"],
     )

@@ -49,10 +49,14 @@ from .._launch import fast_launch
 from ._attention_bwd_kernels import LOG2E, free_query_blocks
 from ._attention_common import apply_softcap, query_range, visible
 from ._attention_fwd_gluon import _descriptor
-from ._gluon_common import LOADER_REGS_KERNEL, consumer_regs
+from ._gluon_common import consumer_regs
 
 KEYS_PER_GROUP = 64                          # keys per consumer warp group (the wgmma's M)
 WG_KEYS = gl.constexpr(KEYS_PER_GROUP)
+# the producer warp's registers: 24 (setmaxnreg's minimum) leaves the consumer groups 240 each, which
+# the dk, dv accumulators (128 at D = 128), sᵀ, dPᵀ (64) and the bf16 operands need
+LOADER_REGS = 24
+LOADER_REGS_KERNEL = gl.constexpr(LOADER_REGS)
 
 
 @gluon.jit
@@ -67,10 +71,13 @@ def _key_block_of_program(n_heads_kv, BLOCK_N: gl.constexpr):
 def _query_walk(start_n, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M: gl.constexpr,
                 BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
     """(lo, n_blocks, first_free, end_free): the query blocks lo + i·BLOCK_M the program walks
-    per query head, and the mask-free run among them; blocks that run past S_q are masked (their
-    statistics rows belong to the next sequence or lie past the buffer)."""
+    per query head, and the mask-free run among them. lo is query_range's start rounded down to 4
+    rows: TMA faults on a statistics row that does not start on 16 bytes (H200, session 17: an
+    illegal instruction at S_q = 777, B = 2). Blocks that run past S_q are masked (their statistics
+    columns hold the padding, the next sequence's rows or zeros past the buffer)."""
     shift = seqlen_k - seqlen_q
     lo, hi = query_range(start_n, BLOCK_N, seqlen_q, shift, window_left, window_right, HAS_LEFT, HAS_RIGHT)
+    lo = lo // 4 * 4
     n_blocks = gl.cdiv(hi - lo, BLOCK_M)
     first_free, end_free = free_query_blocks(start_n, lo, n_blocks, shift, window_left, window_right,
                                              BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
@@ -82,7 +89,7 @@ def _query_walk(start_n, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M:
 def dkdv_load_partition(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,
                         q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs,
                         kv_ready, q_ready, do_ready, qdo_empty,
-                        seqlen_q, seqlen_k, n_heads_kv, group_size, window_left, window_right,
+                        seqlen_q, seqlen_k, stat_seq, n_heads_kv, group_size, window_left, window_right,
                         HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, STAGES: gl.constexpr,
                         CONSUMERS: gl.constexpr):
     """The producer warp: each group's K and V rows, then per (query head, query block) of the
@@ -96,7 +103,7 @@ def dkdv_load_partition(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,
         tma.async_copy_global_to_shared(v_desc, [b, hk, start_n + w * WG_KEYS, 0], kv_ready.index(w), v_bufs.index(w))
     lo, n_blocks, first_free, end_free = _query_walk(start_n, seqlen_q, seqlen_k, window_left, window_right,
                                                      BLOCK_M, WG_KEYS * CONSUMERS, HAS_LEFT, HAS_RIGHT)
-    stat_col = b * seqlen_q + lo
+    stat_col = b * stat_seq + lo
     for g in range(group_size):
         h = hk * group_size + g
         for i in range(n_blocks):
@@ -154,6 +161,10 @@ def _dkdv_step(dk, dv, k_tile, v_tile, q_bufs, do_bufs, lse_bufs, delta_bufs, q_
                        p_t, 0.0)
     dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(dp_t,))
     delta = _stat_row(delta_bufs, stage, BLOCK_M, gl.SliceLayout(0, s_layout))
+    if mask_block:
+        # padding columns are never written: not even a NaN there may reach dsᵀ = 0 · (dPᵀ - delta)
+        offs_m = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+        delta = gl.where(offs_m < seqlen_q, delta, 0.0)
     ds_t = p_t * (dp_t - delta[None, :])
     if HAS_SOFTCAP:
         ds_t = ds_t * dcap
@@ -224,10 +235,11 @@ def attention_bwd_dkdv_ws_kernel(
     v_desc,             # of v, as k
     dk_desc,            # of dk, as k
     dv_desc,            # of dv, as k
-    lse_desc,           # of lse2 [H_q, B·S_q] fp32 (lse·log2 e), block [1, BLOCK_M]
-    delta_desc,         # of delta [H_q, B·S_q] fp32 (rowsum(out·do)), as lse
+    lse_desc,           # of lse2 [H_q, B·stat_seq] fp32 (lse·log2 e), block [1, BLOCK_M]
+    delta_desc,         # of delta [H_q, B·stat_seq] fp32 (rowsum(out·do)), as lse
     seqlen_q,           # S_q
     seqlen_k,           # S_k
+    stat_seq,           # statistics columns per sequence: S_q rounded up to a multiple of 4
     n_heads_kv,         # H_kv
     group_size,         # H_q // H_kv
     scale,              # softmax scale (dk = scale·dSᵀ·Q)
@@ -272,7 +284,7 @@ def attention_bwd_dkdv_ws_kernel(
                               HAS_SOFTCAP, STAGES, CONSUMERS)),
         (dkdv_load_partition, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_bufs, do_bufs, k_bufs, v_bufs,
                                lse_bufs, delta_bufs, kv_ready, q_ready, do_ready, qdo_empty, seqlen_q, seqlen_k,
-                               n_heads_kv, group_size, window_left, window_right, HAS_LEFT, HAS_RIGHT, STAGES,
+                               stat_seq, n_heads_kv, group_size, window_left, window_right, HAS_LEFT, HAS_RIGHT, STAGES,
                                CONSUMERS)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS_KERNEL])
 
@@ -304,21 +316,21 @@ def use_gluon_backward(q: torch.Tensor, varlen: bool, use_tma: bool) -> bool:
             and q.shape[-1] in GLUON_HEAD_DIMS and torch.cuda.get_device_capability(q.device) == (9, 0))
 
 
-def launch_attention_bwd_dkdv_ws(q, k, v, do, dk, dv, lse2, delta, n_stat_rows, *, scale: float, softcap: float,
+def launch_attention_bwd_dkdv_ws(q, k, v, do, dk, dv, lse2, delta, stat_seq, *, scale: float, softcap: float,
                                  window_left, window_right, config: dict | None = None) -> None:
     """Fills dk and dv ([B, S_k, H_kv, D], preallocated) from the preprocess kernel's lse2 and
-    delta (``[H_q, stride]``, ``n_stat_rows`` = B·S_q valid columns)."""
+    delta (``[H_q, stride]``, sequence b's columns from b·stat_seq, stat_seq a multiple of 4)."""
     cfg = dict(WS_CONFIG, **(config or {}))
     batch, seqlen_q, n_heads_q, _ = q.shape
     seqlen_k, n_heads_kv = k.shape[1], k.shape[2]
     block_m = cfg["BLOCK_M"]
-    launch_regs, worker_regs = consumer_regs(CONSUMER_GROUPS)
+    launch_regs, worker_regs = consumer_regs(CONSUMER_GROUPS, LOADER_REGS, cap=240)
     grid = (cdiv(seqlen_k, KEYS_PER_GROUP * CONSUMER_GROUPS), batch * n_heads_kv)
     attention_bwd_dkdv_ws_kernel[grid](
         _descriptor(q, block_m), _descriptor(do, block_m), _descriptor(k, KEYS_PER_GROUP),
         _descriptor(v, KEYS_PER_GROUP), _descriptor(dk, KEYS_PER_GROUP), _descriptor(dv, KEYS_PER_GROUP),
-        _stat_descriptor(lse2, n_stat_rows, block_m), _stat_descriptor(delta, n_stat_rows, block_m),
-        seqlen_q, seqlen_k, n_heads_kv, n_heads_q // n_heads_kv, scale, scale * 1.4426950408889634,
+        _stat_descriptor(lse2, batch * stat_seq, block_m), _stat_descriptor(delta, batch * stat_seq, block_m),
+        seqlen_q, seqlen_k, stat_seq, n_heads_kv, n_heads_q // n_heads_kv, scale, scale * 1.4426950408889634,
         softcap, window_left if window_left is not None else 0, window_right if window_right is not None else 0,
         HAS_LEFT=window_left is not None, HAS_RIGHT=window_right is not None, HAS_SOFTCAP=softcap > 0,
         STAGES=cfg["STAGES"], CONSUMERS=CONSUMER_GROUPS, CONSUMER_REGS=worker_regs,

@@ -19,9 +19,10 @@ LOG2E = tl.constexpr(1.4426950408889634)   # exp(x) = exp2(x · log2(e))
 
 
 @triton.jit
-def _sequence(b, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, IS_VARLEN: tl.constexpr):
+def _sequence(b, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, stat_seq, IS_VARLEN: tl.constexpr):
     """(first row of sequence ``b`` in the packed tensors (0 when dense), its first key row, its
-    query and key lengths, its first column in the ``[H_q, rows]`` statistics buffers)."""
+    query and key lengths, its first column in the ``[H_q, columns]`` statistics buffers: b·stat_seq
+    when dense, its first packed row when varlen)."""
     if IS_VARLEN:
         q_row0 = tl.load(cu_seqlens_q + b)
         k_row0 = tl.load(cu_seqlens_k + b)
@@ -31,7 +32,7 @@ def _sequence(b, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, IS_VARLEN: tl.c
     else:
         q_row0 = 0
         k_row0 = 0
-        stat_row0 = b * seqlen_q
+        stat_row0 = b * stat_seq
     return q_row0, k_row0, seqlen_q, seqlen_k, stat_row0
 
 
@@ -129,7 +130,8 @@ def attention_bwd_preprocess_kernel(
     stride_dob, stride_dos, stride_doh,    # do strides
     stride_lb, stride_lh, stride_ls,       # lse strides (batch 0 when varlen)
     seqlen_q,           # S_q (dense)
-    stat_stride,        # head stride of delta / lse2 (>= B·S_q or total_q columns)
+    stat_stride,        # head stride of delta / lse2 (>= B·stat_seq or total_q columns)
+    stat_seq,           # columns per sequence (dense): S_q rounded up to 16 bytes
     HEAD_DIM: tl.constexpr,   # D
     D_PAD: tl.constexpr,      # D rounded up to a power of two (>= 16)
     BLOCK_M: tl.constexpr,    # query rows per program
@@ -138,7 +140,7 @@ def attention_bwd_preprocess_kernel(
     pid_m = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2)
-    q_row0, _, seqlen_q, _, stat_row0 = _sequence(b, cu_seqlens_q, cu_seqlens_q, seqlen_q, seqlen_q, IS_VARLEN)
+    q_row0, _, seqlen_q, _, stat_row0 = _sequence(b, cu_seqlens_q, cu_seqlens_q, seqlen_q, seqlen_q, stat_seq, IS_VARLEN)
     start_m = pid_m * BLOCK_M
     if start_m >= seqlen_q:
         return
@@ -247,6 +249,7 @@ def attention_bwd_dkdv_kernel(
     stride_dvb, stride_dvs, stride_dvh,      # dv strides
     seqlen_q, seqlen_k,                      # S_q, S_k (dense)
     stat_stride,                             # head stride of lse2 / delta
+    stat_seq,                                # columns per sequence (dense)
     group,                                   # H_q // H_kv: query heads per kv head
     scale,                                   # softmax scale
     softcap,                                 # logit cap (HAS_SOFTCAP)
@@ -265,7 +268,7 @@ def attention_bwd_dkdv_kernel(
     h_kv = tl.program_id(1)
     b = tl.program_id(2)
     q_row0, k_row0, seqlen_q, seqlen_k, stat_row0 = _sequence(
-        b, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, IS_VARLEN)
+        b, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, stat_seq, IS_VARLEN)
     start_n = pid_n * BLOCK_N
     if start_n >= seqlen_k:
         return
@@ -368,6 +371,7 @@ def attention_bwd_dq_kernel(
     stride_dqb, stride_dqs, stride_dqh,      # dq strides
     seqlen_q, seqlen_k,                      # S_q, S_k (dense)
     stat_stride,                             # head stride of lse2 / delta
+    stat_seq,                                # columns per sequence (dense)
     n_q_blocks,                              # cdiv(max S_q, BLOCK_M): grid axis 0
     group,                                   # H_q // H_kv
     scale, softcap, window_left, window_right,
@@ -385,7 +389,7 @@ def attention_bwd_dq_kernel(
     h = tl.program_id(1)
     b = tl.program_id(2)
     q_row0, k_row0, seqlen_q, seqlen_k, stat_row0 = _sequence(
-        b, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, IS_VARLEN)
+        b, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, stat_seq, IS_VARLEN)
     start_m = pid_m * BLOCK_M
     if start_m >= seqlen_q:
         return

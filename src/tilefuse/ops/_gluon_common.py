@@ -26,14 +26,15 @@ def smem_layout(block: tuple[int, ...], dtype: torch.dtype) -> gl.NVMMASharedLay
     return gl.NVMMASharedLayout.get_default_for(list(block), GLUON_DTYPES[dtype])
 
 
-def consumer_regs(consumers: int) -> tuple[int, int]:
+def consumer_regs(consumers: int, loader_regs: int = LOADER_REGS, cap: int = 232) -> tuple[int, int]:
     """(registers per thread at launch, registers requested by each worker consumer group) for
     ``consumers`` 4-warp consumer groups (the first is the default partition) and one loader warp,
-    padded to a group: the loader's group keeps LOADER_REGS, the consumer groups split the rest
-    (at most 232, the largest multiple of 8 under the 255-register limit that leaves room)."""
+    padded to a group: the loader's group keeps ``loader_regs``, the consumer groups split the rest
+    up to ``cap`` (a multiple of 8 under the 255-register limit; 240 is the most two consumer
+    groups can take, with a 24-register loader)."""
     groups = consumers + 1
     launch = 65536 // (groups * 128) // 8 * 8
-    worker = min(232, (65536 - LOADER_REGS * 128) // consumers // 128 // 8 * 8)
+    worker = min(cap, (65536 - loader_regs * 128) // consumers // 128 // 8 * 8)
     return launch, worker
 
 
