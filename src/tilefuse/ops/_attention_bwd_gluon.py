@@ -326,7 +326,7 @@ def launch_attention_bwd_dkdv_ws(q, k, v, do, dk, dv, lse2, delta, stat_seq, *, 
                                  window_left, window_right, config: dict | None = None) -> None:
     """Fills dk and dv ([B, S_k, H_kv, D], preallocated) from the preprocess kernel's lse2 and
     delta (``[H_q, stride]``, sequence b's columns from b·stat_seq, stat_seq a multiple of 4)."""
-    cfg = dict(WS_CONFIG, BLOCK_M=ws_block_m(q.shape[-1]), **(config or {}))
+    cfg = {**WS_CONFIG, "BLOCK_M": ws_block_m(q.shape[-1]), **(config or {})}
     batch, seqlen_q, n_heads_q, _ = q.shape
     seqlen_k, n_heads_kv = k.shape[1], k.shape[2]
     block_m = cfg["BLOCK_M"]
