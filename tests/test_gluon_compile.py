@@ -2,8 +2,8 @@
 
 Gluon has no interpreter, so CI cannot run these kernels; it can compile them. Each config is
 compiled to a cubin exactly as the launchers would launch it, and the result must keep what makes
-the kernel fast and correct to launch: no register spills (the attention backward: scalars only), ``setmaxnreg`` between the warp groups
-(USETMAXREG in the SASS), shared memory within sm_90's 227 KB, and no ptxas notice that the
+the kernel fast and correct to launch: no register spills (the attention backward: scalars only),
+``setmaxnreg`` between the warp groups (USETMAXREG in the SASS), shared memory within sm_90's 227 KB, and no ptxas notice that the
 wgmmas were serialized (which happens when a warp group reads an accumulator while a wgmma that
 writes registers is in flight). Their results are checked on the GPU (test_attention.py,
 test_fp8.py). Each compile (and the import of the Gluon modules) runs in a child process without
