@@ -210,7 +210,7 @@ def main():
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__)
     started, rows = time.time(), []
     for d in args.d:
-        names = args.configs or list(CONFIGS[d])
+        names = [n for n in args.configs if n in CONFIGS[d]] if args.configs else list(CONFIGS[d])
         for causal in {"both": (False, True), "full": (False,), "causal": (True,)}[args.causal]:
             for s in args.s:
                 run_shape(d, s, causal, names, started, rows)
