@@ -3,12 +3,12 @@
 Gluon has no interpreter, so CI cannot run these kernels; it can compile them. Each config is
 compiled to a cubin exactly as the launchers would launch it, and the result must keep what makes
 the kernel fast and correct to launch: no register spills (the attention backward: scalars only),
-``setmaxnreg`` between the warp groups (USETMAXREG in the SASS), shared memory within sm_90's 227 KB, and no ptxas notice that the
-wgmmas were serialized (which happens when a warp group reads an accumulator while a wgmma that
-writes registers is in flight). Their results are checked on the GPU (test_attention.py,
-test_fp8.py). Each compile (and the import of the Gluon modules) runs in a child process without
-TRITON_INTERPRET: under the interpreter the kernels' @triton.jit helpers are interpreted
-functions, which do not compile.
+``setmaxnreg`` between the warp groups (USETMAXREG in the SASS), shared memory within sm_90's
+227 KB, and no ptxas notice that the wgmmas were serialized (which happens when a warp group reads
+an accumulator while a wgmma that writes registers is in flight). Their results are checked on the
+GPU (test_attention.py, test_attention_bwd.py, test_fp8.py). Each compile (and the import of the
+Gluon modules) runs in a child process without TRITON_INTERPRET: under the interpreter the
+kernels' @triton.jit helpers are interpreted functions, which do not compile.
 """
 
 import os
@@ -130,8 +130,8 @@ def compile_attention_bwd(case):
     args = dict(q_desc=_descriptor(q, block_m), do_desc=_descriptor(q, block_m), k_desc=_descriptor(kv, rows),
                 v_desc=_descriptor(kv, rows), dk_desc=_descriptor(kv, rows), dv_desc=_descriptor(kv, rows),
                 lse_desc=bwd._stat_descriptor(stat, 600, block_m), delta_desc=bwd._stat_descriptor(stat, 600, block_m),
-                seqlen_q=300, seqlen_k=500, stat_seq=300, n_heads_kv=2, group_size=2, scale=0.1, score_scale=0.14, softcap=30.0,
-                window_left=7, window_right=0)
+                seqlen_q=300, seqlen_k=500, stat_seq=300, n_heads_kv=2, group_size=2, scale=0.1, score_scale=0.14,
+                softcap=30.0, window_left=7, window_right=0)
     constexprs = dict(HAS_LEFT=left, HAS_RIGHT=right, HAS_SOFTCAP=softcap, STAGES=stages,
                       CONSUMERS=bwd.CONSUMER_GROUPS, CONSUMER_REGS=worker_regs)
     # Its consumer groups run at 240 registers, the most two groups can take, and ptxas spills a few

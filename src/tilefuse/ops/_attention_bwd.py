@@ -15,10 +15,10 @@ per (key block, kv head, sequence) walks the query blocks of query_range() for e
 its GQA group, so dk/dv are summed in registers: no atomics) and the dq kernel (a program per
 (query block, query head, sequence) walks key_range()). Nothing uses atomics: results are bitwise
 reproducible, ``deterministic`` only documents that. On sm_90, dense 16-bit inputs with D = 64 /
-128 take the warp-specialized Gluon dk/dv kernel (``_attention_bwd_gluon``; :func:`_use_gluon`),
-same math and walk, its kernel time 11-31 % below the ``tl`` one's (H200, session 17). The statistics buffers
-are ``[H_q, B, stat_seq]`` (dense; stat_seq = S_q rounded up to 4 columns) or ``[H_q, total_q]``:
-every sequence's columns start on 16 bytes, which the Gluon kernel's TMA loads need.
+128 take the warp-specialized Gluon dk/dv kernel (``_attention_bwd_gluon``; :func:`_use_gluon`):
+same math and walk, its kernel time 11-31 % below the ``tl`` one's (H200, session 17). The
+statistics buffers are ``[H_q, B, stat_seq]`` (dense; stat_seq = S_q rounded up to 4 columns) or
+``[H_q, total_q]``: every sequence's columns start on 16 bytes, as the Gluon kernel's TMA needs.
 
 Masking costs only on boundary blocks: each loop knows its mask-free run of blocks (every (query,
 key) pair visible) and applies visible() only outside it, through a uniform branch in one loop, or

@@ -140,7 +140,8 @@ def attention_bwd_preprocess_kernel(
     pid_m = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2)
-    q_row0, _, seqlen_q, _, stat_row0 = _sequence(b, cu_seqlens_q, cu_seqlens_q, seqlen_q, seqlen_q, stat_seq, IS_VARLEN)
+    q_row0, _, seqlen_q, _, stat_row0 = _sequence(b, cu_seqlens_q, cu_seqlens_q, seqlen_q, seqlen_q, stat_seq,
+                                                  IS_VARLEN)
     start_m = pid_m * BLOCK_M
     if start_m >= seqlen_q:
         return
