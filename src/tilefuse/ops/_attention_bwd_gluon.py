@@ -49,7 +49,7 @@ from .._launch import fast_launch
 from ._attention_bwd_kernels import LOG2E, free_query_blocks
 from ._attention_common import apply_softcap, query_range, visible
 from ._attention_fwd_gluon import _descriptor
-from ._gluon_common import consumer_regs
+from ._gluon_common import consumer_regs, resident_and_ring_barriers
 
 KEYS_PER_GROUP = 64                          # keys per consumer warp group (the wgmma's M)
 WG_KEYS = gl.constexpr(KEYS_PER_GROUP)
@@ -261,16 +261,7 @@ def attention_bwd_dkdv_ws_kernel(
     delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + delta_desc.block_type.shape, delta_desc.layout)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [CONSUMERS] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [CONSUMERS] + v_desc.block_type.shape, v_desc.layout)
-    kv_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
-    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    qdo_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(CONSUMERS):
-        mbarrier.init(kv_ready.index(i), count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(do_ready.index(i), count=1)
-        mbarrier.init(qdo_empty.index(i), count=CONSUMERS)
+    kv_ready, q_ready, do_ready, qdo_empty = resident_and_ring_barriers(CONSUMERS, STAGES)
     # the argument lists are written out: warp_specialize takes literal tuples
     gl.static_assert(CONSUMERS == 2, "two consumer warp groups (CONSUMER_GROUPS)")
     gl.warp_specialize([

@@ -41,7 +41,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from .._dispatch import cdiv
 from .._launch import fast_launch
 from ._attention_common import key_range
-from ._gluon_common import LOADER_REGS_KERNEL, consumer_regs, smem_layout
+from ._gluon_common import LOADER_REGS_KERNEL, consumer_regs, resident_and_ring_barriers, smem_layout
 from ._attention_fwd_kernels import LN2, _block_probs, _desc_strides, _unmasked_key_blocks, program_block
 
 ROWS_PER_GROUP = 64                           # query rows per consumer warp group (wgmma's M)
@@ -251,16 +251,7 @@ def attention_fwd_ws_kernel(
     q_bufs = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(CONSUMERS):
-        mbarrier.init(q_ready.index(i), count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(kv_empty.index(i), count=CONSUMERS)
+    q_ready, k_ready, v_ready, kv_empty = resident_and_ring_barriers(CONSUMERS, STAGES)
     # the argument lists are written out: warp_specialize takes literal tuples
     gl.static_assert(CONSUMERS == 2, "two consumer warp groups (CONSUMER_GROUPS)")
     gl.warp_specialize([

@@ -12,7 +12,9 @@ from __future__ import annotations
 import functools
 
 import torch
+from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 GLUON_DTYPES = {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5,
                 torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
@@ -39,3 +41,22 @@ def consumer_regs(consumers: int, loader_regs: int = LOADER_REGS, cap: int = 232
 
 
 LOADER_REGS_KERNEL = gl.constexpr(LOADER_REGS)    # the same, for kernels (globals they read are constexprs)
+
+
+@gluon.jit
+def resident_and_ring_barriers(CONSUMERS: gl.constexpr, STAGES: gl.constexpr):
+    """The mbarriers of the attention kernels' producer / consumer protocol, initialized: one
+    ``ready`` per consumer group for the tiles it keeps (count 1: the producer's expect + TMA),
+    and per ring stage an ``a_ready`` and a ``b_ready`` for its two tiles (count 1 each) and an
+    ``empty`` that every consumer group releases (count CONSUMERS)."""
+    ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    a_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    b_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(CONSUMERS):
+        mbarrier.init(ready.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(a_ready.index(i), count=1)
+        mbarrier.init(b_ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=CONSUMERS)
+    return ready, a_ready, b_ready, empty
