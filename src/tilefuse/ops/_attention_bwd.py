@@ -43,6 +43,7 @@ import torch
 
 from .._launch import use_device_descriptors
 from .._dispatch import cdiv, empty, is_hopper_or_newer
+from ._attention_common import config_wants_gluon
 from ._attention_bwd_kernels import attention_bwd_dkdv_kernel, attention_bwd_dq_kernel, attention_bwd_preprocess_kernel
 from ._attention_fwd_kernels import head_block
 
@@ -126,12 +127,7 @@ def _use_gluon(q: torch.Tensor, varlen: bool, use_tma: bool, config: dict | None
     if q.device.type != "cuda" or not use_tma:
         return False
     from ._attention_bwd_gluon import use_gluon_backward
-    if not use_gluon_backward(q, varlen, use_tma):
-        return False
-    config = config or {}
-    if "GLUON" in config:
-        return bool(config["GLUON"])
-    return not any(key in config for key in TL_ONLY_KEYS)
+    return use_gluon_backward(q, varlen, use_tma) and config_wants_gluon(config, TL_ONLY_KEYS, True)
 
 
 def tma_eligible(*tensors: torch.Tensor) -> bool:

@@ -41,6 +41,15 @@ NO_WINDOW = -1
 # ----------------------------------------------------------------------------------------------
 
 
+def config_wants_gluon(config: dict | None, tl_only_keys: Sequence[str], default: bool) -> bool:
+    """A launch config's say on a Gluon kernel the inputs qualify for: ``"GLUON"`` forces it on or
+    off; a ``tl``-only tile key without it keeps the ``tl`` kernel; otherwise ``default``."""
+    config = config or {}
+    if "GLUON" in config:
+        return bool(config["GLUON"])
+    return not any(key in config for key in tl_only_keys) and default
+
+
 def normalize_window(causal: bool, window: Sequence[int]) -> tuple[int, int]:
     """(left, right) with -1 for unbounded; causal tightens right to 0. Raises on bad types."""
     if not isinstance(causal, bool):

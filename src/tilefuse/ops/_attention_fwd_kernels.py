@@ -49,7 +49,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .._dispatch import cdiv, empty, is_hopper, next_power_of_2
 from .._launch import fast_launch, use_device_descriptors
-from ._attention_common import exp2_mixed, key_range, tanh_via_exp2, visible
+from ._attention_common import config_wants_gluon, exp2_mixed, key_range, tanh_via_exp2, visible
 
 LOG2E = 1.4426950408889634
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
@@ -415,12 +415,8 @@ def _use_gluon(q: torch.Tensor, varlen: bool, load: str, config: dict | None, ma
     if not is_hopper(q):
         return False
     from ._attention_fwd_gluon import use_gluon_forward
-    if not use_gluon_forward(q, varlen, load):
-        return False
-    config = config or {}
-    if "GLUON" in config:
-        return bool(config["GLUON"])
-    return not any(key in config for key in TL_ONLY_KEYS) and gluon_forward_default(q.shape[-1], masked, seqlen_k)
+    return use_gluon_forward(q, varlen, load) and config_wants_gluon(
+        config, TL_ONLY_KEYS, gluon_forward_default(q.shape[-1], masked, seqlen_k))
 
 
 def gluon_forward_default(head_dim: int, masked: bool, seqlen_k: int) -> bool:
