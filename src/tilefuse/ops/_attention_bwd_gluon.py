@@ -4,7 +4,7 @@ Why a second kernel: the ``tl`` dk/dv kernel (``attention_bwd_dkdv_kernel``) run
 as one instruction stream and Triton 3.6 waits for every non-accumulating wgmma right after issuing
 it, so per query block the chain QKᵀ → exp2 → dPᵀ → dSᵀ → dK runs with the tensor core idle during
 the element-wise work (582 TF/s of tensor work at D = 128, S = 16k on the H200, session 13, against
-~700 for the dq kernel). Here, per program (``BLOCK_N`` = 64·CONSUMERS keys of one (batch, kv head)):
+~670 for the dq kernel). Here, per program (``BLOCK_N`` = 64·CONSUMERS keys of one (batch, kv head)):
 
 - one producer warp TMA-loads each consumer group's K and V rows once, then, for every query head
   of the GQA group and every query block that can see the program's keys, the block's Q and dO
@@ -17,22 +17,26 @@ the element-wise work (582 TF/s of tensor work at D = 128, S = 16k on the H200, 
 
       sᵀ  = K·Qᵀ          (async)              pᵀ = exp2(sᵀ·scale·log2e - lse2)   under dPᵀ
       dPᵀ = V·dOᵀ         (async)              dSᵀ = pᵀ ∘ (dPᵀ - delta) [∘ (1 - tanh²)]
-      dV += pᵀ·dO,  dK += dSᵀ·Q                (async, pᵀ / dSᵀ as register A operands; they
-                                                 finish under the next block's sᵀ)
+      dV += pᵀ·dO,  dK += dSᵀ·Q                (async, pᵀ / dSᵀ as register A operands)
 
-  and at the end dk·scale and dv go out by TMA store through the group's K / V tiles.
+  all retired within the block (see ``_dkdv_step`` for why), in one flat loop over (query head,
+  query block) with the mask as a uniform branch outside the mask-free run; at the end dk·scale
+  and dv go out by TMA store through the group's K / V tiles.
 
 The math is the ``tl`` kernel's (same exp2 form, masking rule through ``visible`` with the roles
 of queries and keys swapped, softcap through ``apply_softcap``, the same mask-free block range
 ``free_query_blocks``), so the two agree to rounding. Differences: lse2 and delta arrive by TMA,
-so a query block that runs past S_q is treated as masked (its padded rows then hold another
-row's statistics, zeroed by the mask, where the ``tl`` kernel loads +inf); dense inputs only.
+from a 4-aligned query row (``_query_walk``), and a query block that runs past S_q is treated as
+masked (its padded rows hold padding or another sequence's statistics, zeroed by the mask, where
+the ``tl`` kernel loads +inf); dense inputs only.
 No atomics: dk / dv are summed over the group's query heads in registers, bitwise reproducible.
 
 GPU only (Gluon has no interpreter): ``launch_attention_backward`` takes it on sm_90 for dense
-16-bit inputs with D = 64 or 128 that TMA can read (``use_gluon_backward``) where it measured
-faster than the ``tl`` kernel (``gluon_backward_default``). GPU tests compare it with the fp64
-reference and the ``tl`` kernel; CI compiles it offline for sm_90 (tests/test_gluon_compile.py).
+16-bit inputs with D = 64 or 128 that TMA can read (``use_gluon_backward``), where it measured
+faster than the ``tl`` kernel at every bench shape (H200, session 17: dk/dv kernel time 11-31 %
+lower; the backward 0.84-0.92x cuDNN at D = 128, 0.91-0.97x at D = 64). GPU tests compare it with
+the fp64 reference and the ``tl`` kernel; CI compiles it offline for sm_90
+(tests/test_gluon_compile.py).
 """
 
 from __future__ import annotations
@@ -134,8 +138,9 @@ def _dkdv_step(dk, dv, k_tile, v_tile, q_bufs, do_bufs, lse_bufs, delta_bufs, q_
                HAS_RIGHT: gl.constexpr, HAS_SOFTCAP: gl.constexpr, STAGES: gl.constexpr):
     """One query block (ring slot ``it``): sᵀ and dPᵀ issued together, the probabilities formed
     under dPᵀ, then dSᵀ and the dV and dK GEMMs, all retired before the next block (a wgmma left
-    in flight across the loop's back edge made ptxas serialize every wgmma of the kernel, sessions
-    17's offline compiles); the other warp group's GEMMs fill the tensor core meanwhile."""
+    in flight across the loop's back edge made ptxas serialize every wgmma of the kernel in session
+    17's offline compiles, as did the next block's sᵀ / dPᵀ issued ahead); the other warp group's
+    GEMMs fill the tensor core meanwhile."""
     stage = it % STAGES
     phase = (it // STAGES) & 1
     q_tile = q_bufs.index(stage).reshape([BLOCK_M, BLOCK_D])
@@ -188,7 +193,7 @@ def dkdv_mma_partition(q_bufs, do_bufs, k_bufs, v_bufs, lse_bufs, delta_bufs, kv
                        STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
     """One consumer warp group: keys [WG·64, WG·64 + 64) of the program's block, their dk and dv
     over the walk of the whole block (the same for every group, so the ring's stages are released
-    in order): per query head, masked leading blocks, the mask-free run, masked trailing blocks."""
+    in order): per query head, its query blocks, masked outside [first_free, end_free)."""
     BLOCK_D: gl.constexpr = dk_desc.block_type.shape[3]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
