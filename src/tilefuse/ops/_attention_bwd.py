@@ -42,7 +42,7 @@ from __future__ import annotations
 import torch
 
 from .._launch import use_device_descriptors
-from .._dispatch import cdiv, empty, is_hopper_or_newer
+from .._dispatch import cdiv, empty, is_hopper, is_hopper_or_newer
 from ._attention_common import config_wants_gluon
 from ._attention_bwd_kernels import attention_bwd_dkdv_kernel, attention_bwd_dq_kernel, attention_bwd_preprocess_kernel
 from ._attention_fwd_kernels import head_block
@@ -124,7 +124,7 @@ def _use_gluon(q: torch.Tensor, varlen: bool, use_tma: bool, config: dict | None
     """The warp-specialized Gluon dk/dv kernel (``_attention_bwd_gluon``) on sm_90 for the inputs
     it serves; ``config={"GLUON": True / False}`` forces the choice, tl-only tile keys
     (:data:`TL_ONLY_KEYS`) without "GLUON" keep the ``tl`` kernel."""
-    if q.device.type != "cuda" or not use_tma:
+    if not is_hopper(q):
         return False
     from ._attention_bwd_gluon import use_gluon_backward
     return use_gluon_backward(q, varlen, use_tma) and config_wants_gluon(config, TL_ONLY_KEYS, True)

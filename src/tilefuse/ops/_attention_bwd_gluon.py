@@ -313,9 +313,8 @@ def _stat_descriptor(stat: torch.Tensor, n_rows: int, block_m: int) -> TensorDes
 
 def use_gluon_backward(q: torch.Tensor, varlen: bool, use_tma: bool) -> bool:
     """The warp-specialized dk/dv kernel serves dense 16-bit inputs with D = 64 or 128 that TMA
-    can read, on sm_90 exactly."""
-    return (use_tma and not varlen and q.dtype in (torch.bfloat16, torch.float16)
-            and q.shape[-1] in GLUON_HEAD_DIMS and torch.cuda.get_device_capability(q.device) == (9, 0))
+    can read (the caller checks for sm_90, as for the forward)."""
+    return use_tma and not varlen and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] in GLUON_HEAD_DIMS
 
 
 def launch_attention_bwd_dkdv_ws(q, k, v, do, dk, dv, lse2, delta, stat_seq, *, scale: float, softcap: float,
