@@ -340,6 +340,26 @@ def test_launch_plans_for_an_h100():
     assert quant.launch_plan(4, 128, 32, 4096, 4096, torch.bfloat16, 132).splits == 4    # the cap
 
 
+def test_mma_plans():
+    """Where the Gluon int4 kernel runs (an sm_80+ GPU: ``mma_ok``): int4 with fp16 / bf16 x and up
+    to 32 rows; int8, fp32 x and 33+ rows keep the tl kernels. Split-K gives about 4 programs per
+    SM, a whole number of steps per split, each split at least 2 steps; forcing it where it cannot
+    run is an error."""
+    plan = quant.launch_plan(4, 128, 1, 4096, 4096, torch.bfloat16, 132, (), True)
+    assert plan.meta["MMA_N"] == 8 and plan.meta["BLOCK_N"] == 32 and plan.meta["SLOTS"] == 4
+    assert plan.grid == (128, 4) and plan.chunks_per_split == 8 and plan.n_chunks == 32
+    plan = quant.launch_plan(4, 128, 16, 14336, 4096, torch.bfloat16, 132, (), True)
+    assert plan.meta["MMA_N"] == 16 and plan.grid == (448, 2) and plan.chunks_per_split == 16
+    plan = quant.launch_plan(4, 32, 32, 4096, 4096, torch.float16, 132, (("SPLITS", 3),), True)
+    assert plan.meta["MMA_N"] == 32 and plan.chunks_per_split % plan.meta["SLOTS"] == 0
+    assert plan.splits == 3 and plan.chunks_per_split * 2 < plan.n_chunks <= plan.chunks_per_split * 3
+    for bits, g, m, dtype in [(8, 0, 1, torch.bfloat16), (4, 128, 33, torch.bfloat16), (4, 128, 1, torch.float32)]:
+        assert quant.launch_plan(bits, g, m, 4096, 4096, dtype, 132, (), True).meta.get("MMA_N") is None
+    assert quant.launch_plan(4, 128, 1, 4096, 4096, torch.bfloat16, 132, (), False).kernel is quant.quant_gemv_kernel
+    with pytest.raises(ValueError, match="mma"):
+        quant.launch_plan(4, 128, 1, 4096, 4096, torch.bfloat16, 132, (("PATH", "mma"),), False)
+
+
 # ------------------------------------------------------------------------------------------------
 # X_PAIRS: bf16 x read as int32 pairs (on by default in the int4 GEMV)
 # ------------------------------------------------------------------------------------------------
@@ -436,22 +456,25 @@ def test_gpu_shapes_bf16(shape, fmt):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [{}, dict(X_PAIRS=False), dict(BLOCK_N=8, num_warps=2),
-                                    dict(BLOCK_N=8, num_warps=2, X_PAIRS=False), dict(BLOCK_N=32, NUM_STAGES=4)],
-                         ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()) or "default")
+@pytest.mark.parametrize("config", [dict(PATH="gemv"), dict(PATH="gemv", X_PAIRS=False),
+                                    dict(PATH="gemv", BLOCK_N=8, num_warps=2),
+                                    dict(PATH="gemv", BLOCK_N=8, num_warps=2, X_PAIRS=False),
+                                    dict(PATH="gemv", BLOCK_N=32, NUM_STAGES=4)],
+                         ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
 @pytest.mark.parametrize("nk", [(4096, 4096), (14336, 4096), (4096, 14336), (4097, 1024)])
 @pytest.mark.parametrize("g", [32, 128])
 def test_gpu_gemv_x_pairs_bf16(config, nk, g):
     """The sweep's GEMV configs at its shapes (and a ragged N), bf16, bias: X_PAIRS on (the
-    default) and off."""
+    GEMV's default) and off."""
     _check_launch(1, *nk, (4, g), torch.bfloat16, config)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("g", [32, 64, 128])
-@pytest.mark.parametrize("m,config", [(5, {}), (16, dict(BLOCK_K=128)), (33, {}), (33, dict(SWAP_AB=True, BLOCK_N=64)),
-                                      (300, {})], ids=lambda v: str(v).replace(" ", ""))
+@pytest.mark.parametrize("m,config", [(5, dict(PATH="dot")), (16, dict(PATH="dot", BLOCK_K=128)), (33, {}),
+                                      (33, dict(SWAP_AB=True, BLOCK_N=64)), (300, {})],
+                         ids=lambda v: str(v).replace(" ", ""))
 def test_gpu_packed_dequant_is_the_fp32_path_bit_for_bit(dtype, g, m, config):
     """The 16-bit-pair PTX dequantization gives the very weight the fp32 path rounds to x's dtype:
     y is bitwise equal (same tiles, same MMA order), with scales spanning many binades (tiny ones
@@ -469,6 +492,69 @@ def test_gpu_packed_dequant_is_the_fp32_path_bit_for_bit(dtype, g, m, config):
     assert not _plan(x, qw, dict(config, PACKED=False)).meta["PACKED_DEQUANT"]
     assert torch.equal(packed, fp32)
     assert rel_err(packed, _reference(x, qw)) <= TOL[dtype]
+
+
+def _one_signed_rows_weight(n, k, dtype, g):
+    """Rows alternately >= 0 and <= 0 (zero points 0 and 15) with scales spanning many binades
+    (tiny ones into fp16's subnormals)."""
+    w = torch.randn(n, k, device=DEVICE)
+    w[::3], w[1::3] = w[::3].abs(), -w[1::3].abs()
+    qw = quantize_weight((w * torch.logspace(-6, 2, n, device=DEVICE)[:, None]).to(dtype), 4, g)
+    assert set(qw.zeros.unique().tolist()) >= {0, 15}
+    return qw
+
+
+MMA_CONFIGS = [{}, dict(SPLITS=3), dict(WARPS_K=2, WARPS_N=2), dict(REPS=1), dict(GROUPS_PER_STEP=2),
+               dict(WARPS_K=1, WARPS_N=4, REPS=1), dict(WARPS_K=8, REPS=1, SPLITS=1)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("g", [32, 64, 128])
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 16, 17, 32])
+@pytest.mark.parametrize("config", MMA_CONFIGS, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()) or "default")
+def test_gpu_int4_mma(dtype, g, m, config):
+    """The Gluon int4 kernel (the default for int4 with up to 32 rows of fp16 / bf16 x) against
+    the fp64 product with the dequantized weight: N off every tile (201), 13 groups (ragged
+    splits and steps: a last step with clamped groups), bias on odd M; every row and column
+    checked (y is NaN-poisoned)."""
+    n, k = 201, 13 * g
+    qw = _one_signed_rows_weight(n, k, dtype, g)
+    x = torch.randn(m, k, device=DEVICE).to(dtype)
+    bias = torch.randn(n, device=DEVICE).to(dtype) if m % 2 else None
+    plan = _plan_on_gpu(x, qw, config)
+    assert plan.meta["MMA_N"] == max(8, 1 << (m - 1).bit_length()) and plan.kernel is not quant.quant_dot_kernel
+    y = _launch(x, qw, bias, dict(config))
+    assert y.dtype == dtype and y.shape == (m, n) and not y.isnan().any()
+    assert rel_err(y, _reference(x, qw, bias)) <= TOL[dtype], rel_err(y, _reference(x, qw, bias))
+    assert torch.equal(y, _launch(x, qw, bias, dict(config)))          # no atomics: reproducible
+
+
+def _plan_on_gpu(x, qw, config=None):
+    m, k = x.shape
+    return quant.launch_plan(4, qw.group_size, m, qw.shape[0], k, x.dtype, quant.num_sms(x),
+                             tuple(sorted((config or {}).items())), True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 4, 16])
+@pytest.mark.parametrize("nk", [(4096, 4096), (14336, 4096), (4096, 14336), (4097, 1024)])
+@pytest.mark.parametrize("g", [32, 128])
+def test_gpu_int4_mma_llm_shapes(m, nk, g):
+    """The sweep's shapes (and a ragged N) with the default int4 launch, bf16, bias."""
+    _check_launch(m, *nk, (4, g), torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 5])
+def test_gpu_int4_mma_falls_back_off_4_byte_rows(m):
+    """x rows off a 4-byte boundary (a view from column 1) cannot be read as int32 pairs: the
+    launcher takes the tl kernels instead, with the same result up to rounding."""
+    qw = quantize_weight(_weight(96, 256, torch.bfloat16, 256 ** -0.5), 4, 64)
+    x = torch.randn(m, 257, device=DEVICE).bfloat16()[:, 1:]
+    assert x.data_ptr() % 4 and _plan_on_gpu(x, qw).kernel is not quant.quant_gemv_kernel
+    y = _launch(x, qw)
+    assert rel_err(y, _reference(x, qw)) <= TOL[torch.bfloat16]
 
 
 @pytest.mark.gpu

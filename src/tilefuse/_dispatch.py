@@ -44,6 +44,13 @@ def is_hopper_or_newer(t: torch.Tensor) -> bool:
     return _major(t.device.index if t.device.index is not None else torch.cuda.current_device()) >= 9
 
 
+def is_ampere_or_newer(t: torch.Tensor) -> bool:
+    """t lives on an sm_80+ GPU (``mma.sync`` with bf16, what the Gluon int4 kernel uses)."""
+    if t.device.type != "cuda":
+        return False
+    return _major(t.device.index if t.device.index is not None else torch.cuda.current_device()) >= 8
+
+
 def is_hopper(t: torch.Tensor) -> bool:
     """t lives on an sm_90 GPU exactly (warpgroup MMA: not on sm_100+, which has tcgen05 instead)."""
     if t.device.type != "cuda":

@@ -98,19 +98,22 @@ def _join_nibbles(words, magic, offset, scale, SCALED: tl.constexpr):
     return tl.join(tl.join(tl.join(p0, p4), tl.join(p2, p6)), tl.join(tl.join(p1, p5), tl.join(p3, p7)))
 
 
-def _dequant_int4_asm(fma: str, one: int, magic: int) -> str:
+def _dequant_int4_asm(fma: str, one: int, magic: int, scaled: bool = True) -> str:
     """PTX for :func:`_int4_dequant_x16`: operands ``$0..$7`` the 8 values of a word (16-bit, k
     order), ``$8`` the word, ``$9`` ``-(magic + z)`` twice, ``$10`` the scale twice (packed
-    fp16x2 / bf16x2). Per pair of nibbles (k = 2i, 2i + 1): PRMT puts byte i of the word in byte 0
-    and byte i of ``word >> 4`` in byte 2 (low nibbles = the two values); one LOP3 masks them and
-    ORs the magic exponent (``magic + q``, exact); ``x * 1 - (magic + z)`` = ``q - z`` (exact);
-    ``x * s + (-0)`` rounds ``(q - z) * s`` once, as an fp32 product rounded to 16 bits would."""
-    pairs = "".join(f"""
-    prmt.b32 t{i}, $8, u, {0x0400 + 0x0101 * i};
+    fp16x2 / bf16x2; only when ``scaled``). Per pair of nibbles (k = 2i, 2i + 1): PRMT puts byte i
+    of the word in byte 0 and byte i of ``word >> 4`` in byte 2 (low nibbles = the two values);
+    one LOP3 masks them and ORs the magic exponent (``magic + q``, exact); ``x * 1 - (magic + z)``
+    = ``q - z`` (exact); when ``scaled``, ``x * s + (-0)`` rounds ``(q - z) * s`` once, as an fp32
+    product rounded to 16 bits would. Unscaled, the values are ``q - z`` exactly (|q - z| <= 15):
+    the Gluon MMA kernel scales the group's fp32 dot product instead."""
+    scale = "\n    {fma} t{i}, t{i}, $10, nzero;" if scaled else ""
+    pairs = "".join(("""
+    prmt.b32 t{i}, $8, u, {sel};
     lop3.b32 t{i}, t{i}, 0x000F000F, m, 0xEA;
-    {fma} t{i}, t{i}, one, $9;
-    {fma} t{i}, t{i}, $10, nzero;
-    mov.b32 {{$%d, $%d}}, t{i};""" % (2 * i, 2 * i + 1) for i in range(4))
+    {fma} t{i}, t{i}, one, $9;""" + scale + """
+    mov.b32 {{$%d, $%d}}, t{i};""").format(i=i, fma=fma, sel=0x0400 + 0x0101 * i) % (2 * i, 2 * i + 1)
+                    for i in range(4))
     return f"""{{
     .reg .b32 u, m, one, nzero, t0, t1, t2, t3;
     mov.b32 m, {magic:#x};
@@ -122,8 +125,9 @@ def _dequant_int4_asm(fma: str, one: int, magic: int) -> str:
 
 # (fma instruction, 1.0 twice, magic twice, the magic as a float): 16-bit values 2^7 + q (bf16: 7
 # mantissa bits) and 2^10 + q (fp16: 10) hold q in their low mantissa bits exactly
-_DEQUANT_BF16 = tl.constexpr(_dequant_int4_asm("fma.rn.bf16x2", 0x3F803F80, 0x43004300))
-_DEQUANT_FP16 = tl.constexpr(_dequant_int4_asm("fma.rn.f16x2", 0x3C003C00, 0x64006400))
+DEQUANT_ARGS = {"bf16": ("fma.rn.bf16x2", 0x3F803F80, 0x43004300), "fp16": ("fma.rn.f16x2", 0x3C003C00, 0x64006400)}
+_DEQUANT_BF16 = tl.constexpr(_dequant_int4_asm(*DEQUANT_ARGS["bf16"]))
+_DEQUANT_FP16 = tl.constexpr(_dequant_int4_asm(*DEQUANT_ARGS["fp16"]))
 _DEQUANT_CONSTRAINTS = tl.constexpr("=h,=h,=h,=h,=h,=h,=h,=h,r,r,r")
 
 

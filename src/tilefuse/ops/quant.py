@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from .._checks import check_same_device, check_same_dtype, check_shape, check_tensor
-from .._dispatch import cdiv, empty, interpreting, next_power_of_2, num_sms, rows_view, use_triton
+from .._dispatch import cdiv, empty, interpreting, is_ampere_or_newer, next_power_of_2, num_sms, rows_view, use_triton
 from .._op import custom_op
 from ..registry import Inputs, OpSpec, register
 from ._quant_kernels import MAGIC_BITS, quant_dot_kernel, quant_gemv_kernel, splitk_reduce_kernel
@@ -155,13 +155,14 @@ def dequantize_weight(q: QuantizedWeight, dtype: Optional[torch.dtype] = None) -
 GEMV_MAX_ROWS = 8          # quant_gemv_kernel takes up to this many rows (one program per row)
 SKINNY_MAX_ROWS = 64       # up to here the dot kernel pads M to a 16..64-row tile; above: 128
 REDUCE_BLOCK_N = 256       # columns per program of the split-K reduction
+MMA_MAX_ROWS = 32         # the Gluon int4 kernel pads x to an MMA N of 8, 16 or 32 rows
 CONFIG_KEYS = ("PATH", "SWAP_AB", "BLOCK_M", "BLOCK_N", "BLOCK_K", "NUM_STAGES", "num_warps", "SPLITS", "PACKED",
-               "X_PAIRS")
+               "X_PAIRS", "WARPS_K", "WARPS_N", "REPS", "GROUPS_PER_STEP")
 
 
 class LaunchPlan(NamedTuple):
     """Everything a call of a given shape launches with (cached per shape by :func:`launch_plan`)."""
-    kernel: object             # quant_gemv_kernel or quant_dot_kernel
+    kernel: object             # quant_gemv_kernel, quant_dot_kernel or int4_mma_kernel
     grid: tuple
     splits: int                # > 1: fp32 partials, then splitk_reduce_kernel
     n_chunks: int              # BLOCK_K chunks of K
@@ -230,8 +231,33 @@ def _dot_config(m: int, dtype: torch.dtype) -> dict:
     return dict(PATH="dot", SWAP_AB=False, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, NUM_STAGES=3, num_warps=8)
 
 
-def _default_config(bits: int, m: int, n: int, dtype: torch.dtype, sms: int) -> dict:
-    """M = 1: the GEMV kernel; more rows: the tensor-core kernel (see the two functions above)."""
+def _use_mma(bits: int, m: int, dtype: torch.dtype, mma_ok: bool) -> bool:
+    """int4 with fp16 / bf16 x and up to MMA_MAX_ROWS rows, on an sm_80+ GPU (not the interpreter):
+    the Gluon kernel (``_quant_gluon``), the weight dequantized straight into the MMA's registers."""
+    return mma_ok and bits == 4 and m <= MMA_MAX_ROWS and dtype in (torch.float16, torch.bfloat16)
+
+
+def _mma_config(m: int, n: int) -> dict:
+    """4 warps on 32 weight rows (REPS = 2 row tiles of 16 per warp: 2.55 SASS instructions per
+    value in the loop, against 2.56 with 1 tile and more programs), each warp on its own group of
+    K (WARPS_K = 4, summed through shared memory at the end), one group per warp and step; the
+    program count is filled up by split-K (:func:`_mma_splits`)."""
+    return dict(PATH="mma", WARPS_K=4, WARPS_N=1, REPS=2, GROUPS_PER_STEP=1)
+
+
+def _mma_splits(blocks: int, n_groups: int, slots: int, sms: int, m: int, k: int) -> int:
+    """K splits of the Gluon int4 kernel: about 4 programs per SM (the loads in flight per SM
+    are what the bandwidth needs), each of at least 2 steps, and no more than keep the fp32
+    partials' traffic within half the weight's (as :func:`_splits`)."""
+    cap = max(1, k * 4 // (128 * m))
+    return max(1, min(cdiv(4 * sms, blocks), n_groups // (2 * slots), cap))
+
+
+def _default_config(bits: int, m: int, n: int, dtype: torch.dtype, sms: int, mma_ok: bool = False) -> dict:
+    """int4 with few rows on a GPU: the Gluon MMA kernel; else M = 1: the GEMV kernel; more rows:
+    the tensor-core kernel (see the functions above)."""
+    if _use_mma(bits, m, dtype, mma_ok):
+        return _mma_config(m, n)
     return _gemv_config(bits, n, sms) if _use_gemv(m) else _dot_config(m, dtype)
 
 
@@ -276,20 +302,26 @@ def _splits(tiles: int, n_chunks: int, sms: int, bits: int, m: int, k: int, swap
 
 @functools.lru_cache(maxsize=4096)
 def launch_plan(bits: int, group_size: int, m: int, n: int, k: int, dtype: torch.dtype, sms: int,
-                overrides: tuple = ()) -> LaunchPlan:
+                overrides: tuple = (), mma_ok: bool = False) -> LaunchPlan:
     """The launch of an ``[m, k] x [n, k]ᵀ`` call; ``overrides`` (sorted ``(key, value)`` pairs of
     :data:`CONFIG_KEYS`) replace the defaults (sweeps), those of the overriding PATH when it names
-    the other kernel. int4 BLOCK_K is rounded to whole groups."""
-    cfg = _default_config(bits, m, n, dtype, sms)
+    another kernel. int4 BLOCK_K is rounded to whole groups. ``mma_ok``: the Gluon kernel can run
+    (an sm_80+ GPU, not the interpreter)."""
+    cfg = _default_config(bits, m, n, dtype, sms, mma_ok)
     path = dict(overrides).get("PATH", cfg["PATH"])
     if path != cfg["PATH"]:
-        cfg = _gemv_config(bits, n, sms) if path == "gemv" else _dot_config(m, dtype)
+        cfg = {"gemv": lambda: _gemv_config(bits, n, sms), "dot": lambda: _dot_config(m, dtype),
+               "mma": lambda: _mma_config(m, n)}.get(path, lambda: dict(PATH=path))()
     cfg.update(overrides)
     unknown = set(cfg) - set(CONFIG_KEYS)
     if unknown:
         raise ValueError(f"config: unknown keys {sorted(unknown)}; known: {CONFIG_KEYS}")
-    if cfg["PATH"] not in ("gemv", "dot") or (cfg["PATH"] == "gemv" and m > GEMV_MAX_ROWS):
-        raise ValueError(f"config: PATH {cfg['PATH']!r} cannot serve M = {m}")
+    if (cfg["PATH"] not in ("gemv", "dot", "mma") or (cfg["PATH"] == "gemv" and m > GEMV_MAX_ROWS)
+            or (cfg["PATH"] == "mma" and not _use_mma(bits, m, dtype, mma_ok))):
+        raise ValueError(f"config: PATH {cfg['PATH']!r} cannot serve M = {m}, {bits} bits, {dtype}"
+                         + ("" if mma_ok else " here (the mma path needs an sm_80+ GPU)"))
+    if cfg["PATH"] == "mma":
+        return _mma_plan(cfg, group_size, m, n, k, sms)
     block_k = _int4_block_k(cfg["BLOCK_K"], group_size, k // group_size) if bits == 4 else cfg["BLOCK_K"]
     n_chunks = cdiv(k, block_k)
     block_n = cfg["BLOCK_N"]
@@ -311,6 +343,25 @@ def launch_plan(bits: int, group_size: int, m: int, n: int, k: int, dtype: torch
     return LaunchPlan(kernel, (tiles, splits), splits, n_chunks, chunks_per_split, meta)
 
 
+def _mma_plan(cfg: dict, group_size: int, m: int, n: int, k: int, sms: int) -> LaunchPlan:
+    """The Gluon kernel's plan: ``n_chunks`` counts groups, ``chunks_per_split`` is a whole number
+    of steps (SLOTS groups each)."""
+    from ._quant_gluon import int4_mma_kernel, mma_layouts        # Gluon: imported when first used
+    warps_k, warps_n, reps, gps = cfg["WARPS_K"], cfg["WARPS_N"], cfg["REPS"], cfg["GROUPS_PER_STEP"]
+    slots = warps_k * gps
+    mma_n = max(8, next_power_of_2(m))
+    block_n = 16 * warps_n * reps
+    n_groups = k // group_size
+    blocks = cdiv(n, block_n)
+    splits = cfg.get("SPLITS") or _mma_splits(blocks, n_groups, slots, sms, m, k)
+    per_split = cdiv(cdiv(n_groups, splits), slots) * slots
+    splits = cdiv(n_groups, per_split)
+    words, mma, xl = mma_layouts(group_size, slots, warps_k, warps_n, reps, mma_n)
+    meta = dict(GROUP=group_size, MMA_N=mma_n, WORDS_LAYOUT=words, MMA_LAYOUT=mma, X_LAYOUT=xl, SLOTS=slots,
+                BLOCK_N=block_n, num_warps=warps_k * warps_n)
+    return LaunchPlan(int4_mma_kernel, (blocks, splits), splits, n_groups, per_split, meta)
+
+
 def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, bits: int, group_size: int,
             config: Optional[dict] = None) -> torch.Tensor:
     """y [M, N] for x2 [M, K] (unit K stride); group_size 0 means int8 per channel. ``config``
@@ -320,8 +371,12 @@ def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, bits: int, group_siz
     y = empty((m, n), x2.dtype, x2.device)
     if m == 0 or n == 0:
         return y
-    plan = launch_plan(bits, group_size, m, n, k, x2.dtype, num_sms(x2),
-                       tuple(sorted(config.items())) if config else ())
+    overrides = tuple(sorted(config.items())) if config else ()
+    mma_ok = is_ampere_or_newer(x2) and not interpreting()
+    plan = launch_plan(bits, group_size, m, n, k, x2.dtype, num_sms(x2), overrides, mma_ok)
+    if plan.kernel is not quant_gemv_kernel and plan.kernel is not quant_dot_kernel and not _pairs_aligned(x2):
+        # the Gluon kernel reads x as int32 pairs: an x off 4-byte rows takes the tl kernels
+        plan = launch_plan(bits, group_size, m, n, k, x2.dtype, num_sms(x2), overrides, False)
     if qweight.data_ptr() % 4:
         qweight = qweight.clone()                         # the kernels read 4-byte words
     split = plan.splits > 1
@@ -329,14 +384,21 @@ def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, bits: int, group_siz
     zeros_arg = zeros if zeros is not None else qweight   # never read for int8
     bias_arg = bias if bias is not None else y            # never read without HAS_BIAS
     meta = plan.meta
-    if meta.get("X_PAIRS") and not _pairs_aligned(x2):
-        meta = dict(meta, X_PAIRS=False)                  # read as bf16: the same values, no copy of x
-    plan.kernel[plan.grid](
-        x2, qweight, scales, zeros_arg, bias_arg, y, partial, m, n, k,
-        x2.stride(0), qweight.stride(0), scales.stride(0), y.stride(0),
-        plan.n_chunks, plan.chunks_per_split, MAGIC_BITS,
-        **meta, HAS_BIAS=bias is not None and not split, SPLIT=split,
-    )
+    if plan.kernel is not quant_gemv_kernel and plan.kernel is not quant_dot_kernel:
+        plan.kernel[plan.grid](
+            x2, qweight, scales, zeros, bias_arg, y, partial, m, n, plan.n_chunks, plan.chunks_per_split,
+            x2.stride(0) if m > 1 else 0, qweight.stride(0) // 4, scales.stride(0), y.stride(0),
+            **meta, HAS_BIAS=bias is not None and not split, SPLIT=split,
+        )
+    else:
+        if meta.get("X_PAIRS") and not _pairs_aligned(x2):
+            meta = dict(meta, X_PAIRS=False)              # read as bf16: the same values, no copy of x
+        plan.kernel[plan.grid](
+            x2, qweight, scales, zeros_arg, bias_arg, y, partial, m, n, k,
+            x2.stride(0), qweight.stride(0), scales.stride(0), y.stride(0),
+            plan.n_chunks, plan.chunks_per_split, MAGIC_BITS,
+            **meta, HAS_BIAS=bias is not None and not split, SPLIT=split,
+        )
     if split:
         splitk_reduce_kernel[(m, cdiv(n, REDUCE_BLOCK_N))](
             partial, bias_arg, y, m, n, plan.splits, y.stride(0),
