@@ -58,6 +58,20 @@ DOT_ALTERNATIVES = {
     "xw-m64-n64": dict(SWAP_AB=False, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128),
 }
 SMALL_M_ALTERNATIVES = {"gemv": dict(PATH="gemv")}     # M <= quant.GEMV_MAX_ROWS: one program per row
+# int4, M <= quant.MMA_MAX_ROWS (the Gluon kernel is the default): its knobs, and the tl kernels the
+# default was before it ("tl-gemv" at M = 1, "tl-dot" above). 4 warps on groups (WARPS_K), 2 row
+# tiles of 16 per warp (REPS), 1 group per warp and step, split-K to ~4 programs per SM unless named.
+MMA_ALTERNATIVES = {
+    "mma-r1": dict(PATH="mma", REPS=1),
+    "mma-r4": dict(PATH="mma", REPS=4),
+    "mma-gps2": dict(PATH="mma", GROUPS_PER_STEP=2),
+    "mma-wk2-wn2": dict(PATH="mma", WARPS_K=2, WARPS_N=2),
+    "mma-wk8-r1": dict(PATH="mma", WARPS_K=8, REPS=1),
+    "mma-wk1-wn4": dict(PATH="mma", WARPS_K=1, WARPS_N=4, REPS=1),
+    "mma-split1": dict(PATH="mma", SPLITS=1),
+    "mma-r1-split1": dict(PATH="mma", REPS=1, SPLITS=1),
+    "mma-wk2-wn2-r1": dict(PATH="mma", WARPS_K=2, WARPS_N=2, REPS=1),
+}
 
 
 def bench_e2e(fn) -> float:
@@ -112,8 +126,11 @@ def _x_pairs_only(cfg: dict) -> bool:
 def _plan_text(x, bits, n, cfg) -> str:
     m, k = x.shape
     plan = quant.launch_plan(bits, GROUP_SIZE if bits == 4 else 0, m, n, k, x.dtype, quant.num_sms(x),
-                             tuple(sorted(cfg.items())))
+                             tuple(sorted(cfg.items())), True)
     meta = plan.meta
+    if "MMA_N" in meta:
+        return (f"mma n{meta['BLOCK_N']} slots{meta['SLOTS']} steps{meta['STEPS']} w{meta['num_warps']} mma_n{meta['MMA_N']} "
+                f"groups/split {plan.chunks_per_split} splits{plan.splits} grid{plan.grid}")
     path = ("gemv" if plan.kernel is quant.quant_gemv_kernel
             else f"dot-{'wx' if meta['SWAP_AB'] else 'xw'} m{meta['BLOCK_M']}")
     xp = " xpairs" if meta.get("X_PAIRS") else ""
@@ -156,6 +173,8 @@ def sweep_shape(bits: int, m: int, n: int, k: int, copy_bw: float, args) -> dict
     print("  " + "  ".join(f"{p} {e:.1f} / {gr:.1f} us" for p, (e, gr) in peers.items()) + "   (e2e / graph)")
 
     alts = {} if args.quick else dict(GEMV_ALTERNATIVES if m == 1 else DOT_ALTERNATIVES)
+    if bits == 4 and m <= quant.MMA_MAX_ROWS and not args.quick:
+        alts = dict(MMA_ALTERNATIVES, **{"tl-gemv" if m == 1 else "tl-dot": dict(PATH="gemv" if m == 1 else "dot")})
     if bits != 4 or dtype != torch.bfloat16:
         alts = {name: cfg for name, cfg in alts.items() if not _x_pairs_only(cfg)}
     if args.grid:                                   # the named alternatives replaced by a grid

@@ -342,17 +342,21 @@ def test_launch_plans_for_an_h100():
 
 def test_mma_plans():
     """Where the Gluon int4 kernel runs (an sm_80+ GPU: ``mma_ok``): int4 with fp16 / bf16 x and up
-    to 32 rows; int8, fp32 x and 33+ rows keep the tl kernels. Split-K gives about 4 programs per
-    SM, a whole number of steps per split, each split at least 2 steps; forcing it where it cannot
-    run is an error."""
-    plan = quant.launch_plan(4, 128, 1, 4096, 4096, torch.bfloat16, 132, (), True)
-    assert plan.meta["MMA_N"] == 8 and plan.meta["BLOCK_N"] == 32 and plan.meta["SLOTS"] == 4
-    assert plan.grid == (128, 4) and plan.chunks_per_split == 8 and plan.n_chunks == 32
-    plan = quant.launch_plan(4, 128, 16, 14336, 4096, torch.bfloat16, 132, (), True)
-    assert plan.meta["MMA_N"] == 16 and plan.grid == (448, 2) and plan.chunks_per_split == 16
+    to 32 rows; int8, fp32 x and 33+ rows keep the tl kernels. A program takes SLOTS x STEPS
+    groups (STEPS a power of two up to 16), the split-K fills the GPU; forcing the path where it
+    cannot run is an error."""
+    for m, n, k, g in [(1, 4096, 4096, 128), (16, 14336, 4096, 128), (3, 4096, 14336, 128), (32, 4097, 4096, 32)]:
+        plan = quant.launch_plan(4, g, m, n, k, torch.bfloat16, 132, (), True)
+        meta = plan.meta
+        assert meta["MMA_N"] == max(8, 1 << (m - 1).bit_length()) and meta["BLOCK_N"] == 32 and meta["SLOTS"] == 4
+        steps = meta["STEPS"]
+        assert steps & (steps - 1) == 0 and 1 <= steps <= 16 and plan.chunks_per_split == 4 * steps
+        assert plan.grid == ((n + 31) // 32, plan.splits) and plan.n_chunks == k // g
+        assert (plan.splits - 1) * plan.chunks_per_split < plan.n_chunks <= plan.splits * plan.chunks_per_split
+        assert meta["EVEN_GROUPS"] == (plan.n_chunks % plan.chunks_per_split == 0)
+        assert plan.grid[0] * plan.grid[1] >= 2 * 132 or steps == 1
     plan = quant.launch_plan(4, 32, 32, 4096, 4096, torch.float16, 132, (("SPLITS", 3),), True)
-    assert plan.meta["MMA_N"] == 32 and plan.chunks_per_split % plan.meta["SLOTS"] == 0
-    assert plan.splits == 3 and plan.chunks_per_split * 2 < plan.n_chunks <= plan.chunks_per_split * 3
+    assert plan.meta["STEPS"] == 16 and plan.splits == 2          # 128 groups / 3 splits -> 11 -> 16 steps of 4
     for bits, g, m, dtype in [(8, 0, 1, torch.bfloat16), (4, 128, 33, torch.bfloat16), (4, 128, 1, torch.float32)]:
         assert quant.launch_plan(bits, g, m, 4096, 4096, dtype, 132, (), True).meta.get("MMA_N") is None
     assert quant.launch_plan(4, 128, 1, 4096, 4096, torch.bfloat16, 132, (), False).kernel is quant.quant_gemv_kernel

@@ -56,22 +56,31 @@ def _log2(v: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def mma_layouts(group: int, slots: int, warps_k: int, warps_n: int, reps: int, mma_n: int):
-    """(words layout, MMA layout, x layout) of a program's tiles: words ``[slots, BLOCK_N, GROUP / 8]`` int32,
-    accumulators ``[slots, BLOCK_N, MMA_N]``. The words layout puts a lane's JW words of a row in
-    registers (one vector load), the lane's t on the word axis, g on the row axis, row + 8 in a
-    register, the warps on rows then slots, like the A fragment of ``mma.sync`` (see the module
-    docstring); :func:`int4_mma_kernel` checks the match when it compiles."""
+def mma_layouts(group: int, slots: int, warps_k: int, warps_n: int, reps: int, mma_n: int, steps: int):
+    """(words, MMA, x, per-row) layouts of a program's tiles: words ``[slots, BLOCK_N, GROUP / 8]``
+    int32, accumulators ``[slots, BLOCK_N, MMA_N]``, x pairs ``[slots, GROUP / 2, MMA_N]`` and the
+    zero points / scales of all steps ``[slots, BLOCK_N, steps]``. The words layout puts a lane's
+    JW words of a row in registers (one vector load), the lane's t on the word axis, g on the row
+    axis, row + 8 in a register, the warps on rows then slots, like the A fragment of ``mma.sync``
+    (see the module docstring); :func:`int4_mma_kernel` checks the match when it compiles. The
+    per-row layout holds a row's steps in registers (one vector load per row), on the threads
+    that hold the row in both the words and the accumulator."""
     jw = group // 32                                    # words per lane and row (1, 2, 4)
-    reg = ([[0, 0, 1 << i] for i in range(_log2(jw))] + [[0, 8, 0]]
-           + [[0, 16 * warps_n << i, 0] for i in range(_log2(reps))]
-           + [[warps_k << i, 0, 0] for i in range(_log2(slots // warps_k))])
-    lane = [[0, 0, jw], [0, 0, 2 * jw], [0, 1, 0], [0, 2, 0], [0, 4, 0]]
+    rows = [[0, 8, 0]] + [[0, 16 * warps_n << i, 0] for i in range(_log2(reps))]
+    slot_regs = [[warps_k << i, 0, 0] for i in range(_log2(slots // warps_k))]
+    lane_rows = [[0, 1, 0], [0, 2, 0], [0, 4, 0]]
     warp = [[0, 16 << i, 0] for i in range(_log2(warps_n))] + [[1 << i, 0, 0] for i in range(_log2(warps_k))]
-    words = gl.DistributedLinearLayout(reg_bases=reg, lane_bases=lane, warp_bases=warp, block_bases=[],
-                                       shape=[slots, 16 * warps_n * reps, group // 8])
+    block_n = 16 * warps_n * reps
+    words = gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 1 << i] for i in range(_log2(jw))] + rows + slot_regs,
+        lane_bases=[[0, 0, jw], [0, 0, 2 * jw]] + lane_rows, warp_bases=warp, block_bases=[],
+        shape=[slots, block_n, group // 8])
+    per_row = gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 1 << i] for i in range(_log2(steps))] + rows + slot_regs,
+        lane_bases=[[0, 0, 0], [0, 0, 0]] + lane_rows, warp_bases=warp, block_bases=[],
+        shape=[slots, block_n, steps])
     mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[warps_k, warps_n, 1], instr_shape=[1, 16, 8])
-    return words, mma, x_load_layout(group, slots, warps_k, warps_n, mma_n)
+    return words, mma, x_load_layout(group, slots, warps_k, warps_n, mma_n), per_row
 
 
 @gluon.jit
@@ -169,7 +178,6 @@ def int4_mma_kernel(
     M,                  # rows of x (1 <= M <= MMA_N)
     N,                  # output features
     n_groups,           # K / GROUP (>= 1)
-    groups_per_split,   # groups per program along grid axis 1 (a multiple of SLOTS)
     stride_xm,          # elements between rows of x
     stride_qw,          # int32 words between rows of the packed weight (bytes / 4)
     stride_sn,          # elements between rows of scales / zeros
@@ -179,13 +187,17 @@ def int4_mma_kernel(
     WORDS_LAYOUT: gl.constexpr,     # mma_layouts(...)[0]
     MMA_LAYOUT: gl.constexpr,       # mma_layouts(...)[1]
     X_LAYOUT: gl.constexpr,         # mma_layouts(...)[2]
+    ROW_LAYOUT: gl.constexpr,       # mma_layouts(...)[3]
     SLOTS: gl.constexpr,            # groups in flight per step: GROUPS_PER_STEP x WARPS_K
+    STEPS: gl.constexpr,            # steps per program (unrolled): SLOTS x STEPS groups of K per program
+    EVEN_GROUPS: gl.constexpr,      # SLOTS x STEPS divides n_groups (no clamped group: vector loads of z, s)
     BLOCK_N: gl.constexpr,          # weight rows per program: 16 x WARPS_N x REPS
     HAS_BIAS: gl.constexpr,
     SPLIT: gl.constexpr,            # write fp32 partials (more than one split) instead of y
 ):
     """``y[m, n] = Σ_g s[n, g] · Σ_{k in g} (q[n, k] − z[n, g]) · x[m, k]`` for ``BLOCK_N`` rows n
-    and the groups ``[pid_s · groups_per_split, ...)`` of K; grid ``(cdiv(N, BLOCK_N), splits)``."""
+    and the groups ``[pid_s · SLOTS · STEPS, ...)`` of K (slot b takes STEPS consecutive ones:
+    its zero points and scales are one vector load per row); grid ``(cdiv(N, BLOCK_N), splits)``."""
     DTYPE: gl.constexpr = x_ptr.dtype.element_ty
     A_LAYOUT: gl.constexpr = gl.DotOperandLayout(0, MMA_LAYOUT, 2)
     B_LAYOUT: gl.constexpr = gl.DotOperandLayout(1, MMA_LAYOUT, 2)
@@ -194,53 +206,55 @@ def int4_mma_kernel(
     pid_n = gl.program_id(0)
     pid_s = gl.program_id(1)
     n0 = pid_n * BLOCK_N
-    g_begin = pid_s * groups_per_split
-    g_last = gl.minimum(g_begin + groups_per_split, n_groups) - 1
+    g_begin = pid_s * (SLOTS * STEPS)
+    g_last = gl.minimum(g_begin + SLOTS * STEPS, n_groups) - 1
     # Every load but the scales' reads a valid address without a mask: rows past N, groups past
     # the range and rows of x past M are clamped to the last valid one. A clamped group's scale
     # is 0 (its finite product counts 0), clamped rows' outputs are not stored.
 
-    # weight words [SLOTS, BLOCK_N, WORDS] and their rows' zero points [SLOTS, BLOCK_N]
+    # weight words [SLOTS, BLOCK_N, WORDS]
     SW: gl.constexpr = gl.SliceLayout(2, WORDS_LAYOUT)
-    w_slot = gl.arange(0, SLOTS, layout=gl.SliceLayout(1, SW))[:, None]
+    w_first = g_begin + STEPS * gl.arange(0, SLOTS, layout=gl.SliceLayout(1, SW))[:, None]   # each slot's first group
     w_rows = gl.minimum(n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, SW)), N - 1)[None, :]
     w_word = gl.arange(0, WORDS, layout=gl.SliceLayout(0, gl.SliceLayout(1, WORDS_LAYOUT)))[None, None, :]
     qw_rows = qw_ptr.to(gl.pointer_type(gl.int32)) + (w_rows.to(gl.int64) * stride_qw)[:, :, None] + w_word
-    z_rows = zeros_ptr + w_rows.to(gl.int64) * stride_sn
-    # scales [SLOTS, BLOCK_N] in the accumulator's rows
-    SA: gl.constexpr = gl.SliceLayout(2, MMA_LAYOUT)
-    a_slot = gl.arange(0, SLOTS, layout=gl.SliceLayout(1, SA))[:, None]
-    a_rows = gl.minimum(n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, SA)), N - 1)[None, :]
-    s_rows = scales_ptr + a_rows.to(gl.int64) * stride_sn
+    # zero points and scales of every step [SLOTS, BLOCK_N, STEPS], loaded once
+    SR: gl.constexpr = gl.SliceLayout(2, ROW_LAYOUT)
+    r_rows = gl.minimum(n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, SR)), N - 1)[None, :, None]
+    r_step = gl.arange(0, STEPS, layout=gl.SliceLayout(0, gl.SliceLayout(1, ROW_LAYOUT)))[None, None, :]
+    r_group = g_begin + STEPS * gl.arange(0, SLOTS, layout=gl.SliceLayout(1, SR))[:, None, None] + r_step
+    if EVEN_GROUPS:            # no group past the range: a slot's steps are one contiguous vector per row
+        r_offs = r_rows.to(gl.int64) * stride_sn + r_group
+        z_all = gl.load(zeros_ptr + r_offs)
+        s_all = gl.load(scales_ptr + r_offs).to(gl.float32)
+    else:
+        r_offs = r_rows.to(gl.int64) * stride_sn + gl.minimum(r_group, g_last)
+        z_all = gl.load(zeros_ptr + r_offs)
+        s_all = gl.load(scales_ptr + r_offs, mask=r_group <= g_last, other=0.0).to(gl.float32)
+    nz_all = _pack2((-(z_all.to(gl.float32) + MAGIC)).to(DTYPE))                            # -(magic + z), twice
     # x as int32 pairs [SLOTS, GROUP / 2, MMA_N]: a lane's pairs are contiguous (vector loads)
     SX: gl.constexpr = gl.SliceLayout(2, X_LAYOUT)
-    x_slot = gl.arange(0, SLOTS, layout=gl.SliceLayout(1, SX))[:, None, None]
+    x_first = g_begin + STEPS * gl.arange(0, SLOTS, layout=gl.SliceLayout(1, SX))[:, None, None]
     x_pair = gl.arange(0, GROUP // 2, layout=gl.SliceLayout(0, SX))[None, :, None]
     x_m = gl.minimum(gl.arange(0, MMA_N, layout=gl.SliceLayout(0, gl.SliceLayout(1, X_LAYOUT))), M - 1)[None, None, :]
     x_rows = x_ptr.to(gl.pointer_type(gl.int32)) + x_m.to(gl.int64) * (stride_xm // 2) + x_pair
 
-    g = gl.minimum(g_begin + w_slot, g_last)              # this step's group of each slot
-    words = gl.load(qw_rows + (g * WORDS)[:, :, None])
-    z = gl.load(z_rows + g)
-    gs = g_begin + a_slot
-    s = gl.load(s_rows + gs, mask=gs <= g_last, other=0.0)
-    xp = gl.load(x_rows + gl.minimum(g_begin + x_slot, g_last) * (GROUP // 2))
+    words = gl.load(qw_rows + (gl.minimum(w_first, g_last) * WORDS)[:, :, None])
+    xp = gl.load(x_rows + gl.minimum(x_first, g_last) * (GROUP // 2))
     acc = gl.zeros([SLOTS, BLOCK_N, MMA_N], gl.float32, MMA_LAYOUT)
     zero = gl.zeros([SLOTS, BLOCK_N, MMA_N], gl.float32, MMA_LAYOUT)
-    for g0 in range(g_begin + SLOTS, g_last + 1 + SLOTS, SLOTS):
-        # the next step's operands first (clamped past the range), then this step's math
-        g = gl.minimum(g0 + w_slot, g_last)
-        words_next = gl.load(qw_rows + (g * WORDS)[:, :, None])
-        z_next = gl.load(z_rows + g)
-        gs = g0 + a_slot
-        s_next = gl.load(s_rows + gs, mask=gs <= g_last, other=0.0)
-        xp_next = gl.load(x_rows + gl.minimum(g0 + x_slot, g_last) * (GROUP // 2))
-
-        nz = _pack2((-(z.to(gl.float32) + MAGIC)).to(DTYPE))
+    for j in gl.static_range(STEPS):
+        if j + 1 < STEPS:      # the next step's operands first (clamped past the range), then this step's math
+            words_next = gl.load(qw_rows + (gl.minimum(w_first + (j + 1), g_last) * WORDS)[:, :, None])
+            xp_next = gl.load(x_rows + gl.minimum(x_first + (j + 1), g_last) * (GROUP // 2))
+        nz = gl.convert_layout(gl.sum(gl.where(r_step == j, nz_all, 0), axis=2), SW, assert_trivial=True)
         q = gl.convert_layout(_q_minus_z(words, nz[:, :, None], DTYPE), A_LAYOUT, assert_trivial=True)
         part = mma_v2(q, _x_fragment(xp, B_LAYOUT, DTYPE), zero)
-        acc += part * s.to(gl.float32)[:, :, None]
-        words, z, s, xp = words_next, z_next, s_next, xp_next
+        s = gl.convert_layout(gl.sum(gl.where(r_step == j, s_all, 0.0), axis=2), gl.SliceLayout(2, MMA_LAYOUT),
+                              assert_trivial=True)
+        acc += part * s[:, :, None]
+        if j + 1 < STEPS:
+            words, xp = words_next, xp_next
 
     out = gl.sum(acc, axis=0)                             # the slots' groups: [BLOCK_N, MMA_N]
     SO: gl.constexpr = gl.SliceLayout(0, MMA_LAYOUT)

@@ -241,16 +241,17 @@ def _mma_config(m: int, n: int) -> dict:
     """4 warps on 32 weight rows (REPS = 2 row tiles of 16 per warp: 2.55 SASS instructions per
     value in the loop, against 2.56 with 1 tile and more programs), each warp on its own group of
     K (WARPS_K = 4, summed through shared memory at the end), one group per warp and step; the
-    program count is filled up by split-K (:func:`_mma_splits`)."""
+    program count is filled up by split-K (:func:`_mma_steps`)."""
     return dict(PATH="mma", WARPS_K=4, WARPS_N=1, REPS=2, GROUPS_PER_STEP=1)
 
 
-def _mma_splits(blocks: int, n_groups: int, slots: int, sms: int, m: int, k: int) -> int:
-    """K splits of the Gluon int4 kernel: about 4 programs per SM (the loads in flight per SM
-    are what the bandwidth needs), each of at least 2 steps, and no more than keep the fp32
-    partials' traffic within half the weight's (as :func:`_splits`)."""
-    cap = max(1, k * 4 // (128 * m))
-    return max(1, min(cdiv(4 * sms, blocks), n_groups // (2 * slots), cap))
+def _mma_steps(blocks: int, n_groups: int, slots: int, sms: int) -> int:
+    """Steps per program of the Gluon int4 kernel (a power of two; the K split follows): the
+    largest that still gives 2 programs per SM, at most 16 (the loop is unrolled)."""
+    steps = 16
+    while steps > 1 and blocks * cdiv(n_groups, slots * steps) < 2 * sms:
+        steps //= 2
+    return steps
 
 
 def _default_config(bits: int, m: int, n: int, dtype: torch.dtype, sms: int, mma_ok: bool = False) -> dict:
@@ -344,8 +345,9 @@ def launch_plan(bits: int, group_size: int, m: int, n: int, k: int, dtype: torch
 
 
 def _mma_plan(cfg: dict, group_size: int, m: int, n: int, k: int, sms: int) -> LaunchPlan:
-    """The Gluon kernel's plan: ``n_chunks`` counts groups, ``chunks_per_split`` is a whole number
-    of steps (SLOTS groups each)."""
+    """The Gluon kernel's plan: ``n_chunks`` counts groups, ``chunks_per_split`` = SLOTS x STEPS
+    groups per program (STEPS a power of two: the steps' zero points and scales are one register
+    tile). ``SPLITS`` (an override) is met as closely as a power-of-two STEPS allows."""
     from ._quant_gluon import int4_mma_kernel, mma_layouts        # Gluon: imported when first used
     warps_k, warps_n, reps, gps = cfg["WARPS_K"], cfg["WARPS_N"], cfg["REPS"], cfg["GROUPS_PER_STEP"]
     slots = warps_k * gps
@@ -353,13 +355,16 @@ def _mma_plan(cfg: dict, group_size: int, m: int, n: int, k: int, sms: int) -> L
     block_n = 16 * warps_n * reps
     n_groups = k // group_size
     blocks = cdiv(n, block_n)
-    splits = cfg.get("SPLITS") or _mma_splits(blocks, n_groups, slots, sms, m, k)
-    per_split = cdiv(cdiv(n_groups, splits), slots) * slots
-    splits = cdiv(n_groups, per_split)
-    words, mma, xl = mma_layouts(group_size, slots, warps_k, warps_n, reps, mma_n)
-    meta = dict(GROUP=group_size, MMA_N=mma_n, WORDS_LAYOUT=words, MMA_LAYOUT=mma, X_LAYOUT=xl, SLOTS=slots,
-                BLOCK_N=block_n, num_warps=warps_k * warps_n)
-    return LaunchPlan(int4_mma_kernel, (blocks, splits), splits, n_groups, per_split, meta)
+    if cfg.get("SPLITS"):
+        steps = min(16, next_power_of_2(cdiv(n_groups, slots * cfg["SPLITS"])))
+    else:
+        steps = _mma_steps(blocks, n_groups, slots, sms)
+    splits = cdiv(n_groups, slots * steps)
+    words, mma, xl, rows = mma_layouts(group_size, slots, warps_k, warps_n, reps, mma_n, steps)
+    meta = dict(GROUP=group_size, MMA_N=mma_n, WORDS_LAYOUT=words, MMA_LAYOUT=mma, X_LAYOUT=xl, ROW_LAYOUT=rows,
+                SLOTS=slots, STEPS=steps, EVEN_GROUPS=n_groups % (slots * steps) == 0, BLOCK_N=block_n,
+                num_warps=warps_k * warps_n)
+    return LaunchPlan(int4_mma_kernel, (blocks, splits), splits, n_groups, slots * steps, meta)
 
 
 def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, bits: int, group_size: int,
@@ -386,7 +391,7 @@ def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, bits: int, group_siz
     meta = plan.meta
     if plan.kernel is not quant_gemv_kernel and plan.kernel is not quant_dot_kernel:
         plan.kernel[plan.grid](
-            x2, qweight, scales, zeros, bias_arg, y, partial, m, n, plan.n_chunks, plan.chunks_per_split,
+            x2, qweight, scales, zeros, bias_arg, y, partial, m, n, plan.n_chunks,
             x2.stride(0) if m > 1 else 0, qweight.stride(0) // 4, scales.stride(0), y.stride(0),
             **meta, HAS_BIAS=bias is not None and not split, SPLIT=split,
         )
