@@ -58,19 +58,17 @@ DOT_ALTERNATIVES = {
     "xw-m64-n64": dict(SWAP_AB=False, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128),
 }
 SMALL_M_ALTERNATIVES = {"gemv": dict(PATH="gemv")}     # M <= quant.GEMV_MAX_ROWS: one program per row
-# int4, M <= quant.MMA_MAX_ROWS (the Gluon kernel is the default): its knobs, and the tl kernels the
-# default was before it ("tl-gemv" at M = 1, "tl-dot" above). 4 warps on groups (WARPS_K), 2 row
-# tiles of 16 per warp (REPS), 1 group per warp and step, split-K to ~4 programs per SM unless named.
+# int4, M <= quant.MMA_MAX_ROWS: the Gluon kernel (PATH="mma", not a default) and its knobs, added
+# to the tl kernels' alternatives. 4 warps on groups (WARPS_K), 1 row tile of 16 per warp (REPS),
+# 1 group per warp and step, up to 8 steps, split-K to ~2 programs per SM unless named.
 MMA_ALTERNATIVES = {
-    "mma-r1": dict(PATH="mma", REPS=1),
-    "mma-r4": dict(PATH="mma", REPS=4),
+    "mma": dict(PATH="mma"),
+    "mma-r2": dict(PATH="mma", REPS=2),
     "mma-gps2": dict(PATH="mma", GROUPS_PER_STEP=2),
     "mma-wk2-wn2": dict(PATH="mma", WARPS_K=2, WARPS_N=2),
-    "mma-wk8-r1": dict(PATH="mma", WARPS_K=8, REPS=1),
-    "mma-wk1-wn4": dict(PATH="mma", WARPS_K=1, WARPS_N=4, REPS=1),
+    "mma-wk8": dict(PATH="mma", WARPS_K=8),
+    "mma-wk1-wn4": dict(PATH="mma", WARPS_K=1, WARPS_N=4),
     "mma-split1": dict(PATH="mma", SPLITS=1),
-    "mma-r1-split1": dict(PATH="mma", REPS=1, SPLITS=1),
-    "mma-wk2-wn2-r1": dict(PATH="mma", WARPS_K=2, WARPS_N=2, REPS=1),
 }
 
 
@@ -174,7 +172,7 @@ def sweep_shape(bits: int, m: int, n: int, k: int, copy_bw: float, args) -> dict
 
     alts = {} if args.quick else dict(GEMV_ALTERNATIVES if m == 1 else DOT_ALTERNATIVES)
     if bits == 4 and m <= quant.MMA_MAX_ROWS and not args.quick:
-        alts = dict(MMA_ALTERNATIVES, **{"tl-gemv" if m == 1 else "tl-dot": dict(PATH="gemv" if m == 1 else "dot")})
+        alts = dict(alts, **MMA_ALTERNATIVES)
     if bits != 4 or dtype != torch.bfloat16:
         alts = {name: cfg for name, cfg in alts.items() if not _x_pairs_only(cfg)}
     if args.grid:                                   # the named alternatives replaced by a grid

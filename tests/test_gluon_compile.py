@@ -184,7 +184,8 @@ def compile_int4_mma(case):
     from tilefuse.ops._quant_gluon import int4_mma_kernel
     dtype, g, m, warps_k, warps_n, reps, gps, _ = INT4_MMA_CASES[case]
     n, k = 256, 8 * g * warps_k * gps                  # unsplit: 8 steps
-    cfg = (("GROUPS_PER_STEP", gps), ("REPS", reps), ("SPLITS", 1), ("WARPS_K", warps_k), ("WARPS_N", warps_n))
+    cfg = (("GROUPS_PER_STEP", gps), ("PATH", "mma"), ("REPS", reps), ("SPLITS", 1), ("WARPS_K", warps_k),
+           ("WARPS_N", warps_n))
     plan = quant.launch_plan(4, g, m, n, k, dtype, 132, cfg, True)
     meta = dict(plan.meta)
     num_warps = meta.pop("num_warps")

@@ -341,27 +341,30 @@ def test_launch_plans_for_an_h100():
 
 
 def test_mma_plans():
-    """Where the Gluon int4 kernel runs (an sm_80+ GPU: ``mma_ok``): int4 with fp16 / bf16 x and up
-    to 32 rows; int8, fp32 x and 33+ rows keep the tl kernels. A program takes SLOTS x STEPS
-    groups (STEPS a power of two up to 16), the split-K fills the GPU; forcing the path where it
-    cannot run is an error."""
+    """Where the Gluon int4 kernel can run (``PATH="mma"`` on an sm_80+ GPU: ``mma_ok``): int4 with
+    fp16 / bf16 x and up to 32 rows; not a default. A program takes SLOTS x STEPS groups (STEPS a
+    power of two up to 8), the split-K fills the GPU; asking for it where it cannot run
+    (int8, fp32 x, 33+ rows, no GPU) is an error."""
+    mma = (("PATH", "mma"),)
     for m, n, k, g in [(1, 4096, 4096, 128), (16, 14336, 4096, 128), (3, 4096, 14336, 128), (32, 4097, 4096, 32)]:
-        plan = quant.launch_plan(4, g, m, n, k, torch.bfloat16, 132, (), True)
+        assert "MMA_N" not in quant.launch_plan(4, g, m, n, k, torch.bfloat16, 132, (), True).meta
+        plan = quant.launch_plan(4, g, m, n, k, torch.bfloat16, 132, mma, True)
         meta = plan.meta
-        assert meta["MMA_N"] == max(8, 1 << (m - 1).bit_length()) and meta["BLOCK_N"] == 32 and meta["SLOTS"] == 4
+        assert meta["MMA_N"] == max(8, 1 << (m - 1).bit_length()) and meta["BLOCK_N"] == 16 and meta["SLOTS"] == 4
         steps = meta["STEPS"]
-        assert steps & (steps - 1) == 0 and 1 <= steps <= 16 and plan.chunks_per_split == 4 * steps
-        assert plan.grid == ((n + 31) // 32, plan.splits) and plan.n_chunks == k // g
+        assert steps & (steps - 1) == 0 and 1 <= steps <= 8 and plan.chunks_per_split == 4 * steps
+        assert plan.grid == ((n + 15) // 16, plan.splits) and plan.n_chunks == k // g
         assert (plan.splits - 1) * plan.chunks_per_split < plan.n_chunks <= plan.splits * plan.chunks_per_split
         assert meta["EVEN_GROUPS"] == (plan.n_chunks % plan.chunks_per_split == 0)
         assert plan.grid[0] * plan.grid[1] >= 2 * 132 or steps == 1
-    plan = quant.launch_plan(4, 32, 32, 4096, 4096, torch.float16, 132, (("SPLITS", 3),), True)
-    assert plan.meta["STEPS"] == 16 and plan.splits == 2          # 128 groups / 3 splits -> 11 -> 16 steps of 4
+    plan = quant.launch_plan(4, 32, 32, 4096, 4096, torch.float16, 132, (("PATH", "mma"), ("SPLITS", 3)), True)
+    assert plan.meta["STEPS"] == 8 and plan.splits == 4           # 128 groups / 3 splits -> 11 -> at most 8 steps of 4
     for bits, g, m, dtype in [(8, 0, 1, torch.bfloat16), (4, 128, 33, torch.bfloat16), (4, 128, 1, torch.float32)]:
-        assert quant.launch_plan(bits, g, m, 4096, 4096, dtype, 132, (), True).meta.get("MMA_N") is None
+        with pytest.raises(ValueError, match="mma"):
+            quant.launch_plan(bits, g, m, 4096, 4096, dtype, 132, mma, True)
     assert quant.launch_plan(4, 128, 1, 4096, 4096, torch.bfloat16, 132, (), False).kernel is quant.quant_gemv_kernel
     with pytest.raises(ValueError, match="mma"):
-        quant.launch_plan(4, 128, 1, 4096, 4096, torch.bfloat16, 132, (("PATH", "mma"),), False)
+        quant.launch_plan(4, 128, 1, 4096, 4096, torch.bfloat16, 132, mma, False)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -518,7 +521,7 @@ MMA_CONFIGS = [{}, dict(SPLITS=3), dict(WARPS_K=2, WARPS_N=2), dict(REPS=1), dic
 @pytest.mark.parametrize("m", [1, 3, 8, 9, 16, 17, 32])
 @pytest.mark.parametrize("config", MMA_CONFIGS, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()) or "default")
 def test_gpu_int4_mma(dtype, g, m, config):
-    """The Gluon int4 kernel (the default for int4 with up to 32 rows of fp16 / bf16 x) against
+    """The Gluon int4 kernel (``PATH="mma"``: int4 with up to 32 rows of fp16 / bf16 x) against
     the fp64 product with the dequantized weight: N off every tile (201), 13 groups (ragged
     splits and steps: a last step with clamped groups), bias on odd M; every row and column
     checked (y is NaN-poisoned)."""
@@ -526,12 +529,13 @@ def test_gpu_int4_mma(dtype, g, m, config):
     qw = _one_signed_rows_weight(n, k, dtype, g)
     x = torch.randn(m, k, device=DEVICE).to(dtype)
     bias = torch.randn(n, device=DEVICE).to(dtype) if m % 2 else None
+    config = dict(config, PATH="mma")
     plan = _plan_on_gpu(x, qw, config)
     assert plan.meta["MMA_N"] == max(8, 1 << (m - 1).bit_length()) and plan.kernel is not quant.quant_dot_kernel
-    y = _launch(x, qw, bias, dict(config))
+    y = _launch(x, qw, bias, config)
     assert y.dtype == dtype and y.shape == (m, n) and not y.isnan().any()
     assert rel_err(y, _reference(x, qw, bias)) <= TOL[dtype], rel_err(y, _reference(x, qw, bias))
-    assert torch.equal(y, _launch(x, qw, bias, dict(config)))          # no atomics: reproducible
+    assert torch.equal(y, _launch(x, qw, bias, config))                # no atomics: reproducible
 
 
 def _plan_on_gpu(x, qw, config=None):
@@ -545,19 +549,19 @@ def _plan_on_gpu(x, qw, config=None):
 @pytest.mark.parametrize("nk", [(4096, 4096), (14336, 4096), (4096, 14336), (4097, 1024)])
 @pytest.mark.parametrize("g", [32, 128])
 def test_gpu_int4_mma_llm_shapes(m, nk, g):
-    """The sweep's shapes (and a ragged N) with the default int4 launch, bf16, bias."""
-    _check_launch(m, *nk, (4, g), torch.bfloat16)
+    """The sweep's shapes (and a ragged N) with the Gluon int4 kernel's default config, bf16, bias."""
+    _check_launch(m, *nk, (4, g), torch.bfloat16, dict(PATH="mma"))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 5])
 def test_gpu_int4_mma_falls_back_off_4_byte_rows(m):
     """x rows off a 4-byte boundary (a view from column 1) cannot be read as int32 pairs: the
-    launcher takes the tl kernels instead, with the same result up to rounding."""
+    launcher takes the default tl kernel instead, with the same result up to rounding."""
     qw = quantize_weight(_weight(96, 256, torch.bfloat16, 256 ** -0.5), 4, 64)
     x = torch.randn(m, 257, device=DEVICE).bfloat16()[:, 1:]
-    assert x.data_ptr() % 4 and _plan_on_gpu(x, qw).kernel is not quant.quant_gemv_kernel
-    y = _launch(x, qw)
+    assert x.data_ptr() % 4 and "MMA_N" in _plan_on_gpu(x, qw, dict(PATH="mma")).meta
+    y = _launch(x, qw, None, dict(PATH="mma"))
     assert rel_err(y, _reference(x, qw)) <= TOL[torch.bfloat16]
 
 

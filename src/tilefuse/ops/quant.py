@@ -232,33 +232,36 @@ def _dot_config(m: int, dtype: torch.dtype) -> dict:
 
 
 def _use_mma(bits: int, m: int, dtype: torch.dtype, mma_ok: bool) -> bool:
-    """int4 with fp16 / bf16 x and up to MMA_MAX_ROWS rows, on an sm_80+ GPU (not the interpreter):
-    the Gluon kernel (``_quant_gluon``), the weight dequantized straight into the MMA's registers."""
+    """What the Gluon kernel (``_quant_gluon``, ``PATH="mma"``: the weight dequantized straight into
+    the MMA's registers) takes: int4 with fp16 / bf16 x and up to MMA_MAX_ROWS rows, on an sm_80+
+    GPU (not the interpreter)."""
     return mma_ok and bits == 4 and m <= MMA_MAX_ROWS and dtype in (torch.float16, torch.bfloat16)
 
 
 def _mma_config(m: int, n: int) -> dict:
-    """4 warps on 32 weight rows (REPS = 2 row tiles of 16 per warp: 2.55 SASS instructions per
-    value in the loop, against 2.56 with 1 tile and more programs), each warp on its own group of
-    K (WARPS_K = 4, summed through shared memory at the end), one group per warp and step; the
-    program count is filled up by split-K (:func:`_mma_steps`)."""
-    return dict(PATH="mma", WARPS_K=4, WARPS_N=1, REPS=2, GROUPS_PER_STEP=1)
+    """4 warps on 16 weight rows (REPS = 1 row tile of 16 per warp), each warp on its own run of
+    groups of K (WARPS_K = 4, summed through shared memory at the end), one group per warp and
+    step; the program count is filled up by split-K (:func:`_mma_steps`). The best Gluon config
+    of the H200 sweep at M = 1 (``-s18-quant-sweep-*.log``)."""
+    return dict(PATH="mma", WARPS_K=4, WARPS_N=1, REPS=1, GROUPS_PER_STEP=1)
+
+
+MMA_MAX_STEPS = 8          # the Gluon int4 kernel's steps are unrolled: 16 ran 1.8-16x slower (H200)
 
 
 def _mma_steps(blocks: int, n_groups: int, slots: int, sms: int) -> int:
     """Steps per program of the Gluon int4 kernel (a power of two; the K split follows): the
-    largest that still gives 2 programs per SM, at most 16 (the loop is unrolled)."""
-    steps = 16
+    largest that still gives 2 programs per SM, at most MMA_MAX_STEPS."""
+    steps = MMA_MAX_STEPS
     while steps > 1 and blocks * cdiv(n_groups, slots * steps) < 2 * sms:
         steps //= 2
     return steps
 
 
-def _default_config(bits: int, m: int, n: int, dtype: torch.dtype, sms: int, mma_ok: bool = False) -> dict:
-    """int4 with few rows on a GPU: the Gluon MMA kernel; else M = 1: the GEMV kernel; more rows:
-    the tensor-core kernel (see the functions above)."""
-    if _use_mma(bits, m, dtype, mma_ok):
-        return _mma_config(m, n)
+def _default_config(bits: int, m: int, n: int, dtype: torch.dtype, sms: int) -> dict:
+    """M = 1: the GEMV kernel; more rows: the tensor-core kernel (see the functions above). The
+    Gluon kernel (``PATH="mma"``) is not a default: on the H200 it was level with them or slower
+    at every shape but one (benchmarks/NOTES.md, session 18)."""
     return _gemv_config(bits, n, sms) if _use_gemv(m) else _dot_config(m, dtype)
 
 
@@ -308,7 +311,7 @@ def launch_plan(bits: int, group_size: int, m: int, n: int, k: int, dtype: torch
     :data:`CONFIG_KEYS`) replace the defaults (sweeps), those of the overriding PATH when it names
     another kernel. int4 BLOCK_K is rounded to whole groups. ``mma_ok``: the Gluon kernel can run
     (an sm_80+ GPU, not the interpreter)."""
-    cfg = _default_config(bits, m, n, dtype, sms, mma_ok)
+    cfg = _default_config(bits, m, n, dtype, sms)
     path = dict(overrides).get("PATH", cfg["PATH"])
     if path != cfg["PATH"]:
         cfg = {"gemv": lambda: _gemv_config(bits, n, sms), "dot": lambda: _dot_config(m, dtype),
@@ -356,7 +359,7 @@ def _mma_plan(cfg: dict, group_size: int, m: int, n: int, k: int, sms: int) -> L
     n_groups = k // group_size
     blocks = cdiv(n, block_n)
     if cfg.get("SPLITS"):
-        steps = min(16, next_power_of_2(cdiv(n_groups, slots * cfg["SPLITS"])))
+        steps = min(MMA_MAX_STEPS, next_power_of_2(cdiv(n_groups, slots * cfg["SPLITS"])))
     else:
         steps = _mma_steps(blocks, n_groups, slots, sms)
     splits = cdiv(n_groups, slots * steps)
@@ -380,8 +383,8 @@ def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, bits: int, group_siz
     mma_ok = is_ampere_or_newer(x2) and not interpreting()
     plan = launch_plan(bits, group_size, m, n, k, x2.dtype, num_sms(x2), overrides, mma_ok)
     if plan.kernel is not quant_gemv_kernel and plan.kernel is not quant_dot_kernel and not _pairs_aligned(x2):
-        # the Gluon kernel reads x as int32 pairs: an x off 4-byte rows takes the tl kernels
-        plan = launch_plan(bits, group_size, m, n, k, x2.dtype, num_sms(x2), overrides, False)
+        # the Gluon kernel reads x as int32 pairs: an x off 4-byte rows takes the default tl kernel
+        plan = launch_plan(bits, group_size, m, n, k, x2.dtype, num_sms(x2))
     if qweight.data_ptr() % 4:
         qweight = qweight.clone()                         # the kernels read 4-byte words
     split = plan.splits > 1
