@@ -44,9 +44,8 @@ def _spill_bytes(report: str) -> int:
     return int(m.group(1)) + int(m.group(2)) if m else 0
 
 
-def _check(compiled, spill_below: int = 1):
-    """``spill_below``: the kernel must spill fewer bytes than this (stores + loads)."""
-    from tilefuse.ops._gluon_common import SMEM_BYTES
+def _ptxas_and_sass(compiled) -> tuple[str, str]:
+    """(ptxas -v report, SASS) of a compiled kernel's PTX, assembled for sm_90a."""
     with tempfile.TemporaryDirectory() as tmp:
         ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
         with open(ptx, "w") as f:
@@ -56,7 +55,13 @@ def _check(compiled, spill_below: int = 1):
         assert ptxas.returncode == 0, ptxas.stderr
         sass = subprocess.run([os.path.join(NVIDIA_BIN, "cuobjdump"), "-sass", cubin],
                               capture_output=True, text=True).stdout
-    report = ptxas.stdout + ptxas.stderr
+    return ptxas.stdout + ptxas.stderr, sass
+
+
+def _check(compiled, spill_below: int = 1):
+    """``spill_below``: the kernel must spill fewer bytes than this (stores + loads)."""
+    from tilefuse.ops._gluon_common import SMEM_BYTES
+    report, sass = _ptxas_and_sass(compiled)
     assert _spill_bytes(report) < spill_below, report
     assert "serialized" not in report, report
     assert "USETMAXREG" in sass                 # the register split between the warp groups
@@ -203,16 +208,8 @@ def compile_int4_mma(case):
     src = gluon_runtime.GluonASTSource(fn=int4_mma_kernel, signature=signature, attrs=aligned,
                                        constexprs={(names.index(k),): v for k, v in constexprs.items()})
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
-    with tempfile.TemporaryDirectory() as tmp:
-        ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
-        with open(ptx, "w") as f:
-            f.write(compiled.asm["ptx"])
-        ptxas = subprocess.run([os.path.join(NVIDIA_BIN, "ptxas"), "--gpu-name", "sm_90a", "-v", ptx, "-o", cubin],
-                               capture_output=True, text=True)
-        assert ptxas.returncode == 0, ptxas.stderr
-        sass = subprocess.run([os.path.join(NVIDIA_BIN, "cuobjdump"), "-sass", cubin],
-                              capture_output=True, text=True).stdout
-    assert _spill_bytes(ptxas.stdout + ptxas.stderr) == 0, ptxas.stdout + ptxas.stderr
+    report, sass = _ptxas_and_sass(compiled)
+    assert _spill_bytes(report) == 0, report
     # a thread's values: 2·REPS rows x GROUP/4 columns per group, GROUPS_PER_STEP groups a step
     per_value = len(re.findall(r"/\*[0-9a-f]{4}\*/\s+[@A-Z]", sass)) / (2 * reps * gps * g // 4 * meta["STEPS"])
     print(f"{per_value:.2f} instructions per value")
