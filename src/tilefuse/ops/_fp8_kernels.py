@@ -28,12 +28,15 @@ wgmma run as written.
 
 from __future__ import annotations
 
+import functools
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from .._dispatch import cdiv, empty, interpreting, is_hopper, is_hopper_or_newer, next_power_of_2, num_sms
-from .._launch import fast_launch, use_device_descriptors
+from .._launch import PreparedArgs, config_key, fast_launch, use_device_descriptors
 from ._matmul_kernels import _tile_coords
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -359,24 +362,28 @@ def choose_gemm_config(m: int, n: int, k: int, sms: int, fast_accum: bool = Fals
     return cfg
 
 
+def _warp_specialized_by_default(m: int, n: int, k: int, fast_accum: bool, hopper: bool, sms: int,
+                                 tma_ok: bool, out_tma_ok: bool) -> bool:
+    """:func:`use_warp_specialized` from sizes and flags (what :func:`gemm_plan` is keyed on)."""
+    fills_sms = cdiv(m, 192) * cdiv(n, 128) >= sms     # its 192x128 tiles give every SM one
+    return not fast_accum and DEFAULT_WARP_SPECIALIZE and k > 0 and hopper and fills_sms and tma_ok and out_tma_ok
+
+
 def use_warp_specialized(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, fast_accum: bool) -> bool:
     """The Gluon kernel (``_fp8_gluon.py``) for precise accumulation on sm_90 when its tiles fill
     every SM and TMA can read the operands and write ``out``: its consumer warp groups add their
     partial sums while another group's wgmma runs (8192³, H200, session 15 sweeps: 1,275-1,414
     against 901-990 TF/s). Fast accumulation keeps this kernel (level within the spread there)."""
-    m, n = a.shape[0], b.shape[0]
-    fills_sms = cdiv(m, 192) * cdiv(n, 128) >= num_sms(a)     # its 192x128 tiles give every SM one
     out_tma_ok = out.stride(1) == 1 and out.data_ptr() % 16 == 0 and (out.stride(0) * out.element_size()) % 16 == 0
-    return (not fast_accum and DEFAULT_WARP_SPECIALIZE and a.shape[1] > 0 and is_hopper(a) and fills_sms
-            and gemm_tma_ok(a, b) and out_tma_ok)
+    return _warp_specialized_by_default(a.shape[0], b.shape[0], a.shape[1], fast_accum, is_hopper(a), num_sms(a),
+                                        gemm_tma_ok(a, b), out_tma_ok)
 
 
 def gemm_tma_ok(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Descriptors can read a [M, K] and b [N, K]: unit K stride, 16-byte aligned bases and row
     strides (K % 16 == 0 for contiguous fp8 operands), on an sm_90+ GPU."""
     return (DEFAULT_USE_TMA and a.device.type == "cuda" and is_hopper_or_newer(a)
-            and all((t.stride(1) == 1 or t.shape[1] == 1) and t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0
-                    for t in (a, b)))
+            and all(t.data_ptr() % 16 == 0 and _tma_rows_ok(t.stride(), t.shape[1]) for t in (a, b)))
 
 
 def rows_tile(r: int, c: int) -> tuple[int, int]:
@@ -400,10 +407,119 @@ def elementwise_warps(block_elems: int) -> int:
     return 4 if block_elems <= 2048 else 8
 
 
-def _grid_fp8_constants(dtype: torch.dtype) -> dict:
+def _grid_fp8_constants(dtype: torch.dtype, soft_round: bool) -> dict:
     mant, min_exp = FP8_GRID[dtype]
-    return dict(FP8_MAX=FP8_MAX[dtype], AMAX_FLOOR=AMAX_FLOOR, SOFT_ROUND=interpreting(),
+    return dict(FP8_MAX=FP8_MAX[dtype], AMAX_FLOOR=AMAX_FLOOR, SOFT_ROUND=soft_round,
                 MANT_BITS=mant, MIN_NORMAL_EXP=min_exp)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_traits(device: torch.device) -> tuple[int, bool, bool]:
+    """(SMs, sm_90, sm_90 or newer) of a device: the part of a launch plan's key it fixes, looked
+    up once per device (three separate queries cost ~2 µs of host time per launch)."""
+    probe = torch.empty(0, device=device)
+    return num_sms(probe), is_hopper(probe), is_hopper_or_newer(probe)
+
+
+# ----------------------------------------------------------------------------------------------
+# launch plans: everything but the pointers, cached per shape / strides / options
+# ----------------------------------------------------------------------------------------------
+# Why: at the sizes where the kernels take a few µs, fp8.Linear's fwd+bwd was host-bound (8
+# launches through the heuristics and the full launch key each, ~1 ms per step on the H200 host).
+# A plan keys the integers once (FastKernel.prepare); a call keys only its tensors.
+
+
+class QuantizePlan(NamedTuple):
+    grid: tuple                     # (programs,)
+    amax: PreparedArgs | None       # amax_partials_kernel's arguments (per-tensor scale only)
+    cast: PreparedArgs              # quantize_rows_kernel's / quantize_tensor_kernel's arguments
+
+
+@functools.lru_cache(maxsize=1024)
+def quantize_rows_plan(r: int, c: int, stride_xr: int, stride_xc: int, dtype: torch.dtype,
+                       soft_round: bool) -> QuantizePlan:
+    """quantize_rows_kernel's launch for an [r, c] x (q written contiguous: row stride c)."""
+    block_r, block_c = rows_tile(r, c)
+    cast = quantize_rows_kernel.prepare(
+        (r, c, stride_xr, stride_xc, max(c, 1)),         # max: torch's row stride of an [r, 0] q
+        dict(**_grid_fp8_constants(dtype, soft_round), BLOCK_R=block_r, BLOCK_C=block_c,
+             num_warps=elementwise_warps(block_r * block_c)))
+    return QuantizePlan((cdiv(r, block_r),), None, cast)
+
+
+@functools.lru_cache(maxsize=1024)
+def quantize_tensor_plan(r: int, c: int, stride_xr: int, stride_xc: int, dtype: torch.dtype, write_q: bool,
+                         write_qt: bool, sms: int, soft_round: bool) -> QuantizePlan:
+    """amax_partials_kernel + quantize_tensor_kernel for an [r, c] x, one grid for both (the
+    partials buffer has one float per program)."""
+    block_r, block_c = tensor_tile(r, c, write_qt)
+    n_col_tiles = cdiv(c, block_c)
+    n_tiles = cdiv(r, block_r) * n_col_tiles
+    programs = max(1, min(n_tiles, 8 * sms, MAX_PARTIALS))     # ~8 programs per SM in flight
+    warps = elementwise_warps(block_r * block_c)
+    amax = amax_partials_kernel.prepare(
+        (r, c, stride_xr, stride_xc, n_col_tiles, n_tiles),
+        dict(NUM_PROGRAMS=programs, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps))
+    cast = quantize_tensor_kernel.prepare(
+        (r, c, stride_xr, stride_xc, n_col_tiles, n_tiles, programs),
+        dict(**_grid_fp8_constants(dtype, soft_round), WRITE_Q=write_q, WRITE_QT=write_qt, NUM_PROGRAMS=programs,
+             BLOCK_P=next_power_of_2(programs), BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps))
+    return QuantizePlan((programs,), amax, cast)
+
+
+class GemmPlan(NamedTuple):
+    warp_specialized: bool          # the Gluon kernel (launch_fp8_gemm_ws); the fields below unused
+    ws_config: dict                 # its config (do not mutate: shared by the plan cache)
+    uses_tma: bool                  # fp8_gemm_kernel builds device-side descriptors (the allocator)
+    grid: tuple                     # (persistent programs,)
+    prepared: PreparedArgs | None   # fp8_gemm_kernel's sizes, strides and constexprs
+
+
+def _tma_rows_ok(strides: tuple, cols: int) -> bool:
+    """A K-major fp8 operand's rows suit a descriptor: unit K stride (or K = 1), 16-byte row stride."""
+    return (strides[1] == 1 or cols == 1) and strides[0] % 16 == 0
+
+
+@functools.lru_cache(maxsize=4096)
+def gemm_plan(m: int, n: int, k: int, a_strides: tuple, b_strides: tuple, out_dtype: torch.dtype,
+              rowwise_a: bool, rowwise_b: bool, has_bias: bool, fast_accum: bool, sms: int, hopper: bool,
+              hopper_or_newer: bool, ab_aligned: bool, out_aligned: bool, interpret: bool,
+              config: tuple = ()) -> GemmPlan:
+    """The launch of one fp8 GEMM (out [m, n] contiguous): the kernel choice of
+    :func:`use_warp_specialized`, the config of :func:`choose_gemm_config` and the overrides
+    ``config`` (see :func:`launch_fp8_gemm`). ``*_aligned``: 16-byte aligned base pointers."""
+    config = dict(config)
+    ws = config.pop("WARP_SPECIALIZE", None)
+    tma_ok = (DEFAULT_USE_TMA and hopper_or_newer and ab_aligned
+              and _tma_rows_ok(a_strides, k) and _tma_rows_ok(b_strides, k))
+    out_tma_ok = out_aligned and (n * out_dtype.itemsize) % 16 == 0
+    if ws or (ws is None and not config
+              and _warp_specialized_by_default(m, n, k, fast_accum, hopper, sms, tma_ok, out_tma_ok)):
+        if fast_accum:                                  # forced: one partial sum over the whole K
+            config.setdefault("PROMOTE_EVERY", 1 << 30)
+        return GemmPlan(True, config, False, (), None)
+    cfg = choose_gemm_config(m, n, k, sms, fast_accum)
+    cfg.update(config)
+    use_tma = cfg.pop("USE_TMA", None)
+    use_tma = k > 0 and tma_ok and (use_tma is None or use_tma)
+    flatten = cfg.pop("FLATTEN", DEFAULT_FLATTEN)
+    # precise: promote the wgmma partial sums to the fp32 accumulator once per K step (<= 128 K
+    # per promotion: DeepSeek-V3's interval); fast: never within the K loop (K <= BLOCK_K here
+    # means "promote after each tl.dot"; Triton's sm_90 default, 2^30, means never)
+    imprecise = cfg.pop("MAX_IMPRECISE_ACC", None) or (0 if fast_accum else min(cfg["BLOCK_K"], 128))
+    promote_every = cfg.pop("PROMOTE_EVERY", 0) if not fast_accum else 0
+    programs = max(1, min(sms, cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"])))
+    ints = (m, n, k, *a_strides, *b_strides, max(n, 1), 1)        # out: a fresh row-major [m, n]
+    kwargs = dict(
+        SCALE_A_ROWWISE=rowwise_a, SCALE_B_ROWWISE=rowwise_b, HAS_BIAS=has_bias,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
+        NUM_PROGRAMS=programs, EVEN_K=k % cfg["BLOCK_K"] == 0, USE_TMA=bool(use_tma), FLATTEN=bool(flatten),
+        PROMOTE_EVERY=promote_every if use_tma else 0,
+        MAX_IMPRECISE_ACC=None if imprecise == 0 else min(imprecise, cfg["BLOCK_K"]),
+        UPCAST=interpret and not use_tma,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return GemmPlan(False, {}, bool(use_tma), (programs,), fp8_gemm_kernel.prepare(ints, kwargs))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -418,11 +534,9 @@ def launch_quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Ten
     scale = empty((r,), torch.float32, x.device)
     if r == 0:
         return q, scale
-    block_r, block_c = rows_tile(r, c)
-    quantize_rows_kernel[(cdiv(r, block_r),)](
-        x, q, scale, r, c, x.stride(0), x.stride(1), q.stride(0),
-        **_grid_fp8_constants(dtype), BLOCK_R=block_r, BLOCK_C=block_c, num_warps=elementwise_warps(block_r * block_c),
-    )
+    sx = x.stride()
+    plan = quantize_rows_plan(r, c, sx[0], sx[1], dtype, interpreting())
+    quantize_rows_kernel.launch_prepared(plan.grid, (x, q, scale), plan.cast)
     return q, scale
 
 
@@ -431,26 +545,18 @@ def launch_quantize_tensor(x: torch.Tensor, dtype: torch.dtype, write_q: bool = 
     """(q [R, C] or None, qᵀ [C, R] or None, scale [] fp32) of a 2-D ``x`` with one scale; both
     layouts come from one read of x when both are asked for."""
     r, c = x.shape
-    q = empty((r, c), dtype, x.device) if write_q else None
-    qt = empty((c, r), dtype, x.device) if write_qt else None
-    scale = empty((), torch.float32, x.device)
-    block_r, block_c = tensor_tile(r, c, write_qt)
-    n_col_tiles = cdiv(c, block_c)
-    n_tiles = cdiv(r, block_r) * n_col_tiles
-    programs = max(1, min(n_tiles, 8 * num_sms(x), MAX_PARTIALS))     # ~8 programs per SM in flight
-    partials = empty((programs,), torch.float32, x.device)
-    warps = elementwise_warps(block_r * block_c)
-    amax_partials_kernel[(programs,)](
-        x, partials, r, c, x.stride(0), x.stride(1), n_col_tiles, n_tiles,
-        NUM_PROGRAMS=programs, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps,
-    )
+    device = x.device
+    q = empty((r, c), dtype, device) if write_q else None
+    qt = empty((c, r), dtype, device) if write_qt else None
+    scale = empty((), torch.float32, device)
+    sx = x.stride()
+    plan = quantize_tensor_plan(r, c, sx[0], sx[1], dtype, write_q, write_qt, _device_traits(device)[0],
+                                interpreting())
+    partials = empty(plan.grid, torch.float32, device)
     dummy = q if q is not None else qt if qt is not None else partials
-    quantize_tensor_kernel[(programs,)](
-        x, partials, q if q is not None else dummy, qt if qt is not None else dummy, scale,
-        r, c, x.stride(0), x.stride(1), n_col_tiles, n_tiles, programs,
-        **_grid_fp8_constants(dtype), WRITE_Q=write_q, WRITE_QT=write_qt, NUM_PROGRAMS=programs,
-        BLOCK_P=next_power_of_2(programs), BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps,
-    )
+    amax_partials_kernel.launch_prepared(plan.grid, (x, partials), plan.amax)
+    quantize_tensor_kernel.launch_prepared(
+        plan.grid, (x, partials, q if q is not None else dummy, qt if qt is not None else dummy, scale), plan.cast)
     return q, qt, scale
 
 
@@ -465,41 +571,20 @@ def launch_fp8_gemm(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, sca
     ``WARP_SPECIALIZE`` (True / False: force; absent: :func:`use_warp_specialized`) the keys of
     ``_fp8_gluon.WS_CONFIG`` instead."""
     (m, k), n = a.shape, b.shape[0]
-    out = empty((m, n), out_dtype, a.device)
+    device = a.device
+    out = empty((m, n), out_dtype, device)
     if m == 0 or n == 0:
         return out
-    config = dict(config or {})
-    ws = config.pop("WARP_SPECIALIZE", None)
-    if ws or (ws is None and not config and use_warp_specialized(a, b, out, fast_accum)):
+    sms, hopper, hopper_or_newer = _device_traits(device)
+    plan = gemm_plan(m, n, k, a.stride(), b.stride(), out_dtype, scale_a.numel() != 1, scale_b.numel() != 1,
+                     bias is not None, bool(fast_accum), sms, hopper, hopper_or_newer,
+                     a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0,
+                     interpreting(), config_key(config))
+    if plan.warp_specialized:
         from ._fp8_gluon import launch_fp8_gemm_ws      # Gluon: imported on first use on an sm_90 GPU
-        if fast_accum:                                  # forced: one partial sum over the whole K
-            config.setdefault("PROMOTE_EVERY", 1 << 30)
-        return launch_fp8_gemm_ws(a, scale_a, b, scale_b, bias, out, config)
-    cfg = choose_gemm_config(m, n, k, num_sms(a), fast_accum)
-    cfg.update(config or {})
-    use_tma = cfg.pop("USE_TMA", None)
-    layout_ok = gemm_tma_ok(a, b)
-    use_tma = k > 0 and layout_ok and (use_tma is None or use_tma)
-    if use_tma:
-        use_device_descriptors()
-    flatten = cfg.pop("FLATTEN", DEFAULT_FLATTEN)
-    # precise: promote the wgmma partial sums to the fp32 accumulator once per K step (<= 128 K
-    # per promotion: DeepSeek-V3's interval); fast: never within the K loop (K <= BLOCK_K here
-    # means "promote after each tl.dot"; Triton's sm_90 default, 2^30, means never)
-    imprecise = cfg.pop("MAX_IMPRECISE_ACC", None) or (0 if fast_accum else min(cfg["BLOCK_K"], 128))
-    promote_every = cfg.pop("PROMOTE_EVERY", 0) if not fast_accum else 0
-    programs = max(1, min(num_sms(a), cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"])))
-    fp8_gemm_kernel[(programs,)](
-        a, b, out, scale_a, scale_b, bias if bias is not None else out,
-        m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
-        SCALE_A_ROWWISE=scale_a.numel() != 1,
-        SCALE_B_ROWWISE=scale_b.numel() != 1,
-        HAS_BIAS=bias is not None,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
-        NUM_PROGRAMS=programs, EVEN_K=k % cfg["BLOCK_K"] == 0, USE_TMA=bool(use_tma), FLATTEN=bool(flatten),
-        PROMOTE_EVERY=promote_every if use_tma else 0,
-        MAX_IMPRECISE_ACC=None if imprecise == 0 else min(imprecise, cfg["BLOCK_K"]),
-        UPCAST=interpreting() and not use_tma,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
+        return launch_fp8_gemm_ws(a, scale_a, b, scale_b, bias, out, dict(plan.ws_config))
+    if plan.uses_tma:
+        use_device_descriptors()        # per call: the allocator is a per-thread context value
+    fp8_gemm_kernel.launch_prepared(
+        plan.grid, (a, b, out, scale_a, scale_b, bias if bias is not None else out), plan.prepared)
     return out
