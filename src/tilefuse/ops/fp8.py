@@ -98,22 +98,40 @@ def matmul_reference(a, b, scaling="tensor", out_dtype=torch.bfloat16, bias=None
 # ----------------------------------------------------------------------------------------------
 
 
-@custom_op("tilefuse::fp8_quantize", mutates_args=())
-def _quantize_op(x: torch.Tensor, dtype: torch.dtype, rowwise: bool, write_q: bool,
-                 write_qt: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(q [R, C] or empty, qᵀ [C, R] or empty, scale [R] (rowwise) or []) of 2-D ``x``; rowwise
+# The custom ops are the entry points of the public functions and of the autograd graph (one op
+# per forward, one per backward). Inside an op the work is plain Python (_quantize, _gemm): a
+# nested custom op call would pay the tracing check and argument scan of FastOp once more per
+# kernel, ~5-10 µs of host time each, 8 of them per fp8.Linear step.
+
+
+def _quantize(x: torch.Tensor, dtype: torch.dtype, rowwise: bool, write_q: bool,
+              write_qt: bool) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], torch.Tensor]:
+    """(q [R, C] or None, qᵀ [C, R] or None, scale [R] (rowwise) or []) of 2-D ``x``; rowwise
     always writes q and never qᵀ."""
     if use_triton(x):
         if rowwise:
             q, scale = launch_quantize_rows(x, dtype)
-            qt = None
-        else:
-            q, qt, scale = launch_quantize_tensor(x, dtype, write_q, write_qt)
-    else:
-        q, scale = quantize_reference(x, dtype, rowwise)
-        qt = q.t().contiguous() if write_qt and not rowwise else None
-        q = q.contiguous() if write_q or rowwise else None
-    none = x.new_empty(0, dtype=dtype)
+            return q, None, scale
+        return launch_quantize_tensor(x, dtype, write_q, write_qt)
+    q, scale = quantize_reference(x, dtype, rowwise)
+    qt = q.t().contiguous() if write_qt and not rowwise else None
+    return (q.contiguous() if write_q or rowwise else None), qt, scale
+
+
+def _gemm(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor,
+          bias: Optional[torch.Tensor], out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
+    """[M, N] = (a @ bᵀ) · scale_a · scale_b + bias; a [M, K], b [N, K] fp8, scales 1-D fp32."""
+    if use_triton(a):
+        return launch_fp8_gemm(a, scale_a, b, scale_b, bias, out_dtype, fast_accum)
+    return scaled_matmul_reference(a, scale_a, b, scale_b, bias).to(out_dtype)
+
+
+@custom_op("tilefuse::fp8_quantize", mutates_args=())
+def _quantize_op(x: torch.Tensor, dtype: torch.dtype, rowwise: bool, write_q: bool,
+                 write_qt: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_quantize` with empty tensors for the layouts not written."""
+    q, qt, scale = _quantize(x, dtype, rowwise, write_q, write_qt)
+    none = x.new_empty(0, dtype=dtype) if q is None or qt is None else None
     return (q if q is not None else none), (qt if qt is not None else none), scale
 
 
@@ -128,10 +146,8 @@ def _(x, dtype, rowwise, write_q, write_qt):
 @custom_op("tilefuse::fp8_gemm", mutates_args=())
 def _gemm_op(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor,
              bias: Optional[torch.Tensor], out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
-    """[M, N] = (a @ bᵀ) · scale_a · scale_b + bias; a [M, K], b [N, K] fp8, scales 1-D fp32."""
-    if use_triton(a):
-        return launch_fp8_gemm(a, scale_a, b, scale_b, bias, out_dtype, fast_accum)
-    return scaled_matmul_reference(a, scale_a, b, scale_b, bias).to(out_dtype)
+    """:func:`_gemm`."""
+    return _gemm(a, scale_a, b, scale_b, bias, out_dtype, fast_accum)
 
 
 @_gemm_op.register_fake
@@ -139,31 +155,43 @@ def _(a, scale_a, b, scale_b, bias, out_dtype, fast_accum):
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
 
 
-def _quantize_2d(x: torch.Tensor, dtype: torch.dtype, rowwise: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q [R, C], scale as a 1-D GEMM scale: [R] or [1])."""
-    q, _, scale = _quantize_op(x, dtype, rowwise, True, False)
-    return q, scale.reshape(-1)
-
-
-def _quantize_t(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(xᵀ quantized [C, R] contiguous, per-tensor scale [1])."""
-    _, qt, scale = _quantize_op(x, dtype, False, False, True)
-    return qt, scale.reshape(1)
-
-
 @custom_op("tilefuse::fp8_matmul_fwd", mutates_args=())
 def _matmul_fwd_op(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor], rowwise: bool,
                    out_dtype: torch.dtype, grad_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
     """out [M, N] of 2-D a [M, K], b [N, K]: both quantized to e4m3 (per-tensor, or per row of a
     and per row of b), then the scaled GEMM."""
-    qa, sa = _quantize_2d(a, E4M3, rowwise)
-    qb, sb = _quantize_2d(b, E4M3, rowwise)
-    return _gemm_op(qa, sa, qb, sb, bias, out_dtype, fast_accum)
+    qa, _, sa = _quantize(a, E4M3, rowwise, True, False)
+    qb, _, sb = _quantize(b, E4M3, rowwise, True, False)
+    return _gemm(qa, sa.reshape(-1), qb, sb.reshape(-1), bias, out_dtype, fast_accum)
 
 
 @_matmul_fwd_op.register_fake
 def _(a, b, bias, rowwise, out_dtype, grad_dtype, fast_accum):
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+
+
+@custom_op("tilefuse::fp8_matmul_bwd", mutates_args=())
+def _matmul_bwd_op(dy: torch.Tensor, a: torch.Tensor, b: torch.Tensor, grad_dtype: torch.dtype,
+                   fast_accum: bool, need_da: bool, need_db: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(da [M, K] in a's dtype, db [N, K] in b's dtype; empty when not needed) of the recipe's
+    backward, every operand per-tensor scaled, as GEMMs on K-major operands:
+    da = dy @ b = gemm(q(dy), q(bᵀ)), db = dyᵀ @ a = gemm(q(dyᵀ), q(aᵀ)); dy's two layouts from
+    one read with one scale."""
+    qdy, qdy_t, s_dy = _quantize(dy, grad_dtype, False, need_da, need_db)
+    s_dy = s_dy.reshape(1)
+    da = db = None
+    if need_da:             # da [M, K] = dy [M, N] @ b [N, K]: B operand bᵀ [K, N]
+        _, qb_t, s_b = _quantize(b, E4M3, False, False, True)
+        da = _gemm(qdy, s_dy, qb_t, s_b.reshape(1), None, a.dtype, fast_accum)
+    if need_db:             # db [N, K] = dyᵀ [N, M] @ a [M, K]: B operand aᵀ [K, M]
+        _, qa_t, s_a = _quantize(a, E4M3, False, False, True)
+        db = _gemm(qdy_t, s_dy, qa_t, s_a.reshape(1), None, b.dtype, fast_accum)
+    return (da if da is not None else a.new_empty(0)), (db if db is not None else b.new_empty(0))
+
+
+@_matmul_bwd_op.register_fake
+def _(dy, a, b, grad_dtype, fast_accum, need_da, need_db):
+    return a.new_empty(a.shape if need_da else (0,)), b.new_empty(b.shape if need_db else (0,))
 
 
 def _setup_context(ctx, inputs, output):
@@ -178,18 +206,10 @@ def _backward(ctx, dy):
     need_da, need_db, need_dbias = ctx.needs_input_grad[:3]
     da = db = dbias = None
     if need_da or need_db:
-        # dy once, both layouts from one read, one per-tensor scale
-        qdy, qdy_t, s_dy = _quantize_op(dy, ctx.grad_dtype, False, need_da, need_db)
-        s_dy = s_dy.reshape(1)
-        if need_da:             # da [M, K] = dy [M, N] @ b [N, K]: B operand bᵀ [K, N]
-            qb_t, s_b = _quantize_t(b, E4M3)
-            da = _gemm_op(qdy, s_dy, qb_t, s_b, None, a.dtype, ctx.fast_accum)
-        if need_db:             # db [N, K] = dyᵀ [N, M] @ a [M, K]: B operand aᵀ [K, M]
-            qa_t, s_a = _quantize_t(a, E4M3)
-            db = _gemm_op(qdy_t, s_dy, qa_t, s_a, None, b.dtype, ctx.fast_accum)
+        da, db = _matmul_bwd_op(dy, a, b, ctx.grad_dtype, ctx.fast_accum, need_da, need_db)
     if need_dbias:
         dbias = dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-    return da, db, dbias, None, None, None, None
+    return (da if need_da else None), (db if need_db else None), dbias, None, None, None, None
 
 
 _matmul_fwd_op.register_autograd(_backward, setup_context=_setup_context)
