@@ -34,8 +34,9 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.jit import JITFunction
 
-from .._dispatch import cdiv, empty, interpreting, is_hopper, is_hopper_or_newer, next_power_of_2, num_sms
+from .._dispatch import cdiv, empty, is_hopper, is_hopper_or_newer, next_power_of_2, num_sms
 from .._launch import PreparedArgs, config_key, fast_launch, use_device_descriptors
 from ._matmul_kernels import _tile_coords
 
@@ -407,6 +408,12 @@ def elementwise_warps(block_elems: int) -> int:
     return 4 if block_elems <= 2048 else 8
 
 
+# Whether this module's kernels run in Triton's interpreter (SOFT_ROUND, UPCAST): fixed when they
+# were decorated (TRITON_INTERPRET at import), so a module constant, not an environment lookup per
+# launch (~1 µs each, 8 per fp8.Linear step), and right even if the variable changes afterwards.
+KERNELS_INTERPRETED = not isinstance(fp8_gemm_kernel.fn, JITFunction)
+
+
 def _grid_fp8_constants(dtype: torch.dtype, soft_round: bool) -> dict:
     mant, min_exp = FP8_GRID[dtype]
     return dict(FP8_MAX=FP8_MAX[dtype], AMAX_FLOOR=AMAX_FLOOR, SOFT_ROUND=soft_round,
@@ -535,7 +542,7 @@ def launch_quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Ten
     if r == 0:
         return q, scale
     sx = x.stride()
-    plan = quantize_rows_plan(r, c, sx[0], sx[1], dtype, interpreting())
+    plan = quantize_rows_plan(r, c, sx[0], sx[1], dtype, KERNELS_INTERPRETED)
     quantize_rows_kernel.launch_prepared(plan.grid, (x, q, scale), plan.cast)
     return q, scale
 
@@ -551,7 +558,7 @@ def launch_quantize_tensor(x: torch.Tensor, dtype: torch.dtype, write_q: bool = 
     scale = empty((), torch.float32, device)
     sx = x.stride()
     plan = quantize_tensor_plan(r, c, sx[0], sx[1], dtype, write_q, write_qt, _device_traits(device)[0],
-                                interpreting())
+                                KERNELS_INTERPRETED)
     partials = empty(plan.grid, torch.float32, device)
     dummy = q if q is not None else qt if qt is not None else partials
     amax_partials_kernel.launch_prepared(plan.grid, (x, partials), plan.amax)
@@ -579,7 +586,7 @@ def launch_fp8_gemm(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, sca
     plan = gemm_plan(m, n, k, a.stride(), b.stride(), out_dtype, scale_a.numel() != 1, scale_b.numel() != 1,
                      bias is not None, bool(fast_accum), sms, hopper, hopper_or_newer,
                      a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0,
-                     interpreting(), config_key(config))
+                     KERNELS_INTERPRETED, config_key(config))
     if plan.warp_specialized:
         from ._fp8_gluon import launch_fp8_gemm_ws      # Gluon: imported on first use on an sm_90 GPU
         return launch_fp8_gemm_ws(a, scale_a, b, scale_b, bias, out, dict(plan.ws_config))
