@@ -157,6 +157,57 @@ def test_quantize_zero_empty_and_shapes():
     assert torch.equal(_bits(q), _bits(fp8_ops.quantize_reference(x.transpose(1, 2).reshape(-1, 3), E4M3, False)[0]).view(2, 48, 3))
 
 
+def _clear_plans():
+    for plan in (fk.quantize_rows_plan, fk.quantize_tensor_plan, fk.gemm_plan):
+        plan.cache_clear()
+
+
+@pytest.fixture
+def few_partials(monkeypatch):
+    """MAX_PARTIALS = 3: the per-row kernel strides its row blocks over a capped grid at test sizes."""
+    _clear_plans()
+    monkeypatch.setattr(fk, "MAX_PARTIALS", 3)
+    yield
+    _clear_plans()       # no plan built with the small cap outlives the test
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_per_tensor_scale_from_earlier_partials(few_partials, dtype):
+    """The backward's per-tensor quantization from the forward's amax partials (per-row kernel,
+    5 row blocks on 3 programs; or the per-tensor kernel) is bit-identical to a fresh amax pass:
+    the same scale, the same qᵀ; the per-row outputs are unchanged by the strided row blocks."""
+    x = _spread((37, 300), torch.float32)
+    q_rows, s_rows, p_rows = fk.launch_quantize_rows(x, dtype)
+    assert p_rows.numel() == fk.rows_programs(37, 300) == 3 < 37 // fk.rows_tile(37, 300)[0] + 1
+    q_ref, s_ref = fp8_ops.quantize_reference(x, dtype, True)
+    assert torch.equal(_bits(q_rows), _bits(q_ref)) and torch.equal(s_rows, s_ref)
+    _, qt_fresh, s_fresh, _ = fk.launch_quantize_tensor(x, dtype, False, True)
+    _, _, _, p_tensor = fk.launch_quantize_tensor(x, dtype, True, False)
+    for partials in (p_rows, p_tensor):
+        _, qt, s, _ = fk.launch_quantize_tensor(x, dtype, False, True, partials)
+        assert torch.equal(s, s_fresh) and torch.equal(_bits(qt), _bits(qt_fresh))
+    assert float(p_rows.max()) == float(x.abs().max())
+
+
+def test_launch_plans_follow_shape_and_strides():
+    """The cached launch plans are keyed on shape and strides: fp8.matmul on a new shape builds new
+    plans, on a strided a of a seen shape new quantize plans (the GEMMs read fresh contiguous fp8
+    copies: their plans are reused), on a seen shape and layout none; every result matches the recipe."""
+    _clear_plans()
+    plans = (fk.quantize_rows_plan, fk.quantize_tensor_plan, fk.gemm_plan)
+    b = _leaf((19, 40), scale=0.15)
+    for a, new_gemm in ((torch.randn(24, 40, device=DEVICE), True), (torch.randn(9, 40, device=DEVICE), True),
+                        (torch.randn(40, 24, device=DEVICE).t(), False), (torch.randn(9, 40, device=DEVICE), False)):
+        before = [plan.cache_info() for plan in plans]
+        _check_matmul(a.requires_grad_(True), b, None, "row")
+        after = [plan.cache_info() for plan in plans]
+        seen = not new_gemm and a.is_contiguous()
+        expect_new = (not seen, not seen, new_gemm)
+        got_new = tuple(n.misses > m.misses for n, m in zip(after, before))
+        assert got_new == expect_new, (a.shape, a.stride(), before, after)
+        assert after[2].hits + after[2].misses == before[2].hits + before[2].misses + 3     # 3 GEMMs a step
+
+
 # ----------------------------------------------------------------------------------------------
 # the scaled GEMM (pre-quantized operands) vs the fp64 product of the dequantized operands
 # ----------------------------------------------------------------------------------------------

@@ -6,12 +6,16 @@ Quantization (``x ≈ q.float() * scale``, q in e4m3 / e5m2, fp32 math)::
     scale = amax / FP8_MAX                  (IEEE division: tl.div_rn, the same value as torch)
     q     = fp8(clamp(x * (FP8_MAX / amax), -FP8_MAX, FP8_MAX))    round to nearest even, saturating
 
-* ``quantize_rows_kernel``: per-row scales, one program per BLOCK_R rows: an amax loop over the
-  row, then a cast loop over it (the second read of a row block comes from L1/L2).
+* ``quantize_rows_kernel``: per-row scales, BLOCK_R rows at a time: an amax loop over the row,
+  then a cast loop over it (the second read of a row block comes from L1/L2). Each program also
+  writes the max of its rows' amax: the partials of the per-tensor amax below.
 * per-tensor scale, no host synchronization (graph-capturable): ``amax_partials_kernel`` writes
   one fp32 max per program; ``quantize_tensor_kernel`` reduces those partials itself (every
   program, <= MAX_PARTIALS floats), then casts its tiles. It can write the row-major copy, the
   transposed copy ``[C, R]`` (the K-major operand the backward GEMMs need), or both from one read.
+  Partials of the same tensor from an earlier quantization (either kernel) replace the amax pass:
+  max is exact and order-free, so the scale is bit-identical (fp8.matmul's backward re-quantizes
+  the forward's operands per tensor this way: two launches and two reads of x and W fewer).
 * ``fp8_gemm_kernel``: ``out = (a @ bᵀ) · scale_a · scale_b (+ bias)``, a ``[M, K]`` and b ``[N, K]``
   fp8 (both K-major: what Hopper's fp8 wgmma wants; b is nn.Linear's weight layout), fp32
   accumulation, persistent grid in matmul's grouped tile order (``_tile_coords``), operands through
@@ -84,6 +88,7 @@ def quantize_rows_kernel(
     x_ptr,              # *x [R, C], fp32 / fp16 / bf16, any strides
     q_ptr,              # *q [R, C], fp8, row stride stride_qr, unit column stride
     scale_ptr,          # *scale [R], fp32: amax(row) / FP8_MAX
+    partial_ptr,        # *partials [programs], fp32: max|x| over this program's rows (a per-tensor amax's partials)
     R,                  # rows
     C,                  # columns (the scaled axis)
     stride_xr,          # elements between rows of x
@@ -94,30 +99,36 @@ def quantize_rows_kernel(
     SOFT_ROUND: tl.constexpr,       # round on the fp8 grid in fp32 first (the interpreter)
     MANT_BITS: tl.constexpr,        # q's mantissa bits (SOFT_ROUND)
     MIN_NORMAL_EXP: tl.constexpr,   # exponent of q's smallest normal (SOFT_ROUND)
-    BLOCK_R: tl.constexpr,          # rows per program
+    BLOCK_R: tl.constexpr,          # rows per block
     BLOCK_C: tl.constexpr,          # columns per loop step
 ):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = rows < R
-    rows64 = rows.to(tl.int64)
+    # row blocks strided over the grid (at most MAX_PARTIALS programs): the partials then suit
+    # quantize_tensor_kernel as they are, so a later per-tensor quantization of x needs no amax pass
     cols0 = tl.arange(0, BLOCK_C)
-    amax = tl.zeros((BLOCK_R,), dtype=tl.float32)
-    for c0 in range(0, C, BLOCK_C):
-        cols = c0 + cols0
-        mask = row_ok[:, None] & (cols < C)[None, :]
-        x = tl.load(x_ptr + rows64[:, None] * stride_xr + cols[None, :].to(tl.int64) * stride_xc,
-                    mask=mask, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
-    amax = tl.maximum(amax, AMAX_FLOOR)
-    tl.store(scale_ptr + rows64, tl.div_rn(amax, FP8_MAX), mask=row_ok)
-    inv_scale = tl.div_rn(tl.full((BLOCK_R,), FP8_MAX, tl.float32), amax)
-    for c0 in range(0, C, BLOCK_C):
-        cols = c0 + cols0
-        mask = row_ok[:, None] & (cols < C)[None, :]
-        x = tl.load(x_ptr + rows64[:, None] * stride_xr + cols[None, :].to(tl.int64) * stride_xc,
-                    mask=mask, other=0.0).to(tl.float32)
-        q = _to_fp8(x, inv_scale[:, None], FP8_MAX, SOFT_ROUND, MANT_BITS, MIN_NORMAL_EXP)
-        tl.store(q_ptr + rows64[:, None] * stride_qr + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+    block_max = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for row_block in range(tl.program_id(0), tl.cdiv(R, BLOCK_R), tl.num_programs(0)):
+        rows = row_block * BLOCK_R + tl.arange(0, BLOCK_R)
+        row_ok = rows < R
+        rows64 = rows.to(tl.int64)
+        amax = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        for c0 in range(0, C, BLOCK_C):
+            cols = c0 + cols0
+            mask = row_ok[:, None] & (cols < C)[None, :]
+            x = tl.load(x_ptr + rows64[:, None] * stride_xr + cols[None, :].to(tl.int64) * stride_xc,
+                        mask=mask, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+        block_max = tl.maximum(block_max, amax)
+        amax = tl.maximum(amax, AMAX_FLOOR)
+        tl.store(scale_ptr + rows64, tl.div_rn(amax, FP8_MAX), mask=row_ok)
+        inv_scale = tl.div_rn(tl.full((BLOCK_R,), FP8_MAX, tl.float32), amax)
+        for c0 in range(0, C, BLOCK_C):
+            cols = c0 + cols0
+            mask = row_ok[:, None] & (cols < C)[None, :]
+            x = tl.load(x_ptr + rows64[:, None] * stride_xr + cols[None, :].to(tl.int64) * stride_xc,
+                        mask=mask, other=0.0).to(tl.float32)
+            q = _to_fp8(x, inv_scale[:, None], FP8_MAX, SOFT_ROUND, MANT_BITS, MIN_NORMAL_EXP)
+            tl.store(q_ptr + rows64[:, None] * stride_qr + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(partial_ptr + tl.program_id(0), tl.max(block_max, axis=0))
 
 
 @triton.jit
@@ -442,6 +453,18 @@ class QuantizePlan(NamedTuple):
     cast: PreparedArgs              # quantize_rows_kernel's / quantize_tensor_kernel's arguments
 
 
+def rows_programs(r: int, c: int) -> int:
+    """Programs of quantize_rows_kernel for an [r, c] x: one per row block, at most MAX_PARTIALS
+    (its partials then feed quantize_tensor_kernel); also the length of its partials."""
+    return max(1, min(cdiv(r, rows_tile(r, c)[0]), MAX_PARTIALS))
+
+
+def tensor_programs(r: int, c: int, transpose: bool, sms: int) -> int:
+    """Programs of the per-tensor kernels (and partials of amax_partials_kernel): ~8 per SM."""
+    block_r, block_c = tensor_tile(r, c, transpose)
+    return max(1, min(cdiv(r, block_r) * cdiv(c, block_c), 8 * sms, MAX_PARTIALS))
+
+
 @functools.lru_cache(maxsize=1024)
 def quantize_rows_plan(r: int, c: int, stride_xr: int, stride_xc: int, dtype: torch.dtype,
                        soft_round: bool) -> QuantizePlan:
@@ -451,26 +474,28 @@ def quantize_rows_plan(r: int, c: int, stride_xr: int, stride_xc: int, dtype: to
         (r, c, stride_xr, stride_xc, max(c, 1)),         # max: torch's row stride of an [r, 0] q
         dict(**_grid_fp8_constants(dtype, soft_round), BLOCK_R=block_r, BLOCK_C=block_c,
              num_warps=elementwise_warps(block_r * block_c)))
-    return QuantizePlan((cdiv(r, block_r),), None, cast)
+    return QuantizePlan((rows_programs(r, c),), None, cast)
 
 
 @functools.lru_cache(maxsize=1024)
 def quantize_tensor_plan(r: int, c: int, stride_xr: int, stride_xc: int, dtype: torch.dtype, write_q: bool,
-                         write_qt: bool, sms: int, soft_round: bool) -> QuantizePlan:
+                         write_qt: bool, sms: int, soft_round: bool, given_partials: int = 0) -> QuantizePlan:
     """amax_partials_kernel + quantize_tensor_kernel for an [r, c] x, one grid for both (the
-    partials buffer has one float per program)."""
+    partials buffer has one float per program); ``given_partials`` > 0: that many partials of x
+    exist already, the cast alone (``amax`` None)."""
     block_r, block_c = tensor_tile(r, c, write_qt)
     n_col_tiles = cdiv(c, block_c)
     n_tiles = cdiv(r, block_r) * n_col_tiles
-    programs = max(1, min(n_tiles, 8 * sms, MAX_PARTIALS))     # ~8 programs per SM in flight
+    programs = tensor_programs(r, c, write_qt, sms)
+    n_partials = given_partials or programs
     warps = elementwise_warps(block_r * block_c)
-    amax = amax_partials_kernel.prepare(
+    amax = None if given_partials else amax_partials_kernel.prepare(
         (r, c, stride_xr, stride_xc, n_col_tiles, n_tiles),
         dict(NUM_PROGRAMS=programs, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps))
     cast = quantize_tensor_kernel.prepare(
-        (r, c, stride_xr, stride_xc, n_col_tiles, n_tiles, programs),
+        (r, c, stride_xr, stride_xc, n_col_tiles, n_tiles, n_partials),
         dict(**_grid_fp8_constants(dtype, soft_round), WRITE_Q=write_q, WRITE_QT=write_qt, NUM_PROGRAMS=programs,
-             BLOCK_P=next_power_of_2(programs), BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps))
+             BLOCK_P=next_power_of_2(n_partials), BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps))
     return QuantizePlan((programs,), amax, cast)
 
 
@@ -534,37 +559,42 @@ def gemm_plan(m: int, n: int, k: int, a_strides: tuple, b_strides: tuple, out_dt
 # ----------------------------------------------------------------------------------------------
 
 
-def launch_quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q [R, C] contiguous fp8, scale [R] fp32) of a 2-D ``x`` with per-row scales."""
+def launch_quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q [R, C] contiguous fp8, scale [R] fp32, amax partials [rows_programs(R, C)] fp32) of a
+    2-D ``x`` with per-row scales; the partials can stand in for a per-tensor quantization's amax
+    pass over the same x (:func:`launch_quantize_tensor`)."""
     r, c = x.shape
-    q = empty((r, c), dtype, x.device)
-    scale = empty((r,), torch.float32, x.device)
-    if r == 0:
-        return q, scale
+    device = x.device
+    q = empty((r, c), dtype, device)
+    scale = empty((r,), torch.float32, device)
     sx = x.stride()
     plan = quantize_rows_plan(r, c, sx[0], sx[1], dtype, KERNELS_INTERPRETED)
-    quantize_rows_kernel.launch_prepared(plan.grid, (x, q, scale), plan.cast)
-    return q, scale
+    partials = empty(plan.grid, torch.float32, device)
+    quantize_rows_kernel.launch_prepared(plan.grid, (x, q, scale, partials), plan.cast)     # R = 0: partials 0
+    return q, scale, partials
 
 
-def launch_quantize_tensor(x: torch.Tensor, dtype: torch.dtype, write_q: bool = True,
-                           write_qt: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
-    """(q [R, C] or None, qᵀ [C, R] or None, scale [] fp32) of a 2-D ``x`` with one scale; both
-    layouts come from one read of x when both are asked for."""
+def launch_quantize_tensor(x: torch.Tensor, dtype: torch.dtype, write_q: bool = True, write_qt: bool = False,
+                           partials: torch.Tensor | None = None
+                           ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """(q [R, C] or None, qᵀ [C, R] or None, scale [1] fp32, amax partials fp32) of a 2-D ``x``
+    with one scale; both layouts come from one read of x when both are asked for. ``partials``:
+    amax partials of this same x from an earlier quantization (either launcher): no amax pass."""
     r, c = x.shape
     device = x.device
     q = empty((r, c), dtype, device) if write_q else None
     qt = empty((c, r), dtype, device) if write_qt else None
-    scale = empty((), torch.float32, device)
+    scale = empty((1,), torch.float32, device)       # [1]: the GEMM's form of a per-tensor scale
     sx = x.stride()
     plan = quantize_tensor_plan(r, c, sx[0], sx[1], dtype, write_q, write_qt, _device_traits(device)[0],
-                                KERNELS_INTERPRETED)
-    partials = empty(plan.grid, torch.float32, device)
+                                KERNELS_INTERPRETED, 0 if partials is None else partials.numel())
+    if partials is None:
+        partials = empty(plan.grid, torch.float32, device)
+        amax_partials_kernel.launch_prepared(plan.grid, (x, partials), plan.amax)
     dummy = q if q is not None else qt if qt is not None else partials
-    amax_partials_kernel.launch_prepared(plan.grid, (x, partials), plan.amax)
     quantize_tensor_kernel.launch_prepared(
         plan.grid, (x, partials, q if q is not None else dummy, qt if qt is not None else dummy, scale), plan.cast)
-    return q, qt, scale
+    return q, qt, scale, partials
 
 
 def launch_fp8_gemm(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor,

@@ -14,7 +14,8 @@
         db [N, K] = dyᵀ @ a  = gemm(q(dyᵀ) [N, M], q(aᵀ) [K, M])
         dbias     = Σ_rows dy (fp32)
     The transposed operands (bᵀ, aᵀ, dyᵀ) are written by the quantize kernel itself (no separate
-    transpose copy); dy's two layouts come from one read with one scale.
+    transpose copy); dy's two layouts come from one read with one scale; a's and b's per-tensor
+    amax come from the partials their forward quantization wrote (no second amax pass).
 
 Error model (unit roundoff u = 2^-4 for e4m3, 2^-3 for e5m2, in the normal range): each quantized
 element is x(1 + δ), |δ| <= u. A product term a·b then carries δa + δb; for data whose rounding
@@ -41,11 +42,11 @@ import torch
 import torch.nn.functional as F
 
 from .._checks import FLOAT_DTYPES, check_same_device, check_shape, check_tensor
-from .._dispatch import use_triton
+from .._dispatch import num_sms, use_triton
 from .._op import custom_op
 from ..registry import Inputs, OpSpec, register, tensor_bytes
 from ._fp8_kernels import (AMAX_FLOOR, FP8_DTYPES, FP8_MAX, launch_fp8_gemm, launch_quantize_rows,
-                           launch_quantize_tensor)
+                           launch_quantize_tensor, rows_programs, tensor_programs)
 
 SCALINGS = ("tensor", "row")
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -104,18 +105,30 @@ def matmul_reference(a, b, scaling="tensor", out_dtype=torch.bfloat16, bias=None
 # kernel, ~5-10 µs of host time each, 8 of them per fp8.Linear step.
 
 
-def _quantize(x: torch.Tensor, dtype: torch.dtype, rowwise: bool, write_q: bool,
-              write_qt: bool) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], torch.Tensor]:
-    """(q [R, C] or None, qᵀ [C, R] or None, scale [R] (rowwise) or []) of 2-D ``x``; rowwise
-    always writes q and never qᵀ."""
+def _quantize(x: torch.Tensor, dtype: torch.dtype, rowwise: bool, write_q: bool, write_qt: bool,
+              partials: Optional[torch.Tensor] = None
+              ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """(q [R, C] or None, qᵀ [C, R] or None, scale [R] (rowwise) or [1], amax partials) of 2-D
+    ``x``: the scale already in the GEMM's 1-D form; rowwise always writes q and never qᵀ. ``partials``: x's amax partials from an earlier
+    quantization (per tensor only; empty: none). The partials are empty on the reference path."""
     if use_triton(x):
         if rowwise:
-            q, scale = launch_quantize_rows(x, dtype)
-            return q, None, scale
-        return launch_quantize_tensor(x, dtype, write_q, write_qt)
+            q, scale, partials = launch_quantize_rows(x, dtype)
+            return q, None, scale, partials
+        given = partials if partials is not None and partials.numel() else None
+        return launch_quantize_tensor(x, dtype, write_q, write_qt, given)
     q, scale = quantize_reference(x, dtype, rowwise)
     qt = q.t().contiguous() if write_qt and not rowwise else None
-    return (q.contiguous() if write_q or rowwise else None), qt, scale
+    return ((q.contiguous() if write_q or rowwise else None), qt, scale.reshape(-1),
+            x.new_empty(0, dtype=torch.float32))
+
+
+def _partials_len(x: torch.Tensor, rowwise: bool) -> int:
+    """Length of the amax partials :func:`_quantize` returns for 2-D ``x`` (the fake ops' shapes)."""
+    if not use_triton(x):
+        return 0
+    r, c = x.shape
+    return rows_programs(r, c) if rowwise else tensor_programs(r, c, False, num_sms(x))
 
 
 def _gemm(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor,
@@ -129,10 +142,11 @@ def _gemm(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: torc
 @custom_op("tilefuse::fp8_quantize", mutates_args=())
 def _quantize_op(x: torch.Tensor, dtype: torch.dtype, rowwise: bool, write_q: bool,
                  write_qt: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`_quantize` with empty tensors for the layouts not written."""
-    q, qt, scale = _quantize(x, dtype, rowwise, write_q, write_qt)
+    """(q, qᵀ, scale) of :func:`_quantize`, with empty tensors for the layouts not written and
+    a per-tensor scale of shape []."""
+    q, qt, scale, _ = _quantize(x, dtype, rowwise, write_q, write_qt)
     none = x.new_empty(0, dtype=dtype) if q is None or qt is None else None
-    return (q if q is not None else none), (qt if qt is not None else none), scale
+    return (q if q is not None else none), (qt if qt is not None else none), (scale if rowwise else scale.view(()))
 
 
 @_quantize_op.register_fake
@@ -157,62 +171,70 @@ def _(a, scale_a, b, scale_b, bias, out_dtype, fast_accum):
 
 @custom_op("tilefuse::fp8_matmul_fwd", mutates_args=())
 def _matmul_fwd_op(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor], rowwise: bool,
-                   out_dtype: torch.dtype, grad_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
-    """out [M, N] of 2-D a [M, K], b [N, K]: both quantized to e4m3 (per-tensor, or per row of a
-    and per row of b), then the scaled GEMM."""
-    qa, _, sa = _quantize(a, E4M3, rowwise, True, False)
-    qb, _, sb = _quantize(b, E4M3, rowwise, True, False)
-    return _gemm(qa, sa.reshape(-1), qb, sb.reshape(-1), bias, out_dtype, fast_accum)
+                   out_dtype: torch.dtype, grad_dtype: torch.dtype,
+                   fast_accum: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out [M, N], a's and b's amax partials) of 2-D a [M, K], b [N, K]: both quantized to e4m3
+    (per-tensor, or per row of a and per row of b), then the scaled GEMM. The partials (a few
+    floats, saved for the backward) spare the backward's per-tensor quantizations of the same a
+    and b their amax passes: the same scales bit for bit, two launches fewer."""
+    qa, _, sa, partials_a = _quantize(a, E4M3, rowwise, True, False)
+    qb, _, sb, partials_b = _quantize(b, E4M3, rowwise, True, False)
+    return _gemm(qa, sa, qb, sb, bias, out_dtype, fast_accum), partials_a, partials_b
 
 
 @_matmul_fwd_op.register_fake
 def _(a, b, bias, rowwise, out_dtype, grad_dtype, fast_accum):
-    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+    return (a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype),
+            a.new_empty(_partials_len(a, rowwise), dtype=torch.float32),
+            a.new_empty(_partials_len(b, rowwise), dtype=torch.float32))
 
 
 @custom_op("tilefuse::fp8_matmul_bwd", mutates_args=())
-def _matmul_bwd_op(dy: torch.Tensor, a: torch.Tensor, b: torch.Tensor, grad_dtype: torch.dtype,
-                   fast_accum: bool, need_da: bool, need_db: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _matmul_bwd_op(dy: torch.Tensor, a: torch.Tensor, b: torch.Tensor, partials_a: torch.Tensor,
+                   partials_b: torch.Tensor, grad_dtype: torch.dtype, fast_accum: bool, need_da: bool,
+                   need_db: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(da [M, K] in a's dtype, db [N, K] in b's dtype; empty when not needed) of the recipe's
     backward, every operand per-tensor scaled, as GEMMs on K-major operands:
     da = dy @ b = gemm(q(dy), q(bᵀ)), db = dyᵀ @ a = gemm(q(dyᵀ), q(aᵀ)); dy's two layouts from
-    one read with one scale."""
-    qdy, qdy_t, s_dy = _quantize(dy, grad_dtype, False, need_da, need_db)
-    s_dy = s_dy.reshape(1)
+    one read with one scale; a's and b's scales from the forward's amax partials."""
+    qdy, qdy_t, s_dy, _ = _quantize(dy, grad_dtype, False, need_da, need_db)
     da = db = None
     if need_da:             # da [M, K] = dy [M, N] @ b [N, K]: B operand bᵀ [K, N]
-        _, qb_t, s_b = _quantize(b, E4M3, False, False, True)
-        da = _gemm(qdy, s_dy, qb_t, s_b.reshape(1), None, a.dtype, fast_accum)
+        _, qb_t, s_b, _ = _quantize(b, E4M3, False, False, True, partials_b)
+        da = _gemm(qdy, s_dy, qb_t, s_b, None, a.dtype, fast_accum)
     if need_db:             # db [N, K] = dyᵀ [N, M] @ a [M, K]: B operand aᵀ [K, M]
-        _, qa_t, s_a = _quantize(a, E4M3, False, False, True)
-        db = _gemm(qdy_t, s_dy, qa_t, s_a.reshape(1), None, b.dtype, fast_accum)
+        _, qa_t, s_a, _ = _quantize(a, E4M3, False, False, True, partials_a)
+        db = _gemm(qdy_t, s_dy, qa_t, s_a, None, b.dtype, fast_accum)
     return (da if da is not None else a.new_empty(0)), (db if db is not None else b.new_empty(0))
 
 
 @_matmul_bwd_op.register_fake
-def _(dy, a, b, grad_dtype, fast_accum, need_da, need_db):
+def _(dy, a, b, partials_a, partials_b, grad_dtype, fast_accum, need_da, need_db):
     return a.new_empty(a.shape if need_da else (0,)), b.new_empty(b.shape if need_db else (0,))
 
 
 def _setup_context(ctx, inputs, output):
     a, b, bias, _, _, grad_dtype, fast_accum = inputs
+    _, partials_a, partials_b = output
     ctx.grad_dtype, ctx.fast_accum = grad_dtype, fast_accum
     ctx.bias_dtype = bias.dtype if bias is not None else None
-    ctx.save_for_backward(a, b)
+    ctx.save_for_backward(a, b, partials_a, partials_b)
+    ctx.mark_non_differentiable(partials_a, partials_b)
 
 
-def _backward(ctx, dy):
-    a, b = ctx.saved_tensors
+def _backward(ctx, dy, _dpartials_a, _dpartials_b):
+    a, b, partials_a, partials_b = ctx.saved_tensors
     need_da, need_db, need_dbias = ctx.needs_input_grad[:3]
     da = db = dbias = None
-    if need_da or need_db:
-        da, db = _matmul_bwd_op(dy, a, b, ctx.grad_dtype, ctx.fast_accum, need_da, need_db)
-    if need_dbias:
+    if dy is not None and (need_da or need_db):
+        da, db = _matmul_bwd_op(dy, a, b, partials_a, partials_b, ctx.grad_dtype, ctx.fast_accum, need_da, need_db)
+    if dy is not None and need_dbias:
         dbias = dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
     return (da if need_da else None), (db if need_db else None), dbias, None, None, None, None
 
 
-_matmul_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+# the partials never receive gradients: no zero tensors materialized for them (eager path)
+_matmul_fwd_op.register_autograd(_backward, setup_context=_setup_context, materialize_grads=False)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -327,8 +349,10 @@ def matmul(a: torch.Tensor, b: torch.Tensor, scaling: str = "tensor", out_dtype:
     _check_fp8_dtype("grad_dtype", grad_dtype)
     _check_bias(bias, n)
     check_same_device(a=a, b=b, bias=bias)
+    if a.dim() == 2:            # no reshape / view pair (~2 µs of host time) for 2-D a
+        return _matmul_fwd_op(a, b, bias, scaling == "row", out_dtype, grad_dtype, bool(use_fast_accum))[0]
     a2 = a.reshape(-1, k) if k else a.reshape(lead.numel(), 0)
-    out = _matmul_fwd_op(a2, b, bias, scaling == "row", out_dtype, grad_dtype, bool(use_fast_accum))
+    out = _matmul_fwd_op(a2, b, bias, scaling == "row", out_dtype, grad_dtype, bool(use_fast_accum))[0]
     return out.view(*lead, n)
 
 
