@@ -357,6 +357,23 @@ def test_matmul_dtypes(out_dtype):
     _check_matmul(_leaf((9, 40)), _leaf((24, 40), scale=0.2), None, "tensor", out_dtype, grad_dtype=E4M3)
 
 
+def test_matmul_nd_output_modifiable_in_place():
+    """3-D a: the leading dimensions are flattened inside the op, and the output is a tensor of its
+    own (not a view made inside the autograd Function, which autograd forbids modifying in place):
+    an in-place op on it, then the backward, give the same gradients as on a fresh 2-D call."""
+    a, b, bias = _leaf((2, 9, 48)), _leaf((24, 48), scale=48 ** -0.5), _leaf(24)
+    y = fp8.matmul(a, b, "row", torch.float32, bias)
+    assert y._base is None and y.shape == (2, 9, 24)
+    y.mul_(2.0)
+    dy = torch.randn_like(y)
+    grads = torch.autograd.grad(y, (a, b, bias), dy)
+    a2 = a.detach().reshape(18, 48).requires_grad_(True)
+    ref = torch.autograd.grad(fp8.matmul(a2, b, "row", torch.float32, bias) * 2.0, (a2, b, bias), dy.reshape(18, 24))
+    assert grads[0].shape == a.shape
+    for g, r in zip(grads, ref):
+        assert torch.equal(g.reshape(r.shape), r)
+
+
 def test_matmul_noncontiguous_a():
     big = torch.randn(30, 2, 50, device=DEVICE)
     a = big.transpose(0, 1)[..., 3:43].requires_grad_(True)           # [2, 30, 40], strided rows

@@ -599,17 +599,19 @@ def launch_quantize_tensor(x: torch.Tensor, dtype: torch.dtype, write_q: bool = 
 
 def launch_fp8_gemm(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor,
                     bias: torch.Tensor | None, out_dtype: torch.dtype, fast_accum: bool = False,
-                    config: dict | None = None) -> torch.Tensor:
+                    config: dict | None = None, out_shape: tuple | None = None) -> torch.Tensor:
     """out [M, N] = (a @ bᵀ) · scale_a · scale_b + bias; a [M, K], b [N, K] fp8; scale_a [M] or
     [1], scale_b [N] or [1] contiguous fp32. ``fast_accum``: sm_90 wgmma partial sums stay in the
     tensor core's reduced-precision accumulator over the whole K (as _scaled_mm's use_fast_accum);
     otherwise they are promoted to fp32 once per K step. ``config`` overrides any key of
     :func:`choose_gemm_config`'s result, plus USE_TMA, FLATTEN and MAX_IMPRECISE_ACC; with
     ``WARP_SPECIALIZE`` (True / False: force; absent: :func:`use_warp_specialized`) the keys of
-    ``_fp8_gluon.WS_CONFIG`` instead."""
+    ``_fp8_gluon.WS_CONFIG`` instead. ``out_shape``: the output allocated as ``[..., N]`` with
+    M rows in all (the caller's leading dimensions: no view to return, which autograd would not
+    let a user modify in place)."""
     (m, k), n = a.shape, b.shape[0]
     device = a.device
-    out = empty((m, n), out_dtype, device)
+    out = empty(out_shape or (m, n), out_dtype, device)
     if m == 0 or n == 0:
         return out
     sms, hopper, hopper_or_newer = _device_traits(device)
@@ -619,7 +621,9 @@ def launch_fp8_gemm(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, sca
                      KERNELS_INTERPRETED, config_key(config))
     if plan.warp_specialized:
         from ._fp8_gluon import launch_fp8_gemm_ws      # Gluon: imported on first use on an sm_90 GPU
-        return launch_fp8_gemm_ws(a, scale_a, b, scale_b, bias, out, dict(plan.ws_config))
+        launch_fp8_gemm_ws(a, scale_a, b, scale_b, bias, out if out.dim() == 2 else out.view(m, n),
+                           dict(plan.ws_config))
+        return out
     if plan.uses_tma:
         use_device_descriptors()        # per call: the allocator is a per-thread context value
     fp8_gemm_kernel.launch_prepared(
