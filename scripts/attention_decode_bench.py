@@ -1,6 +1,6 @@
 """attention_decode on the GPU: validate, then time (do_bench median), in one call of < 2 minutes.
 
-    python scripts/attention_decode_bench.py [--dtype bf16] [--no-sweep] [--budget-s 100]
+    python scripts/attention_decode_bench.py [--dtype bf16] [--no-sweep] [--budget-s 100] [--graph-ab ROUNDS]
 
 Shapes (B, S_q, H_q, H_kv, L, D), full caches (cache_seqlens = L, no append): the registry's bench
 shapes, B=16 L=8k and B=1 L=32k/128k. Per shape: tilefuse contiguous (auto splits), paged with
@@ -28,6 +28,11 @@ from tilefuse.testing import rel_err
 
 SHAPES = [(16, 1, 32, 8, 8192, 128), (1, 1, 32, 8, 32768, 128), (1, 1, 32, 8, 131072, 128)]
 FORCED_SPLITS = {8192: (1, 2, 4), 32768: (8, 16, 32, 64), 131072: (16, 32, 64, 128)}
+# --graph-ab: split counts besides the automatic one, and launch configs (default tiles first)
+GRAPH_SPLITS = {8192: (), 32768: (16, 33), 131072: (16, 33)}
+GRAPH_CONFIGS = {"default": {}, "N=64 st=3 w=4": dict(BLOCK_N=64, num_stages=3, num_warps=4),
+                 "N=64 st=4 w=4": dict(BLOCK_N=64, num_stages=4, num_warps=4),
+                 "N=128 st=2 w=8": dict(BLOCK_N=128, num_stages=2, num_warps=8)}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -125,6 +130,44 @@ def bench_shape(shape, dtype, ceiling, sweep, deadline, layouts=("contiguous",))
         report(rows[:6], ceiling)
 
 
+def graph_ab(dtype, rounds: int) -> None:
+    """CUDA-graph replay time (kernels only, ``graph_time_ms``) of each shape under a few split
+    counts x launch configs (GRAPH_SPLITS, GRAPH_CONFIGS), in interleaved rounds; the median of
+    the rounds per row. Every variant is checked against the fp32 reference first."""
+    import statistics
+
+    from tilefuse.bench.ceilings import graph_time_ms
+
+    for shape in SHAPES:
+        batch, s_q, h_q, h_kv, length, d = shape
+        q, k, v, seqlens = make_inputs(shape, dtype)
+        kv_bytes = 2 * k.numel() * k.element_size()
+        ref = attention_decode_reference(q.float(), k.float(), v.float(), seqlens)
+        auto = ad._launch_config(q, length, h_kv, 0)["splits"]
+        variants = {}
+        for splits, (cfg_name, cfg) in itertools.product(sorted({auto, *GRAPH_SPLITS.get(length, ())}),
+                                                         GRAPH_CONFIGS.items()):
+            fn = (lambda splits=splits, cfg=cfg:  # noqa: E731
+                  ad._launch_decode(q, k, v, seqlens, None, 0, -1, 0, 0.0, d ** -0.5, splits, cfg)[0])
+            try:
+                err = rel_err(fn(), ref)
+            except Exception as exc:  # noqa: BLE001 - a config that does not compile (shared memory) is skipped
+                print(f"   splits={splits} {cfg_name}: {type(exc).__name__}: {str(exc)[:120]}")
+                continue
+            if err > 1e-2:
+                raise AssertionError(f"{shape} splits={splits} {cfg_name}: rel err {err:.2e}")
+            variants[f"splits={splits}{' (auto)' if splits == auto else ''} {cfg_name}"] = fn
+        times = {name: [] for name in variants}
+        for _ in range(rounds):
+            for name, fn in variants.items():
+                times[name].append(1e3 * graph_time_ms(fn))
+        print(f"\n== graph A/B B={batch} H_q={h_q} H_kv={h_kv} L={length} D={d}: KV {kv_bytes / 1e6:.0f} MB")
+        for name, ts in times.items():
+            us = statistics.median(ts)
+            print(f"  {name:36s} {us:8.1f} us  {kv_bytes / us / 1e3:7.0f} GB/s  rounds {' '.join(f'{t:.1f}' for t in ts)}")
+        torch.cuda.empty_cache()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="bf16", choices=list(DTYPES))
@@ -132,12 +175,17 @@ def main() -> int:
     parser.add_argument("--budget-s", type=float, default=100.0, help="seconds before the sweep stops")
     parser.add_argument("--layouts", nargs="+", default=["contiguous"], choices=["contiguous", "paged16", "paged256"],
                         help="caches the config sweep covers")
+    parser.add_argument("--graph-ab", type=int, default=0, metavar="ROUNDS",
+                        help="only the graph-replay A/B of split counts and configs, ROUNDS rounds")
     args = parser.parse_args()
     start = time.time()
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(0)
     ceiling = copy_gbps()
     print(f"{props.name}, {props.multi_processor_count} SMs; copy {ceiling:.0f} GB/s (1 GiB copy_, read + write)")
+    if args.graph_ab:
+        graph_ab(DTYPES[args.dtype], args.graph_ab)
+        return 0
     for i, shape in enumerate(SHAPES):
         # the sweep shares what is left of the budget with the shapes still to come
         deadline = start + args.budget_s * (i + 1) / len(SHAPES)

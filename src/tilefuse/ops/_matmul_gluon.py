@@ -1,0 +1,184 @@
+"""Warp-specialized bf16/fp16 GEMM for small M on Hopper (Gluon): a deep TMA ring.
+
+    out[M, N] = a[M, K] @ b[N, K]ᵀ        (b: nn.Linear's weight, K-contiguous)
+
+Why a second GEMM: at M ≤ 256 the GEMM streams the weight once (memory-bound) and each SM's
+share of it must keep enough bytes in flight. ncu on the ``tl`` kernel at 128x4096x4096 (H200,
+2026-11-24): 45 % of L2 throughput, 38 % of DRAM, 19.4 µs against cuBLAS's 16.0 µs, with the
+same 134 MB moved from L2 to the SMs; cuBLAS runs a 13-stage ring of 64-deep K steps with
+a producer warp group. Here:
+
+- one producer warp issues the TMA loads of a ``STAGES``-deep ring (``ready`` / ``empty`` mbarriers),
+  from descriptors built on the host (no in-kernel descriptor creation at the start of the launch);
+- ``CONSUMERS`` warp groups each own 64 rows of the tile and share its B tile; each keeps one
+  wgmma in flight and releases a stage once the wgmma that read it has finished;
+- the output tile goes out through shared memory and a TMA store.
+
+GPU only (Gluon has no interpreter).
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from .._dispatch import cdiv, num_sms
+from ._fp8_gluon import ROWS_PER_GROUP, WG_ROWS, _release
+from ._gluon_common import LOADER_REGS_KERNEL, SMEM_BYTES, consumer_regs, smem_layout
+from ._matmul_kernels import _tile_coords
+
+
+@gluon.jit
+def gemm_load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
+                        NUM_PROGRAMS: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                        BLOCK_K: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
+    """The producer warp: per K step of each tile, wait for a free stage, then TMA the 64-row A
+    pieces (one per consumer group) and the B tile into it (zeros past the edges)."""
+    num_pid_m = gl.cdiv(M, WG_ROWS * CONSUMERS)
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    k_tiles = gl.cdiv(K, BLOCK_K)
+    step_bytes: gl.constexpr = CONSUMERS * a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    it = 0
+    for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
+        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * (WG_ROWS * CONSUMERS)
+        off_n = pid_n * BLOCK_N
+        for ki in range(k_tiles):
+            s = it % STAGES
+            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)     # first lap: no wait
+            bar = ready.index(s)
+            mbarrier.expect(bar, step_bytes)
+            for g in gl.static_range(CONSUMERS):
+                tma.async_copy_global_to_shared(a_desc, [off_m + g * WG_ROWS, ki * BLOCK_K], bar,
+                                                a_bufs.index(CONSUMERS * s + g))
+            tma.async_copy_global_to_shared(b_desc, [off_n, ki * BLOCK_K], bar, b_bufs.index(s))
+            it += 1
+
+
+@gluon.jit
+def gemm_mma_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, WG: gl.constexpr,
+                       NUM_PROGRAMS: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                       BLOCK_K: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
+    """One consumer warp group: rows [WG·64, WG·64 + 64) of each tile, one wgmma in flight; the
+    stage a finished wgmma read goes back to the producer."""
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BLOCK_N, 16])
+    num_pid_m = gl.cdiv(M, WG_ROWS * CONSUMERS)
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    k_tiles = gl.cdiv(K, BLOCK_K)
+    it = 0
+    for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
+        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * (WG_ROWS * CONSUMERS) + WG * WG_ROWS
+        off_n = pid_n * BLOCK_N
+        acc = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, mma_layout)
+        for ki in range(k_tiles):
+            s = it % STAGES
+            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+            acc = warpgroup_mma(a_bufs.index(CONSUMERS * s + WG), b_bufs.index(s).permute((1, 0)), acc,
+                                is_async=True)
+            # the previous step's wgmma is done once at most this one is outstanding: free its stage
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            if ki > 0:
+                _release(empty, (it + STAGES - 1) % STAGES)
+            it += 1
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        _release(empty, (it + STAGES - 1) % STAGES)
+        tma.store_wait(pendings=0)      # the last tile's store has left c_smem
+        c_smem.store(acc.to(c_desc.dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(c_desc, [off_m, off_n], c_smem)
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def gemm_small_m_ws_kernel(
+    a_desc,             # TMA descriptor of a [M, K], block [64, BLOCK_K]
+    b_desc,             # TMA descriptor of b [N, K], block [BLOCK_N, BLOCK_K]
+    c_desc,             # TMA descriptor of out [M, N], block [64, BLOCK_N]
+    M,                  # rows of a and out
+    N,                  # rows of b, columns of out
+    K,                  # the reduced dimension (> 0)
+    NUM_PROGRAMS: gl.constexpr,     # persistent grid size
+    GROUP_M: gl.constexpr,          # row tiles per group of the tile order
+    STAGES: gl.constexpr,           # depth of the shared-memory ring
+    CONSUMERS: gl.constexpr,        # consumer warp groups (1 or 2): BLOCK_M = 64 * CONSUMERS
+    CONSUMER_REGS: gl.constexpr,    # registers per thread of the worker consumer group
+):
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = b_desc.block_type.shape[1]
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [CONSUMERS * STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    c_bufs = gl.allocate_shared_memory(c_desc.dtype, [CONSUMERS] + c_desc.block_type.shape, c_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=CONSUMERS)
+    # the argument lists are written out: warp_specialize takes literal tuples
+    if CONSUMERS == 1:
+        gl.warp_specialize([
+            (gemm_mma_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs.index(0), M, N, K, 0,
+                                  NUM_PROGRAMS, GROUP_M, BLOCK_N, BLOCK_K, STAGES, CONSUMERS)),
+            (gemm_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, NUM_PROGRAMS,
+                                   GROUP_M, BLOCK_N, BLOCK_K, STAGES, CONSUMERS)),
+        ], [1], [LOADER_REGS_KERNEL])
+    else:
+        gl.static_assert(CONSUMERS == 2, "one or two consumer warp groups")
+        gl.warp_specialize([
+            (gemm_mma_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs.index(0), M, N, K, 0,
+                                  NUM_PROGRAMS, GROUP_M, BLOCK_N, BLOCK_K, STAGES, CONSUMERS)),
+            (gemm_mma_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs.index(1), M, N, K, 1,
+                                  NUM_PROGRAMS, GROUP_M, BLOCK_N, BLOCK_K, STAGES, CONSUMERS)),
+            (gemm_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, NUM_PROGRAMS,
+                                   GROUP_M, BLOCK_N, BLOCK_K, STAGES, CONSUMERS)),
+        ], [4, 1], [CONSUMER_REGS, LOADER_REGS_KERNEL])
+
+
+# ----------------------------------------------------------------------------------------------
+# launch
+# ----------------------------------------------------------------------------------------------
+
+SMALL_M_WS_CONFIG = dict(BLOCK_N=64, BLOCK_K=128, STAGES=6, CONSUMERS=1, GROUP_M=8)
+
+
+def _descriptor(t: torch.Tensor, block: tuple[int, int]) -> TensorDescriptor:
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), smem_layout(block, t.dtype))
+
+
+def fit_ring(requested: int, consumers: int, block_n: int, block_k: int, elem: int) -> int:
+    """The ring depth that fits beside the output tiles (one [64, BLOCK_N] per consumer group)."""
+    stage = (consumers * ROWS_PER_GROUP + block_n) * block_k * elem
+    free = SMEM_BYTES - consumers * ROWS_PER_GROUP * block_n * elem - 1024
+    return max(2, min(requested, free // stage))
+
+
+def ws_regs(consumers: int) -> tuple[int, int]:
+    """(registers per thread at launch, registers of the worker consumer group): the split of
+    :func:`consumer_regs`, with the launch figure capped at 248 (one consumer group and the
+    loader's padded group would get 256, over the 255-register limit)."""
+    launch, worker = consumer_regs(consumers)
+    return min(launch, 248), worker
+
+
+def launch_gemm_small_m_ws(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, config: dict | None = None) -> torch.Tensor:
+    """out [M, N] = a [M, K] @ w [N, K]ᵀ (16-bit, K > 0, TMA-aligned rows), ``out`` preallocated."""
+    cfg = dict(SMALL_M_WS_CONFIG, **(config or {}))
+    (m, k), n = a.shape, w.shape[0]
+    block_n, block_k, consumers = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["CONSUMERS"]
+    tiles = cdiv(m, ROWS_PER_GROUP * consumers) * cdiv(n, block_n)
+    programs = max(1, min(num_sms(a), tiles))
+    launch_regs, worker_regs = ws_regs(consumers)
+    stages = fit_ring(cfg["STAGES"], consumers, block_n, block_k, a.element_size())
+    gemm_small_m_ws_kernel[(programs,)](
+        _descriptor(a, (ROWS_PER_GROUP, block_k)), _descriptor(w, (block_n, block_k)),
+        _descriptor(out, (ROWS_PER_GROUP, block_n)),
+        m, n, k,
+        NUM_PROGRAMS=programs, GROUP_M=cfg["GROUP_M"], STAGES=stages, CONSUMERS=consumers,
+        CONSUMER_REGS=worker_regs, num_warps=4, maxnreg=launch_regs,
+    )
+    return out
