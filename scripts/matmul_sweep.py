@@ -17,6 +17,7 @@ import argparse
 import torch
 import triton.testing
 
+from tilefuse.ops import _matmul_gluon as g
 from tilefuse.ops import _matmul_kernels as mk
 from tilefuse.testing import rel_err
 
@@ -64,7 +65,14 @@ SMALL_ALTERNATIVES = {
 # 32 < M <= 256 (small batches, the M=128 rows of the issue): too few large tiles to fill the SMs,
 # so narrow column tiles, long K steps and deep pipelines (memory-bound: bytes in flight per SM)
 MID_ALTERNATIVES = {
+    "tl": dict(GLUON=False),        # the tl kernel's default config (the Gluon kernel is the default on sm_90)
     "ptr": dict(USE_TMA=False),
+    # the Gluon warp-specialized kernel (_matmul_gluon) with each declared tile, and deeper / shallower rings
+    **{f"g{name}": dict(cfg, GLUON=True) for name, cfg in g.WS_TILES.items()},
+    "g64x64-k64-s12": dict(g.WS_TILES["64x64"], BLOCK_K=64, STAGES=12, GLUON=True),
+    "g64x128-k128-s4": dict(g.WS_TILES["64x128"], BLOCK_K=128, STAGES=4, GLUON=True),
+    "g128x128-k32-s12": dict(g.WS_TILES["128x128"], BLOCK_K=32, STAGES=12, GLUON=True),
+    "g128x128-k128-s3": dict(g.WS_TILES["128x128"], BLOCK_K=128, STAGES=3, GLUON=True),
     "flatten": dict(FLATTEN=True),
     "128x32-k128-s5-w4": dict(BLOCK_M=128, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=5),
     "128x64-k128-s4-w4": dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4),

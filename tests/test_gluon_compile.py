@@ -167,6 +167,41 @@ def compile_fp8(case):
     _check(_compile_sm90(fp8.fp8_gemm_ws_kernel, args, constexprs, launch_regs))
 
 
+GEMM_CASES = {   # name: (tile of _matmul_gluon.WS_TILES, activation, bias / residual / preact, out dtype)
+    "64x64-plain": ("64x64", "none", False, torch.bfloat16),
+    "64x128-gelu-epilogue": ("64x128", "gelu", True, torch.bfloat16),
+    "128x128-silu-epilogue-fp32": ("128x128", "silu", True, torch.float32),
+}
+
+
+@pytest.mark.parametrize("case", list(GEMM_CASES))
+def test_small_m_gemm_compiles_for_sm90(case):
+    _in_child("gemm", case)
+
+
+def compile_gemm(case):
+    """The Gluon small-M GEMM with each declared tile, as the launcher builds it: no spills, the
+    ring and output tiles within shared memory, wgmma and TMA in the SASS."""
+    from tilefuse.ops import _matmul_gluon as g
+    tile, act, epilogue, out_dtype = GEMM_CASES[case]
+    cfg = g.WS_TILES[tile]
+    m, n, k = 200, 1000, 3000
+    a, w = torch.empty(m, k, dtype=torch.bfloat16), torch.empty(n, k, dtype=torch.bfloat16)
+    out = torch.empty(m, n, dtype=out_dtype)
+    launch_regs, worker_regs = g.ws_regs(cfg["CONSUMERS"])
+    rows = g.ROWS_PER_GROUP
+    args = dict(a_desc=g._descriptor(a, (rows, cfg["BLOCK_K"])), b_desc=g._descriptor(w, (cfg["BLOCK_N"], cfg["BLOCK_K"])),
+                c_desc=g._descriptor(out, (rows, cfg["BLOCK_N"])), bias_ptr=torch.empty(n, dtype=torch.bfloat16),
+                residual_ptr=out, preact_ptr=out, M=m, N=n, K=k, stride_rm=n, stride_rn=1, stride_pm=n)
+    stages = g.fit_ring(cfg["STAGES"], cfg["CONSUMERS"], cfg["BLOCK_N"], cfg["BLOCK_K"], 2, out.element_size())
+    constexprs = dict(HAS_BIAS=epilogue, ACT=act, HAS_RESIDUAL=epilogue, SAVE_PREACT=epilogue, NUM_PROGRAMS=132,
+                      GROUP_M=cfg["GROUP_M"], STAGES=stages, CONSUMERS=cfg["CONSUMERS"], CONSUMER_REGS=worker_regs)
+    compiled = _compile_sm90(g.gemm_small_m_ws_kernel, args, constexprs, launch_regs)
+    _check(compiled)
+    sass = _ptxas_and_sass(compiled)[1]
+    assert "HGMMA" in sass and "UTMALDG" in sass and "UTMASTG" in sass
+
+
 INT4_MMA_CASES = {   # name: (x dtype, group, rows of x, WARPS_K, WARPS_N, REPS, GROUPS_PER_STEP, bound on the
     # kernel's SASS instructions per weight value: ~10 % over the count measured 2026-11-24)
     "bf16-g128-m1": (torch.bfloat16, 128, 1, 4, 1, 2, 1, 2.85),         # 2.59
@@ -219,7 +254,7 @@ def compile_int4_mma(case):
 if __name__ == "__main__":
     kind, name = sys.argv[1:]
     {"attention": compile_attention, "attention-bwd": compile_attention_bwd, "fp8": compile_fp8,
-     "int4-mma": compile_int4_mma}[kind](name)
+     "int4-mma": compile_int4_mma, "gemm": compile_gemm}[kind](name)
     print("OK")
 
 
@@ -229,5 +264,6 @@ def test_gluon_kernels_do_not_count_as_compiled_mode():
     import tilefuse.ops._attention_bwd_gluon  # noqa: F401
     import tilefuse.ops._attention_fwd_gluon  # noqa: F401
     import tilefuse.ops._fp8_gluon  # noqa: F401
+    import tilefuse.ops._matmul_gluon  # noqa: F401
     from tilefuse.cli import _kernels_compiled_mode
     assert not _kernels_compiled_mode()

@@ -344,6 +344,59 @@ def test_gpu_split_k(split, store_tma, use_tma):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tile", ["64x64", "64x128", "128x128"])
+@pytest.mark.parametrize("dtype,out_dtype", [(torch.bfloat16, None), (torch.float16, None),
+                                             (torch.bfloat16, torch.float32)], ids=str)
+def test_gpu_gluon_small_m(tile, dtype, out_dtype):
+    """The Gluon small-M kernel with each tile (forced through config, so it runs on any sm_90
+    GPU whatever the heuristic picks): ragged M / N / K (TMA zero fill and clipped stores), every
+    epilogue, output NaN-poisoned first, bit-identical relaunches, the residual as the output
+    itself, and a CUDA graph replay."""
+    from tilefuse.ops import _matmul_gluon as g
+    if not torch.cuda.get_device_capability()[0] == 9:
+        pytest.skip("wgmma kernel: sm_90 only")
+    cfg = dict(g.WS_TILES[tile], GLUON=True)
+    for (m, n, k), act in zip([(128, 4096, 4096), (200, 1000, 3000), (33, 136, 72), (1, 64, 8)], ["gelu", "silu", None, "relu"]):
+        a = torch.randn(m, k, device="cuda", dtype=dtype)
+        w = torch.randn(n, k, device="cuda", dtype=dtype) / k ** 0.5
+        bias, res = torch.randn(n, device="cuda", dtype=dtype), torch.randn(m, n, device="cuda", dtype=out_dtype or dtype)
+        ref = matmul_reference(a.double(), w.double().t(), bias.double(), act, res.double())
+        out = torch.full((m, n), float("nan"), device="cuda", dtype=out_dtype or dtype)
+        out, pre = mk.launch_matmul(a, w.t(), bias, res, act or "none", out_dtype=out_dtype, save_preact=act is not None,
+                                    config=cfg, out=out)
+        assert rel_err(out, ref) <= TOL[dtype], (m, n, k)
+        if act is not None:
+            assert rel_err(pre, matmul_reference(a.double(), w.double().t(), bias.double())) <= TOL[dtype]
+        plain = mk.launch_matmul(a, w.t(), config=cfg)[0]
+        assert rel_err(plain, a.double() @ w.double().t()) <= TOL[dtype]
+        for _ in range(2):
+            assert torch.equal(out, mk.launch_matmul(a, w.t(), bias, res, act or "none", out_dtype=out_dtype, config=cfg)[0])
+        inplace = res.clone()
+        mk.launch_matmul(a, w.t(), bias, inplace, act or "none", out_dtype=out_dtype, config=cfg, out=inplace)
+        assert torch.equal(inplace, out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = mk.launch_matmul(a, w.t(), bias, res, act or "none", out_dtype=out_dtype, config=cfg)[0]
+    captured.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("act", [None, "gelu"])
+def test_gpu_gluon_small_m_by_default_fwd_bwd(act):
+    """M = 128 through the public op on sm_90 takes the Gluon kernel by default (forward), the tl
+    kernel for the backward GEMMs: outputs and every gradient vs the fp64 reference."""
+    if torch.cuda.get_device_capability()[0] == 9:
+        a, b = torch.randn(128, 1024, device="cuda").bfloat16(), torch.randn(1024, 1024, device="cuda").bfloat16().t()
+        assert mk._matmul_plan(128, 1024, 1024, torch.bfloat16, torch.bfloat16, a.stride(), b.stride(), (1024, 1),
+                               True, mk.num_sms(a), True, True, (True, act or "none", True, act is not None), ()).ws_tile
+    _check(_rand((2, 64, 1024), torch.bfloat16), _weight_t(1024, 1024, torch.bfloat16), _rand(1024, torch.bfloat16), act,
+           _rand((2, 64, 1024), torch.bfloat16))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("act", ACTS)
 def test_gpu_bf16_epilogues_fwd_bwd(act):
     a = _rand((4, 256, 1024), torch.bfloat16)
@@ -372,13 +425,37 @@ def test_one_row_a_with_any_row_stride():
     assert rel_err(out, dy.double().t() @ x.double()) <= 1e-5
 
 
+def test_gluon_small_m_plan():
+    """On sm_90 (hopper_exact) mid-M x @ w.t() GEMMs take the Gluon kernel with the tile whose
+    waves are fullest; other M, layouts, fp32, unaligned outputs, tl configs and GLUON=False keep
+    the tl kernel; GLUON=True takes it at any M, with its tile keys overriding."""
+    def plan(m, n=4096, k=4096, config=(), b_strides=None, a_strides=None, dtype=torch.bfloat16, exact=True):
+        b_strides = b_strides or (1, k)
+        a_strides = a_strides or (k, 1)
+        return mk._matmul_plan(m, n, k, dtype, dtype, a_strides, b_strides, (n, 1), True, 132, True, exact,
+                               (False, "none", False, False), config)
+    tile = lambda p: dict(p.ws_tile)    # noqa: E731
+    assert (tile(plan(128))["CONSUMERS"], tile(plan(128))["BLOCK_N"]) == (1, 64)            # 128 tiles
+    assert (tile(plan(128, 14336))["CONSUMERS"], tile(plan(128, 14336))["BLOCK_N"]) == (2, 128)   # 112
+    assert (tile(plan(128, 6144))["CONSUMERS"], tile(plan(128, 6144))["BLOCK_N"]) == (1, 128)     # 96
+    assert tile(plan(256, 4096))["BLOCK_N"] == 128 and plan(mk.MID_MAX_M).ws_tile
+    assert not plan(64).ws_tile                 # 64 tiles of 64x64: the tl kernel's split-K
+    assert not plan(16).ws_tile and not plan(mk.MID_MAX_M + 1).ws_tile
+    assert not plan(128, exact=False).ws_tile and not plan(128, dtype=torch.float32).ws_tile
+    assert not plan(128, b_strides=(4096, 1)).ws_tile and not plan(128, a_strides=(1, 128)).ws_tile
+    assert not plan(128, n=4100).ws_tile         # out rows not 16-byte aligned for the TMA store
+    assert not plan(128, config=(("SPLIT_K", 2),)).ws_tile and not plan(128, config=(("GLUON", False),)).ws_tile
+    forced = plan(16, config=(("GLUON", True), ("STAGES", 4)))
+    assert tile(forced)["STAGES"] == 4 and tile(forced)["BLOCK_N"] == 64
+
+
 def test_descriptors_by_default_only_above_mid_m():
     """On an sm_90 GPU (hopper=True) the plan reads K-contiguous operands (x @ w.t()) through
     descriptors for large M only; small and mid M keep pointer loads (cheaper launch). Other
     layouts (b row-major [K, N], a transposed) keep descriptors; USE_TMA still forces either way."""
     def plan(m, config=(), b_strides=(1, 4096), a_strides=(4096, 1)):
         return mk._matmul_plan(m, 4096, 4096, torch.bfloat16, torch.bfloat16, a_strides, b_strides, (4096, 1),
-                               True, 132, True, (False, "none", False, False), config)
+                               True, 132, True, False, (False, "none", False, False), config)
     assert not plan(1).uses_tma and not plan(mk.MID_MAX_M).uses_tma
     assert plan(16, b_strides=(4096, 1)).uses_tma and plan(16, a_strides=(1, 4096)).uses_tma
     assert plan(mk.MID_MAX_M + 1).uses_tma and plan(8192).uses_tma

@@ -27,8 +27,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .._dispatch import cdiv, num_sms
+from .._launch import fast_launch
 from ._fp8_gluon import ROWS_PER_GROUP, WG_ROWS, _release
 from ._gluon_common import LOADER_REGS_KERNEL, SMEM_BYTES, consumer_regs, smem_layout
+from ._activation_math import activation_fwd
 from ._matmul_kernels import _tile_coords
 
 
@@ -60,9 +62,40 @@ def gemm_load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
 
 
 @gluon.jit
-def gemm_mma_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, WG: gl.constexpr,
-                       NUM_PROGRAMS: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                       BLOCK_K: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
+def _gemm_epilogue(acc, c_desc, c_smem, bias_ptr, residual_ptr, preact_ptr, off_m, off_n, M, N,
+                   stride_rm, stride_rn, stride_pm, HAS_BIAS: gl.constexpr, ACT: gl.constexpr,
+                   HAS_RESIDUAL: gl.constexpr, SAVE_PREACT: gl.constexpr):
+    """The output tile at (off_m, off_n), as the tl kernel's: z = acc + bias; [preact = z];
+    out = act(z) + residual, stored through shared memory and a TMA store (rows / columns past
+    the edges are clipped by the descriptor)."""
+    layout: gl.constexpr = acc.type.layout
+    rows = off_m + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, layout))
+    cols = off_n + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, layout))
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    rows64 = rows.to(gl.int64)
+    z = acc
+    if HAS_BIAS:
+        z += gl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(gl.float32)[None, :]
+    if SAVE_PREACT:
+        gl.store(preact_ptr + rows64[:, None] * stride_pm + cols[None, :], z.to(preact_ptr.dtype.element_ty),
+                 mask=mask)
+    y = activation_fwd(z, ACT, c_desc.dtype == gl.float32)
+    if HAS_RESIDUAL:
+        y += gl.load(residual_ptr + rows64[:, None] * stride_rm + cols[None, :] * stride_rn, mask=mask,
+                     other=0.0).to(gl.float32)
+    tma.store_wait(pendings=0)      # the last tile's store has left c_smem
+    c_smem.store(y.to(c_desc.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(c_desc, [off_m, off_n], c_smem)
+
+
+@gluon.jit
+def gemm_mma_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, bias_ptr, residual_ptr, preact_ptr,
+                       M, N, K, stride_rm, stride_rn, stride_pm, WG: gl.constexpr,
+                       HAS_BIAS: gl.constexpr, ACT: gl.constexpr, HAS_RESIDUAL: gl.constexpr,
+                       SAVE_PREACT: gl.constexpr, NUM_PROGRAMS: gl.constexpr, GROUP_M: gl.constexpr,
+                       BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                       CONSUMERS: gl.constexpr):
     """One consumer warp group: rows [WG·64, WG·64 + 64) of each tile, one wgmma in flight; the
     stage a finished wgmma read goes back to the producer."""
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -88,21 +121,30 @@ def gemm_mma_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, WG
             it += 1
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         _release(empty, (it + STAGES - 1) % STAGES)
-        tma.store_wait(pendings=0)      # the last tile's store has left c_smem
-        c_smem.store(acc.to(c_desc.dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(c_desc, [off_m, off_n], c_smem)
+        _gemm_epilogue(acc, c_desc, c_smem, bias_ptr, residual_ptr, preact_ptr, off_m, off_n, M, N,
+                       stride_rm, stride_rn, stride_pm, HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT)
     tma.store_wait(pendings=0)
 
 
+@fast_launch
 @gluon.jit
 def gemm_small_m_ws_kernel(
     a_desc,             # TMA descriptor of a [M, K], block [64, BLOCK_K]
     b_desc,             # TMA descriptor of b [N, K], block [BLOCK_N, BLOCK_K]
     c_desc,             # TMA descriptor of out [M, N], block [64, BLOCK_N]
+    bias_ptr,           # *bias [N], contiguous (ignored unless HAS_BIAS)
+    residual_ptr,       # *residual [M, N], output dtype (ignored unless HAS_RESIDUAL)
+    preact_ptr,         # *pre-activation a @ bᵀ + bias [M, N], row-major (ignored unless SAVE_PREACT)
     M,                  # rows of a and out
     N,                  # rows of b, columns of out
     K,                  # the reduced dimension (> 0)
+    stride_rm,          # elements between rows of residual
+    stride_rn,          # elements between columns of residual
+    stride_pm,          # elements between rows of preact
+    HAS_BIAS: gl.constexpr,         # add bias[N] before the activation
+    ACT: gl.constexpr,              # one of _activation_math.ACTIVATIONS ("none": identity)
+    HAS_RESIDUAL: gl.constexpr,     # add residual[M, N] after the activation
+    SAVE_PREACT: gl.constexpr,      # also store a @ bᵀ + bias (the backward's act' input)
     NUM_PROGRAMS: gl.constexpr,     # persistent grid size
     GROUP_M: gl.constexpr,          # row tiles per group of the tile order
     STAGES: gl.constexpr,           # depth of the shared-memory ring
@@ -122,18 +164,24 @@ def gemm_small_m_ws_kernel(
     # the argument lists are written out: warp_specialize takes literal tuples
     if CONSUMERS == 1:
         gl.warp_specialize([
-            (gemm_mma_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs.index(0), M, N, K, 0,
-                                  NUM_PROGRAMS, GROUP_M, BLOCK_N, BLOCK_K, STAGES, CONSUMERS)),
+            (gemm_mma_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs.index(0), bias_ptr, residual_ptr,
+                                  preact_ptr, M, N, K, stride_rm, stride_rn, stride_pm, 0, HAS_BIAS, ACT,
+                                  HAS_RESIDUAL, SAVE_PREACT, NUM_PROGRAMS, GROUP_M, BLOCK_N, BLOCK_K, STAGES,
+                                  CONSUMERS)),
             (gemm_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, NUM_PROGRAMS,
                                    GROUP_M, BLOCK_N, BLOCK_K, STAGES, CONSUMERS)),
         ], [1], [LOADER_REGS_KERNEL])
     else:
         gl.static_assert(CONSUMERS == 2, "one or two consumer warp groups")
         gl.warp_specialize([
-            (gemm_mma_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs.index(0), M, N, K, 0,
-                                  NUM_PROGRAMS, GROUP_M, BLOCK_N, BLOCK_K, STAGES, CONSUMERS)),
-            (gemm_mma_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs.index(1), M, N, K, 1,
-                                  NUM_PROGRAMS, GROUP_M, BLOCK_N, BLOCK_K, STAGES, CONSUMERS)),
+            (gemm_mma_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs.index(0), bias_ptr, residual_ptr,
+                                  preact_ptr, M, N, K, stride_rm, stride_rn, stride_pm, 0, HAS_BIAS, ACT,
+                                  HAS_RESIDUAL, SAVE_PREACT, NUM_PROGRAMS, GROUP_M, BLOCK_N, BLOCK_K, STAGES,
+                                  CONSUMERS)),
+            (gemm_mma_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs.index(1), bias_ptr, residual_ptr,
+                                  preact_ptr, M, N, K, stride_rm, stride_rn, stride_pm, 1, HAS_BIAS, ACT,
+                                  HAS_RESIDUAL, SAVE_PREACT, NUM_PROGRAMS, GROUP_M, BLOCK_N, BLOCK_K, STAGES,
+                                  CONSUMERS)),
             (gemm_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, NUM_PROGRAMS,
                                    GROUP_M, BLOCK_N, BLOCK_K, STAGES, CONSUMERS)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS_KERNEL])
@@ -143,17 +191,42 @@ def gemm_small_m_ws_kernel(
 # launch
 # ----------------------------------------------------------------------------------------------
 
-SMALL_M_WS_CONFIG = dict(BLOCK_N=64, BLOCK_K=128, STAGES=6, CONSUMERS=1, GROUP_M=8)
+# Tile candidates, H200 2026-11-24 graph sweep at M = 128 (-s19-gemm-small-m-gluon-probe.log):
+# 64x64 tiles with 128-deep K steps in a 6-stage ring at N = 4096 (9.65 µs, 1.34x cuBLAS; K = 14336
+# 1.03x), 128x128 tiles (two consumer groups) at N = 14336 (1.00x), 64x128 at N = 6144 (0.93x).
+WS_TILES = {
+    "64x64": dict(CONSUMERS=1, BLOCK_N=64, BLOCK_K=128, STAGES=6, GROUP_M=8),
+    "64x128": dict(CONSUMERS=1, BLOCK_N=128, BLOCK_K=64, STAGES=8, GROUP_M=8),
+    "128x128": dict(CONSUMERS=2, BLOCK_N=128, BLOCK_K=64, STAGES=6, GROUP_M=8),
+}
+MIN_WAVE_EFFICIENCY = 0.7       # below it the tl kernel's split-K fills the SMs better
+
+
+def wave_efficiency(tiles: int, sms: int) -> float:
+    """Tiles over the programs' slots in whole waves: 1.0 when every wave is full."""
+    return tiles / (cdiv(tiles, sms) * sms)
+
+
+def choose_ws_tile(m: int, n: int, sms: int) -> dict | None:
+    """The tile whose waves are fullest, ties to the larger tile (fewer waves, fewer operand
+    re-reads); None when the best leaves over 30 % of the slots idle (no split-K here)."""
+    best, best_key = None, None
+    for name, cfg in WS_TILES.items():
+        tiles = cdiv(m, ROWS_PER_GROUP * cfg["CONSUMERS"]) * cdiv(n, cfg["BLOCK_N"])
+        key = (round(wave_efficiency(tiles, sms), 3), -cdiv(tiles, sms), cfg["CONSUMERS"] * cfg["BLOCK_N"])
+        if best_key is None or key > best_key:
+            best, best_key = cfg, key
+    return dict(best) if best_key[0] >= MIN_WAVE_EFFICIENCY else None
 
 
 def _descriptor(t: torch.Tensor, block: tuple[int, int]) -> TensorDescriptor:
     return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), smem_layout(block, t.dtype))
 
 
-def fit_ring(requested: int, consumers: int, block_n: int, block_k: int, elem: int) -> int:
+def fit_ring(requested: int, consumers: int, block_n: int, block_k: int, elem: int, out_elem: int) -> int:
     """The ring depth that fits beside the output tiles (one [64, BLOCK_N] per consumer group)."""
     stage = (consumers * ROWS_PER_GROUP + block_n) * block_k * elem
-    free = SMEM_BYTES - consumers * ROWS_PER_GROUP * block_n * elem - 1024
+    free = SMEM_BYTES - consumers * ROWS_PER_GROUP * block_n * out_elem - 1024
     return max(2, min(requested, free // stage))
 
 
@@ -165,19 +238,28 @@ def ws_regs(consumers: int) -> tuple[int, int]:
     return min(launch, 248), worker
 
 
-def launch_gemm_small_m_ws(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, config: dict | None = None) -> torch.Tensor:
-    """out [M, N] = a [M, K] @ w [N, K]ᵀ (16-bit, K > 0, TMA-aligned rows), ``out`` preallocated."""
-    cfg = dict(SMALL_M_WS_CONFIG, **(config or {}))
+def launch_gemm_small_m_ws(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None = None,
+                           residual: torch.Tensor | None = None, preact: torch.Tensor | None = None,
+                           activation: str = "none", config: dict | None = None) -> torch.Tensor:
+    """out [M, N] = act(a [M, K] @ w [N, K]ᵀ + bias) + residual (and preact = a @ wᵀ + bias);
+    16-bit a and w, K > 0, every base and row stride TMA-aligned, ``out`` (and ``preact``)
+    preallocated row-major. ``config``: the tile (:func:`choose_ws_tile` when None)."""
     (m, k), n = a.shape, w.shape[0]
+    cfg = dict(config) if config else choose_ws_tile(m, n, num_sms(a)) or dict(WS_TILES["64x64"])
     block_n, block_k, consumers = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["CONSUMERS"]
     tiles = cdiv(m, ROWS_PER_GROUP * consumers) * cdiv(n, block_n)
     programs = max(1, min(num_sms(a), tiles))
     launch_regs, worker_regs = ws_regs(consumers)
-    stages = fit_ring(cfg["STAGES"], consumers, block_n, block_k, a.element_size())
+    stages = fit_ring(cfg["STAGES"], consumers, block_n, block_k, a.element_size(), out.element_size())
+    res_strides = residual.stride() if residual is not None else (n, 1)
     gemm_small_m_ws_kernel[(programs,)](
         _descriptor(a, (ROWS_PER_GROUP, block_k)), _descriptor(w, (block_n, block_k)),
         _descriptor(out, (ROWS_PER_GROUP, block_n)),
-        m, n, k,
+        bias if bias is not None else out, residual if residual is not None else out,
+        preact if preact is not None else out,
+        m, n, k, res_strides[0], res_strides[1], n,
+        HAS_BIAS=bias is not None, ACT=activation, HAS_RESIDUAL=residual is not None,
+        SAVE_PREACT=preact is not None,
         NUM_PROGRAMS=programs, GROUP_M=cfg["GROUP_M"], STAGES=stages, CONSUMERS=consumers,
         CONSUMER_REGS=worker_regs, num_warps=4, maxnreg=launch_regs,
     )

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._dispatch import cdiv, empty, is_hopper_or_newer, next_power_of_2, num_sms, rows_view
+from .._dispatch import cdiv, empty, is_hopper, is_hopper_or_newer, next_power_of_2, num_sms, rows_view
 from .._launch import PreparedArgs, config_key, fast_launch, use_device_descriptors
 from ._activation_math import BWD_TILE_ELEMS, activation_fwd, activation_fwd_bwd, tile_config, tile_rows_cols
 from ._common import row_tile_mask_offsets
@@ -464,6 +464,32 @@ class _MatmulPlan(NamedTuple):
     prepared: PreparedArgs      # matmul_kernel's sizes, strides and constexprs
     split_tiles: int            # output tiles when split over K (0: not split)
     workspace: int              # fp32 elements of the split-K partials (0: not split)
+    ws_tile: tuple = ()         # the Gluon small-M kernel's tile config instead (see _ws_tile)
+
+
+def _ws_tile(m: int, n: int, k: int, dtype: torch.dtype, out_dtype: torch.dtype, a_strides: tuple,
+             b_strides: tuple, layout: TmaLayout, sms: int, hopper: bool, config: dict) -> tuple:
+    """The tile of ``_matmul_gluon.gemm_small_m_ws_kernel`` when it takes this GEMM, else ():
+    sm_90, 16-bit operands, 32 < M <= MID_MAX_M, a row-major and b a transposed weight (x @ w.t(),
+    nn.Linear's forward) read through host descriptors, a row-major output TMA can store, and a
+    tile that fills the SMs (no split-K there). H200 2026-11-24 at M = 128, graph replays: 1.34x
+    cuBLAS at N = K = 4096, 1.00-1.03x at 14336x4096 / 4096x14336, 0.93x at 6144x4096, where the
+    tl kernel measured 0.75-1.00x in the same run (-s19-gemm-small-m-gluon-probe.log).
+    ``config``: GLUON False never takes it, True whenever eligible (at any M, 64x64 tiles if none
+    fills the SMs; the tile keys BLOCK_N, BLOCK_K, STAGES, CONSUMERS, GROUP_M override); any other
+    config without GLUON is a tl kernel config, and keeps the tl kernel."""
+    from ._matmul_gluon import WS_TILES, choose_ws_tile     # (imports this module)
+
+    forced = config.get("GLUON", False if config else None)
+    eligible = (hopper and dtype in (torch.bfloat16, torch.float16) and k > 0 and forced is not False
+                and (forced or m_bucket(m) == "mid") and layout.ok and not layout.a_m_contiguous
+                and layout.b_k_contiguous and a_strides[1] == 1 and _store_tma_ok(n, out_dtype))
+    if not eligible:
+        return ()
+    tile = choose_ws_tile(m, n, sms) or (dict(WS_TILES["64x64"]) if forced else None)
+    if tile and forced:
+        tile.update({key: config[key] for key in tile if key in config})
+    return tuple(tile.items()) if tile else ()
 
 
 _SPLIT_K_BUFFERS: dict = {}     # (device, stream) -> (int32 arrival counters, fp32 partials)
@@ -491,13 +517,16 @@ def split_k_buffers(device: torch.device, tiles: int, workspace: int) -> tuple[t
 @functools.lru_cache(maxsize=4096)
 def _matmul_plan(m: int, n: int, k: int, dtype: torch.dtype, out_dtype: torch.dtype, a_strides: tuple,
                  b_strides: tuple, res_strides: tuple, aligned: bool, sms: int, hopper: bool,
-                 epilogue: tuple, config: tuple) -> _MatmulPlan:
+                 hopper_exact: bool, epilogue: tuple, config: tuple) -> _MatmulPlan:
     """The launch of one GEMM problem: everything but the pointers, cached (host time: a
     small-M GEMM's kernel takes a few µs). ``epilogue``: (HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT)."""
+    layout = tma_layout_from_strides(a_strides, b_strides, (m, k), (k, n), aligned, dtype.itemsize)
+    ws_tile = _ws_tile(m, n, k, dtype, out_dtype, a_strides, b_strides, layout, sms, hopper_exact, dict(config))
+    if ws_tile:
+        return _MatmulPlan((), True, None, 0, 0, ws_tile)
     cfg = dict(_cached_config(m, n, k, dtype, sms))
     cfg.update(wide_tile_epilogue(cfg))
-    cfg.update(config)
-    layout = tma_layout_from_strides(a_strides, b_strides, (m, k), (k, n), aligned, dtype.itemsize)
+    cfg.update({key: value for key, value in config if key != "GLUON"})
     use_tma = cfg.pop("USE_TMA", None)
     if use_tma is None:
         use_tma = _tma_by_default(layout.ok, hopper) and not _pointer_loads_cheaper(m, a_strides, b_strides)
@@ -537,7 +566,8 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = 
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(out, preact or None) of act(a @ b + bias) + residual; a [M, K], b [K, N] with any
     strides, residual [M, N]. ``config`` overrides any key of :func:`choose_config`'s result,
-    plus SPLIT_K, USE_TMA, FLATTEN, STORE_TMA, STORE_SPLIT and WARP_SPECIALIZE.
+    plus SPLIT_K, USE_TMA, FLATTEN, STORE_TMA, STORE_SPLIT, WARP_SPECIALIZE and GLUON (see
+    :func:`_ws_tile`).
     ``out``: a contiguous [M, N] tensor of out_dtype to write (it may be ``residual`` itself: each
     tile is read by the program that writes it, before it writes it), else a new one."""
     (m, k), n = a.shape, b.shape[1]
@@ -556,8 +586,13 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = 
     plan = _matmul_plan(m, n, k, a.dtype, out_dtype, a_strides, b.stride(),
                         residual.stride() if residual is not None else (n, 1),
                         a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0, num_sms(a), is_hopper_or_newer(a),
-                        (bias is not None, activation, residual is not None, save_preact),
+                        is_hopper(a), (bias is not None, activation, residual is not None, save_preact),
                         config_key(config))
+    if plan.ws_tile:
+        from ._matmul_gluon import launch_gemm_small_m_ws
+
+        launch_gemm_small_m_ws(a, b.t(), out, bias, residual, preact, activation, dict(plan.ws_tile))
+        return out, preact
     if plan.uses_tma and a.device.type == "cuda":   # (forced under the interpreter: pointer loads)
         use_device_descriptors()        # per call: the allocator is a per-thread context value
     if plan.split_tiles:
