@@ -27,6 +27,8 @@ SHAPES = {
     "llama": LLAMA,
     "small": [(m, n, k) for n, k in [(4096, 4096), (14336, 4096), (4096, 14336), (6144, 4096)]
               for m in (1, 16, 128)],
+    # the rest of the mid bucket (32 < M <= 256): where the Gluon small-M kernel's tile heuristic decides
+    "mid": [(m, n, k) for n, k in [(4096, 4096), (14336, 4096), (4096, 14336), (6144, 4096)] for m in (64, 256)],
 }
 # large shapes: tiles x epilogue (pointer store / descriptor store in two column halves; with or
 # without flatten, which lets the next tile's loads start before this tile's stores)

@@ -388,12 +388,12 @@ def test_gpu_gluon_small_m(tile, dtype, out_dtype):
 def test_gpu_gluon_small_m_by_default_fwd_bwd(act):
     """M = 128 through the public op on sm_90 takes the Gluon kernel by default (forward), the tl
     kernel for the backward GEMMs: outputs and every gradient vs the fp64 reference."""
-    if torch.cuda.get_device_capability()[0] == 9:
-        a, b = torch.randn(128, 1024, device="cuda").bfloat16(), torch.randn(1024, 1024, device="cuda").bfloat16().t()
-        assert mk._matmul_plan(128, 1024, 1024, torch.bfloat16, torch.bfloat16, a.stride(), b.stride(), (1024, 1),
-                               True, mk.num_sms(a), True, True, (True, act or "none", True, act is not None), ()).ws_tile
-    _check(_rand((2, 64, 1024), torch.bfloat16), _weight_t(1024, 1024, torch.bfloat16), _rand(1024, torch.bfloat16), act,
-           _rand((2, 64, 1024), torch.bfloat16))
+    if torch.cuda.get_device_capability()[0] == 9:      # (4096 columns: 128 tiles of 64x64 fill the SMs)
+        a, b = torch.randn(128, 1024, device="cuda").bfloat16(), torch.randn(4096, 1024, device="cuda").bfloat16().t()
+        assert mk._matmul_plan(128, 4096, 1024, torch.bfloat16, torch.bfloat16, a.stride(), b.stride(), (4096, 1),
+                               True, 132, True, True, (True, act or "none", True, act is not None), ()).ws_tile
+    _check(_rand((2, 64, 1024), torch.bfloat16), _weight_t(4096, 1024, torch.bfloat16), _rand(4096, torch.bfloat16), act,
+           _rand((2, 64, 4096), torch.bfloat16))
 
 
 @pytest.mark.gpu

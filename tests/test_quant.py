@@ -224,9 +224,11 @@ def _reference(x, qw, bias=None):
 
 
 def _plan(x, qw, config=None):
+    """The plan the launcher makes for x (the Gluon mma path allowed where _launch allows it)."""
     m, k = x.shape
     return quant.launch_plan(qw.bits, qw.group_size or 0, m, qw.shape[0], k, x.dtype, quant.num_sms(x),
-                             tuple(sorted((config or {}).items())))
+                             tuple(sorted((config or {}).items())),
+                             quant.is_ampere_or_newer(x) and not quant.interpreting())
 
 
 def _check_launch(m, n, k, fmt, dtype, config=None, bias=True):
