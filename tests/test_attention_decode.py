@@ -197,8 +197,9 @@ def test_num_splits_give_the_same_answer(dtype, small_tiles):
 
 def test_num_splits_heuristic():
     assert _num_splits(128, 64, 132) == 1                      # B=16, H_kv=8: one wave already
-    s = _num_splits(8, 1024, 132)                               # B=1, H_kv=8, 128k keys
-    assert 8 * s >= 0.8 * 132 and s <= ad.MAX_SPLITS
+    assert _num_splits(8, 1024, 132) == 16                      # B=1, H_kv=8, 128k keys: 128 programs, one wave
+    assert _num_splits(16, 256, 132) == 8 and _num_splits(60, 256, 132) == 2
+    assert _num_splits(1, 1024, 132) == ad.MAX_SPLITS
     assert _num_splits(8, 3, 132) <= 3                          # at most one split per key tile
     assert _num_splits(1, 1, 132) == 1
 
