@@ -426,8 +426,8 @@ def test_one_row_a_with_any_row_stride():
 
 
 def test_gluon_small_m_plan():
-    """On sm_90 (hopper_exact) mid-M x @ w.t() GEMMs take the Gluon kernel with the tile whose
-    waves are fullest; other M, layouts, fp32, unaligned outputs, tl configs and GLUON=False keep
+    """On sm_90 (hopper_exact) mid-M x @ w.t() GEMMs take the Gluon kernel with the tile of least
+    stream cost (as measured best); other M, layouts, fp32, unaligned outputs, tl configs and GLUON=False keep
     the tl kernel; GLUON=True takes it at any M, with its tile keys overriding."""
     def plan(m, n=4096, k=4096, config=(), b_strides=None, a_strides=None, dtype=torch.bfloat16, exact=True):
         b_strides = b_strides or (1, k)
@@ -439,7 +439,8 @@ def test_gluon_small_m_plan():
     assert (tile(plan(128, 14336))["CONSUMERS"], tile(plan(128, 14336))["BLOCK_N"]) == (2, 128)   # 112
     assert (tile(plan(128, 6144))["CONSUMERS"], tile(plan(128, 6144))["BLOCK_N"]) == (1, 128)     # 96
     assert tile(plan(256, 4096))["BLOCK_N"] == 128 and plan(mk.MID_MAX_M).ws_tile
-    assert not plan(64).ws_tile                 # 64 tiles of 64x64: the tl kernel's split-K
+    assert tile(plan(64))["BLOCK_N"] == 64 and tile(plan(256, 6144))["CONSUMERS"] == 2
+    assert not plan(64, n=1024).ws_tile         # 16 tiles of 64x64: the tl kernel's split-K
     assert not plan(16).ws_tile and not plan(mk.MID_MAX_M + 1).ws_tile
     assert not plan(128, exact=False).ws_tile and not plan(128, dtype=torch.float32).ws_tile
     assert not plan(128, b_strides=(4096, 1)).ws_tile and not plan(128, a_strides=(1, 128)).ws_tile

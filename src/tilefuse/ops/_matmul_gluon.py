@@ -191,32 +191,35 @@ def gemm_small_m_ws_kernel(
 # launch
 # ----------------------------------------------------------------------------------------------
 
-# Tile candidates, H200 2026-11-24 graph sweep at M = 128 (-s19-gemm-small-m-gluon-probe.log):
-# 64x64 tiles with 128-deep K steps in a 6-stage ring at N = 4096 (9.65 µs, 1.34x cuBLAS; K = 14336
-# 1.03x), 128x128 tiles (two consumer groups) at N = 14336 (1.00x), 64x128 at N = 6144 (0.93x).
+# Tile candidates (H200 2026-11-24, graph replays after an L2 flush, -s19-matmul-sweep-small-m-graph.log
+# and -s19-decode-splits-matmul-mid-sweep.log): 64x64 tiles with 128-deep K steps in a 6-stage
+# ring, 64x128 with 64-deep steps in 8 stages, 128x128 (two consumer groups) in 6.
 WS_TILES = {
     "64x64": dict(CONSUMERS=1, BLOCK_N=64, BLOCK_K=128, STAGES=6, GROUP_M=8),
     "64x128": dict(CONSUMERS=1, BLOCK_N=128, BLOCK_K=64, STAGES=8, GROUP_M=8),
     "128x128": dict(CONSUMERS=2, BLOCK_N=128, BLOCK_K=64, STAGES=6, GROUP_M=8),
 }
-MIN_WAVE_EFFICIENCY = 0.7       # below it the tl kernel's split-K fills the SMs better
+MIN_FILL = 0.45     # below this share of busy SMs the tl kernel's split-K fills them better
 
 
-def wave_efficiency(tiles: int, sms: int) -> float:
-    """Tiles over the programs' slots in whole waves: 1.0 when every wave is full."""
-    return tiles / (cdiv(tiles, sms) * sms)
+def stream_cost(m: int, n: int, cfg: dict, sms: int) -> int:
+    """Relative time of a tile choice for a memory-bound GEMM: waves x the operand rows a tile
+    streams per K step (64·CONSUMERS of a, BLOCK_N of b). It ranks the tiles as measured at all 12
+    mid-M shapes of the sweeps (M = 64 / 128 / 256 against N x K = 4096², 14336x4096,
+    4096x14336, 6144x4096), where the fullest-waves rule picked 64x64 at M = 256, N = 14336
+    (0.68x cuBLAS against 0.89x for 128x128)."""
+    rows = ROWS_PER_GROUP * cfg["CONSUMERS"]
+    return cdiv(cdiv(m, rows) * cdiv(n, cfg["BLOCK_N"]), sms) * (rows + cfg["BLOCK_N"])
 
 
 def choose_ws_tile(m: int, n: int, sms: int) -> dict | None:
-    """The tile whose waves are fullest, ties to the larger tile (fewer waves, fewer operand
-    re-reads); None when the best leaves over 30 % of the slots idle (no split-K here)."""
-    best, best_key = None, None
-    for name, cfg in WS_TILES.items():
-        tiles = cdiv(m, ROWS_PER_GROUP * cfg["CONSUMERS"]) * cdiv(n, cfg["BLOCK_N"])
-        key = (round(wave_efficiency(tiles, sms), 3), -cdiv(tiles, sms), cfg["CONSUMERS"] * cfg["BLOCK_N"])
-        if best_key is None or key > best_key:
-            best, best_key = cfg, key
-    return dict(best) if best_key[0] >= MIN_WAVE_EFFICIENCY else None
+    """The tile of least :func:`stream_cost` (ties: the first declared); None when its tiles
+    leave over 55 % of the SMs idle (M = 64, N = 4096: 64 tiles of 64x64 still beat the tl
+    kernel's split-K, 0.97 against 0.84x cuBLAS)."""
+    name = min(WS_TILES, key=lambda t: stream_cost(m, n, WS_TILES[t], sms))
+    cfg = WS_TILES[name]
+    tiles = cdiv(m, ROWS_PER_GROUP * cfg["CONSUMERS"]) * cdiv(n, cfg["BLOCK_N"])
+    return dict(cfg) if min(tiles, sms) >= MIN_FILL * sms else None
 
 
 def _descriptor(t: torch.Tensor, block: tuple[int, int]) -> TensorDescriptor:

@@ -472,9 +472,10 @@ def _ws_tile(m: int, n: int, k: int, dtype: torch.dtype, out_dtype: torch.dtype,
     """The tile of ``_matmul_gluon.gemm_small_m_ws_kernel`` when it takes this GEMM, else ():
     sm_90, 16-bit operands, 32 < M <= MID_MAX_M, a row-major and b a transposed weight (x @ w.t(),
     nn.Linear's forward) read through host descriptors, a row-major output TMA can store, and a
-    tile that fills the SMs (no split-K there). H200 2026-11-24 at M = 128, graph replays: 1.34x
-    cuBLAS at N = K = 4096, 1.00-1.03x at 14336x4096 / 4096x14336, 0.93x at 6144x4096, where the
-    tl kernel measured 0.75-1.00x in the same run (-s19-gemm-small-m-gluon-probe.log).
+    tile that keeps most SMs busy (no split-K there: ``choose_ws_tile``). H200 2026-11-24, graph
+    replays after an L2 flush, M = 128: 1.00 / 0.97 / 1.04 / 0.94x cuBLAS at N x K = 4096²,
+    14336x4096, 4096x14336, 6144x4096, where the tl kernel measured 0.86 / 0.95 / 0.96 / 0.85x in
+    the same run (-s19-matmul-sweep-small-m-graph.log); M = 64 / 256 in -s19-decode-splits-matmul-mid-sweep.log.
     ``config``: GLUON False never takes it, True whenever eligible (at any M, 64x64 tiles if none
     fills the SMs; the tile keys BLOCK_N, BLOCK_K, STAGES, CONSUMERS, GROUP_M override); any other
     config without GLUON is a tl kernel config, and keeps the tl kernel."""
