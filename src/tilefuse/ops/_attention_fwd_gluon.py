@@ -41,7 +41,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from .._dispatch import cdiv
 from .._launch import fast_launch
 from ._attention_common import key_range
-from ._gluon_common import LOADER_REGS_KERNEL, consumer_regs, resident_and_ring_barriers, smem_layout
+from ._gluon_common import LOADER_REGS_KERNEL, consumer_regs, release_stage, resident_and_ring_barriers, smem_layout
 from ._attention_fwd_kernels import LN2, _block_probs, _desc_strides, _unmasked_key_blocks, program_block
 
 ROWS_PER_GROUP = 64                           # query rows per consumer warp group (wgmma's M)
@@ -119,18 +119,11 @@ def _attend_block(acc, l_i, m_i, p, s_acc, q_tile, k_bufs, v_bufs, k_ready, v_re
     l_i = l_i * alpha + gl.sum(p_new, axis=1)
     if not FIRST:
         acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p))   # p: read by the P·V in flight
-        _release(kv_empty, (j - 1) % STAGES)
+        release_stage(kv_empty, (j - 1) % STAGES)
     alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))
     acc = acc * alpha_o[:, None]
     p = gl.convert_layout(p_new.to(q_tile.dtype), p_layout)
     return acc, l_i, m_i, p, s_acc
-
-
-@gluon.jit
-def _release(kv_empty, stage):
-    """Hand a K/V stage back once every warp of this group is past the GEMMs that read it."""
-    gl.thread_barrier()
-    mbarrier.arrive(kv_empty.index(stage), count=1)
 
 
 @gluon.jit
@@ -203,7 +196,7 @@ def attn_mma_partition(q_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_emp
         last = (hi - 1 - lo_aligned) // BLOCK_N
         mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
         acc = warpgroup_mma(p, _tile_2d(v_bufs.index(last % STAGES), BLOCK_N, BLOCK_D), acc)
-        _release(kv_empty, last % STAGES)
+        release_stage(kv_empty, last % STAGES)
 
     # deferred normalization; rows that saw no key: l = 0 -> out 0, lse = -inf (m = -inf)
     l_safe = gl.where(l_i == 0.0, 1.0, l_i)

@@ -33,47 +33,10 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .._dispatch import cdiv, num_sms
 from .._launch import fast_launch
-from ._gluon_common import LOADER_REGS_KERNEL, SMEM_BYTES, consumer_regs, smem_layout
+from ._gluon_common import (LOADER_REGS_KERNEL, ROWS_PER_GROUP, SMEM_BYTES, WG_ROWS, consumer_regs,
+                             gemm_load_partition, release_stage, smem_layout)
 from ._matmul_kernels import _tile_coords     # the grouped tile order, shared with the tl GEMMs
 
-ROWS_PER_GROUP = 64             # rows of the tile per consumer warp group (wgmma's M per warp group)
-WG_ROWS = gl.constexpr(ROWS_PER_GROUP)      # the same, for the kernels
-
-
-@gluon.jit
-def fp8_load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
-                       NUM_PROGRAMS: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                       BLOCK_K: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
-    """The producer warp: for every K step of every tile of this program, wait for a free stage,
-    then TMA the 64-row pieces of the A tile (one per consumer group) and the B tile into it
-    (out-of-range rows and K columns read as zeros)."""
-    num_pid_m = gl.cdiv(M, WG_ROWS * CONSUMERS)
-    num_pid_n = gl.cdiv(N, BLOCK_N)
-    k_tiles = gl.cdiv(K, BLOCK_K)
-    step_bytes: gl.constexpr = CONSUMERS * a_desc.block_type.nbytes + b_desc.block_type.nbytes
-    it = 0
-    for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
-        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
-        off_m = pid_m * (WG_ROWS * CONSUMERS)
-        off_n = pid_n * BLOCK_N
-        for ki in range(k_tiles):
-            s = it % STAGES
-            # a fresh mbarrier counts as phase 1 complete: the first lap does not wait
-            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-            bar = ready.index(s)
-            mbarrier.expect(bar, step_bytes)
-            for g in gl.static_range(CONSUMERS):
-                tma.async_copy_global_to_shared(a_desc, [off_m + g * WG_ROWS, ki * BLOCK_K], bar,
-                                                a_bufs.index(CONSUMERS * s + g))
-            tma.async_copy_global_to_shared(b_desc, [off_n, ki * BLOCK_K], bar, b_bufs.index(s))
-            it += 1
-
-
-@gluon.jit
-def _release(empty, s):
-    """Hand stage ``s`` back to the producer once every warp of this group is past its wgmma wait."""
-    gl.thread_barrier()
-    mbarrier.arrive(empty.index(s), count=1)
 
 
 @gluon.jit
@@ -114,7 +77,7 @@ def fp8_mma_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, scale_a_ptr,
             part = warpgroup_mma(a_bufs.index(CONSUMERS * s + WG), b_bufs.index(s).permute((1, 0)), part,
                                  use_acc=(ki % PROMOTE_EVERY) != 0, is_async=True)
             part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
-            _release(empty, s)
+            release_stage(empty, s)
             if (ki % PROMOTE_EVERY == PROMOTE_EVERY - 1) or (ki == k_tiles - 1):
                 acc += part
             it += 1
@@ -183,7 +146,7 @@ def fp8_gemm_ws_kernel(
         (fp8_mma_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs.index(2), scale_a_ptr, scale_b_ptr,
                              bias_ptr, M, N, K, 2, SCALE_A_ROWWISE, SCALE_B_ROWWISE, HAS_BIAS, NUM_PROGRAMS,
                              GROUP_M, BLOCK_N, BLOCK_K, STAGES, PROMOTE_EVERY, CONSUMERS)),
-        (fp8_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, NUM_PROGRAMS, GROUP_M,
+        (gemm_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, NUM_PROGRAMS, GROUP_M,
                               BLOCK_N, BLOCK_K, STAGES, CONSUMERS)),
     ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS_KERNEL])
 

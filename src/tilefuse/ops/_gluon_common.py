@@ -14,12 +14,15 @@ import functools
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+
+from ._matmul_kernels import _tile_coords     # the grouped tile order, shared with the tl GEMMs
 
 GLUON_DTYPES = {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5,
                 torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
 SMEM_BYTES = 227 * 1024         # sm_90's shared memory per block (opt-in maximum)
 LOADER_REGS = 40                # the TMA producer warp's registers (addresses and phase bits)
+ROWS_PER_GROUP = 64             # rows of a GEMM tile per consumer warp group (wgmma's M per warp group)
 
 
 @functools.lru_cache(maxsize=None)
@@ -41,6 +44,48 @@ def consumer_regs(consumers: int, loader_regs: int = LOADER_REGS, cap: int = 232
 
 
 LOADER_REGS_KERNEL = gl.constexpr(LOADER_REGS)    # the same, for kernels (globals they read are constexprs)
+WG_ROWS = gl.constexpr(ROWS_PER_GROUP)
+
+
+# The GEMMs' producer / consumer protocol (_fp8_gluon, _matmul_gluon): a ring of STAGES stages,
+# each holding one 64-row A piece per consumer group and the shared B tile; ``ready`` (count 1:
+# the producer's expect + TMA) and ``empty`` (count CONSUMERS: every group releases it).
+
+
+@gluon.jit
+def gemm_load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
+                        NUM_PROGRAMS: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                        BLOCK_K: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
+    """The producer warp: for every K step of every tile of this program (grouped order, as the
+    consumers walk them), wait for a free stage, then TMA the 64-row pieces of the A tile (one per
+    consumer group) and the B tile into it (out-of-range rows and K columns read as zeros)."""
+    num_pid_m = gl.cdiv(M, WG_ROWS * CONSUMERS)
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    k_tiles = gl.cdiv(K, BLOCK_K)
+    step_bytes: gl.constexpr = CONSUMERS * a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    it = 0
+    for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
+        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * (WG_ROWS * CONSUMERS)
+        off_n = pid_n * BLOCK_N
+        for ki in range(k_tiles):
+            s = it % STAGES
+            # a fresh mbarrier counts as phase 1 complete: the first lap does not wait
+            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+            bar = ready.index(s)
+            mbarrier.expect(bar, step_bytes)
+            for g in gl.static_range(CONSUMERS):
+                tma.async_copy_global_to_shared(a_desc, [off_m + g * WG_ROWS, ki * BLOCK_K], bar,
+                                                a_bufs.index(CONSUMERS * s + g))
+            tma.async_copy_global_to_shared(b_desc, [off_n, ki * BLOCK_K], bar, b_bufs.index(s))
+            it += 1
+
+
+@gluon.jit
+def release_stage(empty, s):
+    """Hand stage ``s`` back to the producer once every warp of this group is past its wgmma wait."""
+    gl.thread_barrier()
+    mbarrier.arrive(empty.index(s), count=1)
 
 
 @gluon.jit

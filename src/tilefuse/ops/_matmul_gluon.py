@@ -28,37 +28,10 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .._dispatch import cdiv, num_sms
 from .._launch import fast_launch
-from ._fp8_gluon import ROWS_PER_GROUP, WG_ROWS, _release
-from ._gluon_common import LOADER_REGS_KERNEL, SMEM_BYTES, consumer_regs, smem_layout
+from ._gluon_common import (LOADER_REGS_KERNEL, ROWS_PER_GROUP, SMEM_BYTES, WG_ROWS, consumer_regs,
+                             gemm_load_partition, release_stage, smem_layout)
 from ._activation_math import activation_fwd
 from ._matmul_kernels import _tile_coords
-
-
-@gluon.jit
-def gemm_load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
-                        NUM_PROGRAMS: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                        BLOCK_K: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
-    """The producer warp: per K step of each tile, wait for a free stage, then TMA the 64-row A
-    pieces (one per consumer group) and the B tile into it (zeros past the edges)."""
-    num_pid_m = gl.cdiv(M, WG_ROWS * CONSUMERS)
-    num_pid_n = gl.cdiv(N, BLOCK_N)
-    k_tiles = gl.cdiv(K, BLOCK_K)
-    step_bytes: gl.constexpr = CONSUMERS * a_desc.block_type.nbytes + b_desc.block_type.nbytes
-    it = 0
-    for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
-        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
-        off_m = pid_m * (WG_ROWS * CONSUMERS)
-        off_n = pid_n * BLOCK_N
-        for ki in range(k_tiles):
-            s = it % STAGES
-            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)     # first lap: no wait
-            bar = ready.index(s)
-            mbarrier.expect(bar, step_bytes)
-            for g in gl.static_range(CONSUMERS):
-                tma.async_copy_global_to_shared(a_desc, [off_m + g * WG_ROWS, ki * BLOCK_K], bar,
-                                                a_bufs.index(CONSUMERS * s + g))
-            tma.async_copy_global_to_shared(b_desc, [off_n, ki * BLOCK_K], bar, b_bufs.index(s))
-            it += 1
 
 
 @gluon.jit
@@ -117,10 +90,10 @@ def gemm_mma_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, bias_ptr, r
             # the previous step's wgmma is done once at most this one is outstanding: free its stage
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
             if ki > 0:
-                _release(empty, (it + STAGES - 1) % STAGES)
+                release_stage(empty, (it + STAGES - 1) % STAGES)
             it += 1
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        _release(empty, (it + STAGES - 1) % STAGES)
+        release_stage(empty, (it + STAGES - 1) % STAGES)
         _gemm_epilogue(acc, c_desc, c_smem, bias_ptr, residual_ptr, preact_ptr, off_m, off_n, M, N,
                        stride_rm, stride_rn, stride_pm, HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT)
     tma.store_wait(pendings=0)

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import functools
 
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
