@@ -7,7 +7,8 @@ Per (M, N, K): the default config (choose_config + TMA where eligible) and a few
 alternatives, each checked (rel err vs an fp32 cuBLAS product <= 1e-2), then timed with
 triton.testing.do_bench interleaved with cuBLAS over several rounds (the median of the rounds'
 medians); TFLOP/s = 2·M·N·K / time. b is a transposed weight view
-(``w.t()``, nn.Linear's layout), and "-rowmajor" rows repeat the default with b [K, N] contiguous.
+(``w.t()``, nn.Linear's layout; ``--row-major``: b [K, N] contiguous), and "-rowmajor" rows repeat the
+default with b [K, N] contiguous.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ SHAPES = {
               for m in (1, 16, 128)],
     # the rest of the mid bucket (32 < M <= 256): where the Gluon small-M kernel's tile heuristic decides
     "mid": [(m, n, k) for n, k in [(4096, 4096), (14336, 4096), (4096, 14336), (6144, 4096)] for m in (64, 256)],
+    "m128": [(128, n, k) for n, k in [(4096, 4096), (14336, 4096), (4096, 14336), (6144, 4096)]],
 }
 # large shapes: tiles x epilogue (pointer store / descriptor store in two column halves; with or
 # without flatten, which lets the next tile's loads start before this tile's stores)
@@ -75,6 +77,9 @@ MID_ALTERNATIVES = {
     "g64x128-k128-s4": dict(g.WS_TILES["64x128"], BLOCK_K=128, STAGES=4, GLUON=True),
     "g128x128-k32-s12": dict(g.WS_TILES["128x128"], BLOCK_K=32, STAGES=12, GLUON=True),
     "g128x128-k128-s3": dict(g.WS_TILES["128x128"], BLOCK_K=128, STAGES=3, GLUON=True),
+    # stream-K: every tile's K steps spread evenly over all the SMs (partial tiles summed by the last to finish)
+    **{f"g{name}-sk": dict(cfg, GLUON=True, STREAM_K=True) for name, cfg in g.WS_TILES.items()},
+    "g128x128-k128-s3-sk": dict(g.WS_TILES["128x128"], BLOCK_K=128, STAGES=3, GLUON=True, STREAM_K=True),
     "flatten": dict(FLATTEN=True),
     "128x32-k128-s5-w4": dict(BLOCK_M=128, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=5),
     "128x64-k128-s4-w4": dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4),
@@ -188,6 +193,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
     p.add_argument("--gate-up", action="store_true", help="also sweep the swiglu_linear gate-up GEMM")
     p.add_argument("--graph", action="store_true", help="time CUDA-graph replays (kernel time, no host path)")
+    p.add_argument("--row-major", action="store_true", help="b [K, N] contiguous instead of w.t() for every config")
     args = p.parse_args()
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     shapes = ([s for v in SHAPES.values() for s in v] if args.shapes == "all"
@@ -196,7 +202,7 @@ def main() -> None:
     for m, n, k in shapes:
         a = torch.randn(m, k, device="cuda", dtype=dtype)
         w = torch.randn(n, k, device="cuda", dtype=dtype)
-        b = w.t()
+        b = w.t().contiguous() if args.row_major else w.t()
         ref = (a.float() @ b.float())
         print(f"\n({m}, {n}, {k}) {args.dtype}: default "
               f"{mk.choose_config(m, n, k, dtype, torch.cuda.get_device_properties(0).multi_processor_count)}")

@@ -345,42 +345,54 @@ def test_gpu_split_k(split, store_tma, use_tma):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tile", ["64x64", "64x128", "128x128"])
-@pytest.mark.parametrize("dtype,out_dtype", [(torch.bfloat16, None), (torch.float16, None),
-                                             (torch.bfloat16, torch.float32)], ids=str)
-def test_gpu_gluon_small_m(tile, dtype, out_dtype):
+@pytest.mark.parametrize("dtype,out_dtype,row_major_b,stream_k", [
+    (torch.bfloat16, None, False, False), (torch.float16, None, False, False), (torch.bfloat16, torch.float32, False, False),
+    (torch.bfloat16, None, True, False), (torch.bfloat16, None, False, True), (torch.float16, torch.float32, True, True)],
+    ids=str)
+def test_gpu_gluon_small_m(tile, dtype, out_dtype, row_major_b, stream_k):
     """The Gluon small-M kernel with each tile (forced through config, so it runs on any sm_90
-    GPU whatever the heuristic picks): ragged M / N / K (TMA zero fill and clipped stores), every
-    epilogue, output NaN-poisoned first, bit-identical relaunches, the residual as the output
-    itself, and a CUDA graph replay."""
+    GPU whatever the heuristic picks), b as x @ w.t() or row-major [K, N], whole tiles or
+    stream-K (tiles split between 2-3 programs at 128 x 6144 x 4096, one K step per program at
+    33 x 136 x 72): ragged M / N / K (TMA zero fill and clipped stores), every epilogue, output
+    NaN-poisoned first, bit-identical relaunches (stream-K's fixed summation order), the
+    residual as the output itself, the arrival counters left zero, and a CUDA graph replay."""
     from tilefuse.ops import _matmul_gluon as g
     if not torch.cuda.get_device_capability()[0] == 9:
         pytest.skip("wgmma kernel: sm_90 only")
-    cfg = dict(g.WS_TILES[tile], GLUON=True)
-    for (m, n, k), act in zip([(128, 4096, 4096), (200, 1000, 3000), (33, 136, 72), (1, 64, 8)], ["gelu", "silu", None, "relu"]):
+    cfg = dict(g.WS_TILES[tile], GLUON=True, STREAM_K=stream_k)
+    shapes = [(128, 6144, 4096), (200, 1000, 3000), (33, 136, 72), (1, 64, 8)]
+    for (m, n, k), act in zip(shapes, ["gelu", "silu", None, "relu"]):
         a = torch.randn(m, k, device="cuda", dtype=dtype)
         w = torch.randn(n, k, device="cuda", dtype=dtype) / k ** 0.5
+        b = w.t().contiguous() if row_major_b else w.t()
+        assert mk._matmul_plan(m, n, k, dtype, out_dtype or dtype, a.stride(), b.stride(), (n, 1), True, 132, True,
+                               True, (False, "none", False, False), mk.config_key(cfg)).ws_tile
         bias, res = torch.randn(n, device="cuda", dtype=dtype), torch.randn(m, n, device="cuda", dtype=out_dtype or dtype)
-        ref = matmul_reference(a.double(), w.double().t(), bias.double(), act, res.double())
+        ref = matmul_reference(a.double(), b.double(), bias.double(), act, res.double())
         out = torch.full((m, n), float("nan"), device="cuda", dtype=out_dtype or dtype)
-        out, pre = mk.launch_matmul(a, w.t(), bias, res, act or "none", out_dtype=out_dtype, save_preact=act is not None,
+        out, pre = mk.launch_matmul(a, b, bias, res, act or "none", out_dtype=out_dtype, save_preact=act is not None,
                                     config=cfg, out=out)
         assert rel_err(out, ref) <= TOL[dtype], (m, n, k)
         if act is not None:
-            assert rel_err(pre, matmul_reference(a.double(), w.double().t(), bias.double())) <= TOL[dtype]
-        plain = mk.launch_matmul(a, w.t(), config=cfg)[0]
-        assert rel_err(plain, a.double() @ w.double().t()) <= TOL[dtype]
+            assert rel_err(pre, matmul_reference(a.double(), b.double(), bias.double())) <= TOL[dtype]
+        plain = mk.launch_matmul(a, b, config=cfg)[0]
+        assert rel_err(plain, a.double() @ b.double()) <= TOL[dtype]
         for _ in range(2):
-            assert torch.equal(out, mk.launch_matmul(a, w.t(), bias, res, act or "none", out_dtype=out_dtype, config=cfg)[0])
+            assert torch.equal(out, mk.launch_matmul(a, b, bias, res, act or "none", out_dtype=out_dtype, config=cfg)[0])
         inplace = res.clone()
-        mk.launch_matmul(a, w.t(), bias, inplace, act or "none", out_dtype=out_dtype, config=cfg, out=inplace)
+        mk.launch_matmul(a, b, bias, inplace, act or "none", out_dtype=out_dtype, config=cfg, out=inplace)
         assert torch.equal(inplace, out)
+    if stream_k:
+        locks, _ = mk.split_k_buffers(a.device, 1, 1)
+        assert not locks.any()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = mk.launch_matmul(a, w.t(), bias, res, act or "none", out_dtype=out_dtype, config=cfg)[0]
-    captured.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(captured, out)
+        captured = mk.launch_matmul(a, b, bias, res, act or "none", out_dtype=out_dtype, config=cfg)[0]
+    for _ in range(2):
+        captured.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, out)
 
 
 @pytest.mark.gpu

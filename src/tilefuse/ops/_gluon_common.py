@@ -68,32 +68,59 @@ def gemm_ring(a_desc, b_desc, c_desc, STAGES: gl.constexpr, CONSUMERS: gl.conste
 
 
 @gluon.jit
+def load_stage(a_desc, b_desc, a_bufs, b_bufs, ready, empty, it, off_m, off_n, off_k,
+               STAGES: gl.constexpr, CONSUMERS: gl.constexpr, B_K_MAJOR: gl.constexpr):
+    """The producer's ``it``-th K step: wait for its stage to be free, then TMA the 64-row pieces
+    of the A tile at (off_m, off_k) (one per consumer group) and the B tile at (off_n, off_k) into
+    it (out-of-range rows and K columns read as zeros). B_K_MAJOR: b is [N, K] (a weight read as
+    x @ wᵀ), else [K, N] (row-major)."""
+    step_bytes: gl.constexpr = CONSUMERS * a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    s = it % STAGES
+    # a fresh mbarrier counts as phase 1 complete: the first lap does not wait
+    mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+    bar = ready.index(s)
+    mbarrier.expect(bar, step_bytes)
+    for g in gl.static_range(CONSUMERS):
+        tma.async_copy_global_to_shared(a_desc, [off_m + g * WG_ROWS, off_k], bar, a_bufs.index(CONSUMERS * s + g))
+    if B_K_MAJOR:
+        tma.async_copy_global_to_shared(b_desc, [off_n, off_k], bar, b_bufs.index(s))
+    else:
+        tma.async_copy_global_to_shared(b_desc, [off_k, off_n], bar, b_bufs.index(s))
+
+
+@gluon.jit
+def stream_k_range(work, NUM_PROGRAMS: gl.constexpr):
+    """[start, end) of this program's share of ``work`` K steps (tiles x K steps per tile, in
+    tile order): contiguous, balanced to within one step (stream-K). int64."""
+    pid = gl.program_id(0).to(gl.int64)
+    return pid * work // NUM_PROGRAMS, (pid + 1) * work // NUM_PROGRAMS
+
+
+@gluon.jit
 def gemm_load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
                         NUM_PROGRAMS: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                        BLOCK_K: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
-    """The producer warp: for every K step of every tile of this program (grouped order, as the
-    consumers walk them), wait for a free stage, then TMA the 64-row pieces of the A tile (one per
-    consumer group) and the B tile into it (out-of-range rows and K columns read as zeros)."""
+                        BLOCK_K: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
+                        B_K_MAJOR: gl.constexpr, STREAM_K: gl.constexpr):
+    """The producer warp: every K step of this program's work through :func:`load_stage`, in the
+    order the consumers take them: whole tiles strided over the programs (grouped order), or with
+    STREAM_K the program's contiguous range of :func:`stream_k_range`."""
     num_pid_m = gl.cdiv(M, WG_ROWS * CONSUMERS)
     num_pid_n = gl.cdiv(N, BLOCK_N)
     k_tiles = gl.cdiv(K, BLOCK_K)
-    step_bytes: gl.constexpr = CONSUMERS * a_desc.block_type.nbytes + b_desc.block_type.nbytes
-    it = 0
-    for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
-        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
-        off_m = pid_m * (WG_ROWS * CONSUMERS)
-        off_n = pid_n * BLOCK_N
-        for ki in range(k_tiles):
-            s = it % STAGES
-            # a fresh mbarrier counts as phase 1 complete: the first lap does not wait
-            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-            bar = ready.index(s)
-            mbarrier.expect(bar, step_bytes)
-            for g in gl.static_range(CONSUMERS):
-                tma.async_copy_global_to_shared(a_desc, [off_m + g * WG_ROWS, ki * BLOCK_K], bar,
-                                                a_bufs.index(CONSUMERS * s + g))
-            tma.async_copy_global_to_shared(b_desc, [off_n, ki * BLOCK_K], bar, b_bufs.index(s))
-            it += 1
+    if STREAM_K:
+        start, end = stream_k_range(num_pid_m * num_pid_n * k_tiles, NUM_PROGRAMS)
+        for i in range(start, end):
+            pid_m, pid_n = _tile_coords((i // k_tiles).to(gl.int32), num_pid_m, num_pid_n, GROUP_M)
+            load_stage(a_desc, b_desc, a_bufs, b_bufs, ready, empty, (i - start).to(gl.int32), pid_m * (WG_ROWS * CONSUMERS),
+                       pid_n * BLOCK_N, (i % k_tiles).to(gl.int32) * BLOCK_K, STAGES, CONSUMERS, B_K_MAJOR)
+    else:
+        it = 0
+        for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
+            pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+            for ki in range(k_tiles):
+                load_stage(a_desc, b_desc, a_bufs, b_bufs, ready, empty, it, pid_m * (WG_ROWS * CONSUMERS),
+                           pid_n * BLOCK_N, ki * BLOCK_K, STAGES, CONSUMERS, B_K_MAJOR)
+                it += 1
 
 
 @gluon.jit

@@ -484,13 +484,13 @@ def _ws_tile(m: int, n: int, k: int, dtype: torch.dtype, out_dtype: torch.dtype,
     forced = config.get("GLUON", False if config else None)
     eligible = (hopper and dtype in (torch.bfloat16, torch.float16) and k > 0 and forced is not False
                 and (forced or m_bucket(m) == "mid") and layout.ok and not layout.a_m_contiguous
-                and layout.b_k_contiguous and a_strides[1] == 1 and _store_tma_ok(n, out_dtype))
+                and (layout.b_k_contiguous or forced) and a_strides[1] == 1 and _store_tma_ok(n, out_dtype))
     if not eligible:
         return ()
     tile = choose_ws_tile(m, n, sms) or (dict(WS_TILES["64x64"]) if forced else None)
     if tile and forced:
-        tile.update({key: config[key] for key in tile if key in config})
-    return tuple(tile.items()) if tile else ()
+        tile.update({key: config[key] for key in (*tile, "STREAM_K") if key in config})
+    return tuple(tile.items()) + (("B_K_MAJOR", layout.b_k_contiguous),) if tile else ()
 
 
 _SPLIT_K_BUFFERS: dict = {}     # (device, stream) -> (int32 arrival counters, fp32 partials)
@@ -592,7 +592,7 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = 
     if plan.ws_tile:
         from ._matmul_gluon import launch_gemm_small_m_ws
 
-        launch_gemm_small_m_ws(a, b.t(), out, bias, residual, preact, activation, dict(plan.ws_tile))
+        launch_gemm_small_m_ws(a, b, out, bias, residual, preact, activation, dict(plan.ws_tile))
         return out, preact
     if plan.uses_tma and a.device.type == "cuda":   # (forced under the interpreter: pointer loads)
         use_device_descriptors()        # per call: the allocator is a per-thread context value
