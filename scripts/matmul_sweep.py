@@ -77,9 +77,6 @@ MID_ALTERNATIVES = {
     "g64x128-k128-s4": dict(g.WS_TILES["64x128"], BLOCK_K=128, STAGES=4, GLUON=True),
     "g128x128-k32-s12": dict(g.WS_TILES["128x128"], BLOCK_K=32, STAGES=12, GLUON=True),
     "g128x128-k128-s3": dict(g.WS_TILES["128x128"], BLOCK_K=128, STAGES=3, GLUON=True),
-    # stream-K: every tile's K steps spread evenly over all the SMs (partial tiles summed by the last to finish)
-    **{f"g{name}-sk": dict(cfg, GLUON=True, STREAM_K=True) for name, cfg in g.WS_TILES.items()},
-    "g128x128-k128-s3-sk": dict(g.WS_TILES["128x128"], BLOCK_K=128, STAGES=3, GLUON=True, STREAM_K=True),
     "flatten": dict(FLATTEN=True),
     "128x32-k128-s5-w4": dict(BLOCK_M=128, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=5),
     "128x64-k128-s4-w4": dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4),

@@ -170,13 +170,12 @@ def compile_fp8(case):
 
 
 GEMM_CASES = {   # name: (tile of _matmul_gluon.WS_TILES, activation, bias / residual / preact, out dtype,
-    # b K-major (x @ wᵀ) or row-major [K, N], stream-K)
-    "64x64-plain": ("64x64", "none", False, torch.bfloat16, True, False),
-    "64x128-gelu-epilogue": ("64x128", "gelu", True, torch.bfloat16, True, False),
-    "128x128-silu-epilogue-fp32": ("128x128", "silu", True, torch.float32, True, False),
-    "128x128-stream-k-epilogue": ("128x128", "gelu", True, torch.bfloat16, True, True),
-    "64x64-stream-k-row-major-b": ("64x64", "none", False, torch.bfloat16, False, True),
-    "64x128-row-major-b": ("64x128", "relu", True, torch.float16, False, False),
+    # b K-major (x @ wᵀ) or row-major [K, N])
+    "64x64-plain": ("64x64", "none", False, torch.bfloat16, True),
+    "64x128-gelu-epilogue": ("64x128", "gelu", True, torch.bfloat16, True),
+    "128x128-silu-epilogue-fp32": ("128x128", "silu", True, torch.float32, True),
+    "64x64-row-major-b": ("64x64", "none", False, torch.bfloat16, False),
+    "128x128-row-major-b-epilogue": ("128x128", "relu", True, torch.float16, False),
 }
 
 
@@ -187,10 +186,9 @@ def test_small_m_gemm_compiles_for_sm90(case):
 
 def compile_gemm(case):
     """The Gluon small-M GEMM with each declared tile, as the launcher builds it: no spills, the
-    ring and output tiles within shared memory, wgmma and TMA in the SASS; with stream-K the
-    partial-tile fixup's atomic arrival."""
+    ring and output tiles within shared memory, wgmma and TMA in the SASS."""
     from tilefuse.ops import _matmul_gluon as g
-    tile, act, epilogue, out_dtype, b_k_major, stream_k = GEMM_CASES[case]
+    tile, act, epilogue, out_dtype, b_k_major = GEMM_CASES[case]
     cfg = g.WS_TILES[tile]
     m, n, k = 200, 1000, 3000
     dtype = torch.float16 if out_dtype == torch.float16 else torch.bfloat16
@@ -202,17 +200,15 @@ def compile_gemm(case):
               else g._descriptor(w.t().contiguous(), (cfg["BLOCK_K"], cfg["BLOCK_N"])))
     args = dict(a_desc=g._descriptor(a, (rows, cfg["BLOCK_K"])), b_desc=b_desc,
                 c_desc=g._descriptor(out, (rows, cfg["BLOCK_N"])), bias_ptr=torch.empty(n, dtype=dtype),
-                residual_ptr=out, preact_ptr=out, ws_ptr=torch.empty(1), locks_ptr=torch.empty(1, dtype=torch.int32),
-                M=m, N=n, K=k, stride_rm=n, stride_rn=1, stride_pm=n)
+                residual_ptr=out, preact_ptr=out, M=m, N=n, K=k, stride_rm=n, stride_rn=1, stride_pm=n)
     stages = g.fit_ring(cfg["STAGES"], cfg["CONSUMERS"], cfg["BLOCK_N"], cfg["BLOCK_K"], 2, out.element_size())
     constexprs = dict(HAS_BIAS=epilogue, ACT=act, HAS_RESIDUAL=epilogue, SAVE_PREACT=epilogue, NUM_PROGRAMS=132,
                       GROUP_M=cfg["GROUP_M"], STAGES=stages, CONSUMERS=cfg["CONSUMERS"], CONSUMER_REGS=worker_regs,
-                      B_K_MAJOR=b_k_major, STREAM_K=stream_k)
+                      B_K_MAJOR=b_k_major)
     compiled = _compile_sm90(g.gemm_small_m_ws_kernel, args, constexprs, launch_regs)
     _check(compiled)
     sass = _ptxas_and_sass(compiled)[1]
     assert "HGMMA" in sass and "UTMALDG" in sass and "UTMASTG" in sass
-    assert ("ATOM" in sass) == stream_k
 
 
 INT4_MMA_CASES = {   # name: (x dtype, group, rows of x, WARPS_K, WARPS_N, REPS, GROUPS_PER_STEP, bound on the

@@ -345,21 +345,18 @@ def test_gpu_split_k(split, store_tma, use_tma):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tile", ["64x64", "64x128", "128x128"])
-@pytest.mark.parametrize("dtype,out_dtype,row_major_b,stream_k", [
-    (torch.bfloat16, None, False, False), (torch.float16, None, False, False), (torch.bfloat16, torch.float32, False, False),
-    (torch.bfloat16, None, True, False), (torch.bfloat16, None, False, True), (torch.float16, torch.float32, True, True)],
-    ids=str)
-def test_gpu_gluon_small_m(tile, dtype, out_dtype, row_major_b, stream_k):
+@pytest.mark.parametrize("dtype,out_dtype,row_major_b", [
+    (torch.bfloat16, None, False), (torch.float16, None, False), (torch.bfloat16, torch.float32, False),
+    (torch.bfloat16, None, True), (torch.float16, torch.float32, True)], ids=str)
+def test_gpu_gluon_small_m(tile, dtype, out_dtype, row_major_b):
     """The Gluon small-M kernel with each tile (forced through config, so it runs on any sm_90
-    GPU whatever the heuristic picks), b as x @ w.t() or row-major [K, N], whole tiles or
-    stream-K (tiles split between 2-3 programs at 128 x 6144 x 4096, one K step per program at
-    33 x 136 x 72): ragged M / N / K (TMA zero fill and clipped stores), every epilogue, output
-    NaN-poisoned first, bit-identical relaunches (stream-K's fixed summation order), the
-    residual as the output itself, the arrival counters left zero, and a CUDA graph replay."""
+    GPU whatever the heuristic picks), b as x @ w.t() or row-major [K, N]: ragged M / N / K (TMA
+    zero fill and clipped stores), every epilogue, output NaN-poisoned first, bit-identical
+    relaunches, the residual as the output itself, and a CUDA graph replay."""
     from tilefuse.ops import _matmul_gluon as g
     if not torch.cuda.get_device_capability()[0] == 9:
         pytest.skip("wgmma kernel: sm_90 only")
-    cfg = dict(g.WS_TILES[tile], GLUON=True, STREAM_K=stream_k)
+    cfg = dict(g.WS_TILES[tile], GLUON=True)
     shapes = [(128, 6144, 4096), (200, 1000, 3000), (33, 136, 72), (1, 64, 8)]
     for (m, n, k), act in zip(shapes, ["gelu", "silu", None, "relu"]):
         a = torch.randn(m, k, device="cuda", dtype=dtype)
@@ -382,9 +379,6 @@ def test_gpu_gluon_small_m(tile, dtype, out_dtype, row_major_b, stream_k):
         inplace = res.clone()
         mk.launch_matmul(a, b, bias, inplace, act or "none", out_dtype=out_dtype, config=cfg, out=inplace)
         assert torch.equal(inplace, out)
-    if stream_k:
-        locks, _ = mk.split_k_buffers(a.device, 1, 1)
-        assert not locks.any()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = mk.launch_matmul(a, b, bias, res, act or "none", out_dtype=out_dtype, config=cfg)[0]
@@ -398,13 +392,15 @@ def test_gpu_gluon_small_m(tile, dtype, out_dtype, row_major_b, stream_k):
 @pytest.mark.gpu
 @pytest.mark.parametrize("act", [None, "gelu"])
 def test_gpu_gluon_small_m_by_default_fwd_bwd(act):
-    """M = 128 through the public op on sm_90 takes the Gluon kernel by default (forward), the tl
-    kernel for the backward GEMMs: outputs and every gradient vs the fp64 reference."""
+    """M = 128 through the public op on sm_90 takes the Gluon kernel by default for the forward and
+    the input gradient (dy @ w: row-major b), the tl kernel for the weight gradient (a transposed
+    a): outputs and every gradient vs the fp64 reference."""
     if torch.cuda.get_device_capability()[0] == 9:      # (4096 columns: 128 tiles of 64x64 fill the SMs)
-        a, b = torch.randn(128, 1024, device="cuda").bfloat16(), torch.randn(4096, 1024, device="cuda").bfloat16().t()
-        assert mk._matmul_plan(128, 4096, 1024, torch.bfloat16, torch.bfloat16, a.stride(), b.stride(), (4096, 1),
-                               True, 132, True, True, (True, act or "none", True, act is not None), ()).ws_tile
-    _check(_rand((2, 64, 1024), torch.bfloat16), _weight_t(4096, 1024, torch.bfloat16), _rand(4096, torch.bfloat16), act,
+        for b_strides, epilogue in [((1, 4096), (True, act or "none", True, act is not None)),     # x @ w.t()
+                                    ((4096, 1), (False, "none", False, False))]:                  # dz @ w
+            assert mk._matmul_plan(128, 4096, 4096, torch.bfloat16, torch.bfloat16, (4096, 1), b_strides, (4096, 1),
+                                   True, 132, True, True, epilogue, ()).ws_tile
+    _check(_rand((2, 64, 4096), torch.bfloat16), _weight_t(4096, 4096, torch.bfloat16), _rand(4096, torch.bfloat16), act,
            _rand((2, 64, 4096), torch.bfloat16))
 
 
@@ -438,9 +434,10 @@ def test_one_row_a_with_any_row_stride():
 
 
 def test_gluon_small_m_plan():
-    """On sm_90 (hopper_exact) mid-M x @ w.t() GEMMs take the Gluon kernel with the tile of least
-    stream cost (as measured best); other M, layouts, fp32, unaligned outputs, tl configs and GLUON=False keep
-    the tl kernel; GLUON=True takes it at any M, with its tile keys overriding."""
+    """On sm_90 (hopper_exact) mid-M x @ w.t() and row-major-b GEMMs take the Gluon kernel with the
+    tile of least stream cost (as measured best); other M, a transposed a, fp32, unaligned outputs,
+    tl configs and GLUON=False keep the tl kernel; GLUON=True takes it at any M, with its tile keys
+    overriding."""
     def plan(m, n=4096, k=4096, config=(), b_strides=None, a_strides=None, dtype=torch.bfloat16, exact=True):
         b_strides = b_strides or (1, k)
         a_strides = a_strides or (k, 1)
@@ -455,7 +452,8 @@ def test_gluon_small_m_plan():
     assert not plan(64, n=1024).ws_tile         # 16 tiles of 64x64: the tl kernel's split-K
     assert not plan(16).ws_tile and not plan(mk.MID_MAX_M + 1).ws_tile
     assert not plan(128, exact=False).ws_tile and not plan(128, dtype=torch.float32).ws_tile
-    assert not plan(128, b_strides=(4096, 1)).ws_tile and not plan(128, a_strides=(1, 128)).ws_tile
+    assert tile(plan(128, b_strides=(4096, 1)))["B_K_MAJOR"] is False and tile(plan(128))["B_K_MAJOR"] is True
+    assert not plan(128, a_strides=(1, 128)).ws_tile
     assert not plan(128, n=4100).ws_tile         # out rows not 16-byte aligned for the TMA store
     assert not plan(128, config=(("SPLIT_K", 2),)).ws_tile and not plan(128, config=(("GLUON", False),)).ws_tile
     forced = plan(16, config=(("GLUON", True), ("STAGES", 4)))

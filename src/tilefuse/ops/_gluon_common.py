@@ -89,38 +89,22 @@ def load_stage(a_desc, b_desc, a_bufs, b_bufs, ready, empty, it, off_m, off_n, o
 
 
 @gluon.jit
-def stream_k_range(work, NUM_PROGRAMS: gl.constexpr):
-    """[start, end) of this program's share of ``work`` K steps (tiles x K steps per tile, in
-    tile order): contiguous, balanced to within one step (stream-K). int64."""
-    pid = gl.program_id(0).to(gl.int64)
-    return pid * work // NUM_PROGRAMS, (pid + 1) * work // NUM_PROGRAMS
-
-
-@gluon.jit
 def gemm_load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
                         NUM_PROGRAMS: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_N: gl.constexpr,
                         BLOCK_K: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
-                        B_K_MAJOR: gl.constexpr, STREAM_K: gl.constexpr):
-    """The producer warp: every K step of this program's work through :func:`load_stage`, in the
-    order the consumers take them: whole tiles strided over the programs (grouped order), or with
-    STREAM_K the program's contiguous range of :func:`stream_k_range`."""
+                        B_K_MAJOR: gl.constexpr):
+    """The producer warp: every K step of every tile of this program (grouped order, as the
+    consumers walk them) through :func:`load_stage`."""
     num_pid_m = gl.cdiv(M, WG_ROWS * CONSUMERS)
     num_pid_n = gl.cdiv(N, BLOCK_N)
     k_tiles = gl.cdiv(K, BLOCK_K)
-    if STREAM_K:
-        start, end = stream_k_range(num_pid_m * num_pid_n * k_tiles, NUM_PROGRAMS)
-        for i in range(start, end):
-            pid_m, pid_n = _tile_coords((i // k_tiles).to(gl.int32), num_pid_m, num_pid_n, GROUP_M)
-            load_stage(a_desc, b_desc, a_bufs, b_bufs, ready, empty, (i - start).to(gl.int32), pid_m * (WG_ROWS * CONSUMERS),
-                       pid_n * BLOCK_N, (i % k_tiles).to(gl.int32) * BLOCK_K, STAGES, CONSUMERS, B_K_MAJOR)
-    else:
-        it = 0
-        for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
-            pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
-            for ki in range(k_tiles):
-                load_stage(a_desc, b_desc, a_bufs, b_bufs, ready, empty, it, pid_m * (WG_ROWS * CONSUMERS),
-                           pid_n * BLOCK_N, ki * BLOCK_K, STAGES, CONSUMERS, B_K_MAJOR)
-                it += 1
+    it = 0
+    for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
+        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        for ki in range(k_tiles):
+            load_stage(a_desc, b_desc, a_bufs, b_bufs, ready, empty, it, pid_m * (WG_ROWS * CONSUMERS),
+                       pid_n * BLOCK_N, ki * BLOCK_K, STAGES, CONSUMERS, B_K_MAJOR)
+            it += 1
 
 
 @gluon.jit

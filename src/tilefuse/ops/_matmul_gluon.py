@@ -29,9 +29,9 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from .._dispatch import cdiv, num_sms
 from .._launch import fast_launch
 from ._gluon_common import (LOADER_REGS_KERNEL, ROWS_PER_GROUP, SMEM_BYTES, WG_ROWS, consumer_regs,
-                             gemm_load_partition, gemm_ring, release_stage, smem_layout, stream_k_range)
+                             gemm_load_partition, gemm_ring, release_stage, smem_layout)
 from ._activation_math import activation_fwd
-from ._matmul_kernels import _tile_coords, split_k_buffers
+from ._matmul_kernels import _tile_coords
 
 
 @gluon.jit
@@ -85,87 +85,27 @@ def _mma_k_steps(acc, a_bufs, b_bufs, ready, empty, it, steps, WG: gl.constexpr,
 
 
 @gluon.jit
-def _stream_k_fixup(acc, ws_ptr, locks_ptr, tile, first, work, k_tiles, WG: gl.constexpr,
-                    NUM_PROGRAMS: gl.constexpr, CONSUMERS: gl.constexpr):
-    """A partial tile of stream-K (as ``_matmul_kernels._split_k_fixup``, with contributors
-    found from the schedule): store this program's fp32 partial of its 64 rows of ``tile`` to
-    its slot (program, first or last segment of its range, consumer group), count the arrival on
-    the (tile, group) counter; the last contributor to arrive sums every contributor's slot in
-    program order (bit-identical whatever the order of arrival), resets the counter and returns
-    (sum, True) to run the epilogue; the others return (zeros, False). The contributors are the
-    programs p(i) = ((i + 1)·P - 1) // work of the tile's first and last K steps and all between."""
-    layout: gl.constexpr = acc.type.layout
-    BLOCK_N: gl.constexpr = acc.shape[1]
-    PIECE: gl.constexpr = WG_ROWS * BLOCK_N
-    rows = gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, layout))
-    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
-    offs = rows[:, None] * BLOCK_N + cols[None, :]
-    slot = 1 - first.to(gl.int64)
-    gl.store(ws_ptr + ((gl.program_id(0) * 2 + slot) * CONSUMERS + WG) * PIECE + offs, acc)
-    gl.thread_barrier()     # every thread's partial is written before the counter's release
-    lo = tile.to(gl.int64) * k_tiles
-    p_lo = ((lo + 1) * NUM_PROGRAMS - 1) // work
-    p_hi = ((lo + k_tiles) * NUM_PROGRAMS - 1) // work
-    lock = locks_ptr + tile * CONSUMERS + WG
-    arrived = gl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
-    is_last = arrived == p_hi - p_lo
-    total = gl.zeros_like(acc)
-    if is_last:
-        for q in range(p_lo, p_hi + 1):
-            q_slot = (q * work // NUM_PROGRAMS < lo).to(gl.int64)   # q's range starts in an earlier tile: its last segment
-            total += gl.load(ws_ptr + ((q * 2 + q_slot) * CONSUMERS + WG) * PIECE + offs, cache_modifier=".cg")
-        gl.store(lock, 0)
-    return total, is_last
-
-
-@gluon.jit
 def gemm_mma_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, bias_ptr, residual_ptr, preact_ptr,
-                       ws_ptr, locks_ptr, M, N, K, stride_rm, stride_rn, stride_pm, WG: gl.constexpr,
+                       M, N, K, stride_rm, stride_rn, stride_pm, WG: gl.constexpr,
                        HAS_BIAS: gl.constexpr, ACT: gl.constexpr, HAS_RESIDUAL: gl.constexpr,
                        SAVE_PREACT: gl.constexpr, NUM_PROGRAMS: gl.constexpr, GROUP_M: gl.constexpr,
                        BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                       CONSUMERS: gl.constexpr, B_K_MAJOR: gl.constexpr, STREAM_K: gl.constexpr):
-    """One consumer warp group: rows [WG·64, WG·64 + 64) of each tile, whole tiles strided over
-    the programs, or with STREAM_K the segments of tiles in the program's range of K steps (a
-    tile split between programs is finished by :func:`_stream_k_fixup`'s last arrival)."""
+                       CONSUMERS: gl.constexpr, B_K_MAJOR: gl.constexpr):
+    """One consumer warp group: rows [WG·64, WG·64 + 64) of each tile of this program."""
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_N, 16])
     num_pid_m = gl.cdiv(M, WG_ROWS * CONSUMERS)
     num_pid_n = gl.cdiv(N, BLOCK_N)
     k_tiles = gl.cdiv(K, BLOCK_K)
-    if STREAM_K:
-        work = num_pid_m * num_pid_n * k_tiles
-        start, end = stream_k_range(work, NUM_PROGRAMS)
-        i = start
-        while i < end:
-            tile = (i // k_tiles).to(gl.int32)
-            k0 = (i % k_tiles).to(gl.int32)
-            steps = k_tiles - k0
-            if end - i < steps:
-                steps = (end - i).to(gl.int32)
-            acc = _mma_k_steps(gl.zeros([WG_ROWS, BLOCK_N], gl.float32, mma_layout), a_bufs, b_bufs, ready,
-                               empty, (i - start).to(gl.int32), steps, WG, STAGES, CONSUMERS,
-                               B_K_MAJOR)
-            done = steps == k_tiles
-            if steps < k_tiles:
-                acc, done = _stream_k_fixup(acc, ws_ptr, locks_ptr, tile, i == start, work, k_tiles, WG,
-                                            NUM_PROGRAMS, CONSUMERS)
-            if done:
-                pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
-                _gemm_epilogue(acc, c_desc, c_smem, bias_ptr, residual_ptr, preact_ptr,
-                               pid_m * (WG_ROWS * CONSUMERS) + WG * WG_ROWS, pid_n * BLOCK_N, M, N,
-                               stride_rm, stride_rn, stride_pm, HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT)
-            i += steps
-    else:
-        it = 0
-        for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
-            pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
-            acc = _mma_k_steps(gl.zeros([WG_ROWS, BLOCK_N], gl.float32, mma_layout), a_bufs, b_bufs, ready,
-                               empty, it, k_tiles, WG, STAGES, CONSUMERS, B_K_MAJOR)
-            it += k_tiles
-            _gemm_epilogue(acc, c_desc, c_smem, bias_ptr, residual_ptr, preact_ptr,
-                           pid_m * (WG_ROWS * CONSUMERS) + WG * WG_ROWS, pid_n * BLOCK_N, M, N,
-                           stride_rm, stride_rn, stride_pm, HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT)
+    it = 0
+    for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
+        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        acc = _mma_k_steps(gl.zeros([WG_ROWS, BLOCK_N], gl.float32, mma_layout), a_bufs, b_bufs, ready,
+                           empty, it, k_tiles, WG, STAGES, CONSUMERS, B_K_MAJOR)
+        it += k_tiles
+        _gemm_epilogue(acc, c_desc, c_smem, bias_ptr, residual_ptr, preact_ptr,
+                       pid_m * (WG_ROWS * CONSUMERS) + WG * WG_ROWS, pid_n * BLOCK_N, M, N,
+                       stride_rm, stride_rn, stride_pm, HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT)
     tma.store_wait(pendings=0)
 
 
@@ -178,8 +118,6 @@ def gemm_small_m_ws_kernel(
     bias_ptr,           # *bias [N], contiguous (ignored unless HAS_BIAS)
     residual_ptr,       # *residual [M, N], output dtype (ignored unless HAS_RESIDUAL)
     preact_ptr,         # *pre-activation a @ b + bias [M, N], row-major (ignored unless SAVE_PREACT)
-    ws_ptr,             # *fp32 stream-K partials [NUM_PROGRAMS, 2, CONSUMERS, 64, BLOCK_N] (ignored unless STREAM_K)
-    locks_ptr,          # *int32 zeroed arrival counters [tiles, CONSUMERS], left zero (ignored unless STREAM_K)
     M,                  # rows of a and out
     N,                  # columns of b and out
     K,                  # the reduced dimension (> 0)
@@ -196,7 +134,6 @@ def gemm_small_m_ws_kernel(
     CONSUMERS: gl.constexpr,        # consumer warp groups (1 or 2): BLOCK_M = 64 * CONSUMERS
     CONSUMER_REGS: gl.constexpr,    # registers per thread of the worker consumer group
     B_K_MAJOR: gl.constexpr,        # b read as [N, K] (x @ wᵀ: nn.Linear's weight), else [K, N]
-    STREAM_K: gl.constexpr,         # split the tiles' K steps evenly over the programs (stream-K)
 ):
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0] if B_K_MAJOR else b_desc.block_type.shape[1]
     BLOCK_K: gl.constexpr = b_desc.block_type.shape[1] if B_K_MAJOR else b_desc.block_type.shape[0]
@@ -205,25 +142,25 @@ def gemm_small_m_ws_kernel(
     if CONSUMERS == 1:
         gl.warp_specialize([
             (gemm_mma_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs.index(0), bias_ptr, residual_ptr,
-                                  preact_ptr, ws_ptr, locks_ptr, M, N, K, stride_rm, stride_rn, stride_pm, 0,
+                                  preact_ptr, M, N, K, stride_rm, stride_rn, stride_pm, 0,
                                   HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT, NUM_PROGRAMS, GROUP_M, BLOCK_N, BLOCK_K,
-                                  STAGES, CONSUMERS, B_K_MAJOR, STREAM_K)),
+                                  STAGES, CONSUMERS, B_K_MAJOR)),
             (gemm_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, NUM_PROGRAMS,
-                                   GROUP_M, BLOCK_N, BLOCK_K, STAGES, CONSUMERS, B_K_MAJOR, STREAM_K)),
+                                   GROUP_M, BLOCK_N, BLOCK_K, STAGES, CONSUMERS, B_K_MAJOR)),
         ], [1], [LOADER_REGS_KERNEL])
     else:
         gl.static_assert(CONSUMERS == 2, "one or two consumer warp groups")
         gl.warp_specialize([
             (gemm_mma_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs.index(0), bias_ptr, residual_ptr,
-                                  preact_ptr, ws_ptr, locks_ptr, M, N, K, stride_rm, stride_rn, stride_pm, 0,
+                                  preact_ptr, M, N, K, stride_rm, stride_rn, stride_pm, 0,
                                   HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT, NUM_PROGRAMS, GROUP_M, BLOCK_N, BLOCK_K,
-                                  STAGES, CONSUMERS, B_K_MAJOR, STREAM_K)),
+                                  STAGES, CONSUMERS, B_K_MAJOR)),
             (gemm_mma_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs.index(1), bias_ptr, residual_ptr,
-                                  preact_ptr, ws_ptr, locks_ptr, M, N, K, stride_rm, stride_rn, stride_pm, 1,
+                                  preact_ptr, M, N, K, stride_rm, stride_rn, stride_pm, 1,
                                   HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT, NUM_PROGRAMS, GROUP_M, BLOCK_N, BLOCK_K,
-                                  STAGES, CONSUMERS, B_K_MAJOR, STREAM_K)),
+                                  STAGES, CONSUMERS, B_K_MAJOR)),
             (gemm_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, NUM_PROGRAMS,
-                                   GROUP_M, BLOCK_N, BLOCK_K, STAGES, CONSUMERS, B_K_MAJOR, STREAM_K)),
+                                   GROUP_M, BLOCK_N, BLOCK_K, STAGES, CONSUMERS, B_K_MAJOR)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS_KERNEL])
 
 
@@ -292,26 +229,21 @@ def launch_gemm_small_m_ws(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, 
     sms = num_sms(a)
     cfg = dict(config) if config else choose_ws_tile(m, n, sms) or dict(WS_TILES["64x64"])
     block_n, block_k, consumers = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["CONSUMERS"]
-    stream_k = bool(cfg.get("STREAM_K", False))
     b_k_major = cfg.get("B_K_MAJOR", b.stride(0) == 1)
     tiles = cdiv(m, ROWS_PER_GROUP * consumers) * cdiv(n, block_n)
-    programs = max(1, min(sms, tiles * cdiv(k, block_k) if stream_k else tiles))
+    programs = max(1, min(sms, tiles))
     launch_regs, worker_regs = ws_regs(consumers)
     stages = fit_ring(cfg["STAGES"], consumers, block_n, block_k, a.element_size(), out.element_size())
     res_strides = residual.stride() if residual is not None else (n, 1)
-    if stream_k:
-        locks, workspace = split_k_buffers(a.device, tiles * consumers, programs * 2 * consumers * ROWS_PER_GROUP * block_n)
-    else:
-        locks = workspace = out
     b_desc = _descriptor(b.t(), (block_n, block_k)) if b_k_major else _descriptor(b, (block_k, block_n))
     gemm_small_m_ws_kernel[(programs,)](
         _descriptor(a, (ROWS_PER_GROUP, block_k)), b_desc, _descriptor(out, (ROWS_PER_GROUP, block_n)),
         bias if bias is not None else out, residual if residual is not None else out,
-        preact if preact is not None else out, workspace, locks,
+        preact if preact is not None else out,
         m, n, k, res_strides[0], res_strides[1], n,
         HAS_BIAS=bias is not None, ACT=activation, HAS_RESIDUAL=residual is not None,
         SAVE_PREACT=preact is not None,
         NUM_PROGRAMS=programs, GROUP_M=cfg["GROUP_M"], STAGES=stages, CONSUMERS=consumers,
-        CONSUMER_REGS=worker_regs, B_K_MAJOR=b_k_major, STREAM_K=stream_k, num_warps=4, maxnreg=launch_regs,
+        CONSUMER_REGS=worker_regs, B_K_MAJOR=b_k_major, num_warps=4, maxnreg=launch_regs,
     )
     return out

@@ -471,11 +471,14 @@ def _ws_tile(m: int, n: int, k: int, dtype: torch.dtype, out_dtype: torch.dtype,
              b_strides: tuple, layout: TmaLayout, sms: int, hopper: bool, config: dict) -> tuple:
     """The tile of ``_matmul_gluon.gemm_small_m_ws_kernel`` when it takes this GEMM, else ():
     sm_90, 16-bit operands, 32 < M <= MID_MAX_M, a row-major and b a transposed weight (x @ w.t(),
-    nn.Linear's forward) read through host descriptors, a row-major output TMA can store, and a
-    tile that keeps most SMs busy (no split-K there: ``choose_ws_tile``). H200 2026-11-24, graph
-    replays after an L2 flush, M = 128: 1.00 / 0.97 / 1.04 / 0.94x cuBLAS at N x K = 4096²,
-    14336x4096, 4096x14336, 6144x4096, where the tl kernel measured 0.86 / 0.95 / 0.96 / 0.85x in
-    the same run (-s19-matmul-sweep-small-m-graph.log); M = 64 / 256 in -s19-decode-splits-matmul-mid-sweep.log.
+    nn.Linear's forward) or row-major [K, N] (dy @ w, its input gradient) read through host
+    descriptors, a row-major output TMA can store, and a tile that keeps most SMs busy (no
+    split-K there: ``choose_ws_tile``). H200 2026-11-24, graph replays after an L2 flush, M = 128:
+    1.00 / 0.97 / 1.04 / 0.94x cuBLAS at N x K = 4096², 14336x4096, 4096x14336, 6144x4096, where
+    the tl kernel measured 0.86 / 0.95 / 0.96 / 0.85x in the same run
+    (-s19-matmul-sweep-small-m-graph.log; M = 64 / 256 in -s19-decode-splits-matmul-mid-sweep.log);
+    row-major b: 0.98 / 0.96 / 1.01 / 0.92x, the tl kernel 0.80 / 0.93 / 0.91 / 0.87x
+    (-s20-matmul-m128-stream-k-sweep.log).
     ``config``: GLUON False never takes it, True whenever eligible (at any M, 64x64 tiles if none
     fills the SMs; the tile keys BLOCK_N, BLOCK_K, STAGES, CONSUMERS, GROUP_M override); any other
     config without GLUON is a tl kernel config, and keeps the tl kernel."""
@@ -484,12 +487,12 @@ def _ws_tile(m: int, n: int, k: int, dtype: torch.dtype, out_dtype: torch.dtype,
     forced = config.get("GLUON", False if config else None)
     eligible = (hopper and dtype in (torch.bfloat16, torch.float16) and k > 0 and forced is not False
                 and (forced or m_bucket(m) == "mid") and layout.ok and not layout.a_m_contiguous
-                and (layout.b_k_contiguous or forced) and a_strides[1] == 1 and _store_tma_ok(n, out_dtype))
+                and a_strides[1] == 1 and _store_tma_ok(n, out_dtype))
     if not eligible:
         return ()
     tile = choose_ws_tile(m, n, sms) or (dict(WS_TILES["64x64"]) if forced else None)
     if tile and forced:
-        tile.update({key: config[key] for key in (*tile, "STREAM_K") if key in config})
+        tile.update({key: config[key] for key in tile if key in config})
     return tuple(tile.items()) + (("B_K_MAJOR", layout.b_k_contiguous),) if tile else ()
 
 
