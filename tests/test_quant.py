@@ -514,7 +514,8 @@ def _one_signed_rows_weight(n, k, dtype, g):
 
 
 MMA_CONFIGS = [{}, dict(SPLITS=3), dict(WARPS_K=2, WARPS_N=2), dict(REPS=1), dict(GROUPS_PER_STEP=2),
-               dict(WARPS_K=1, WARPS_N=4, REPS=1), dict(WARPS_K=8, REPS=1, SPLITS=1)]
+               dict(WARPS_K=1, WARPS_N=4, REPS=1), dict(WARPS_K=8, REPS=1, SPLITS=1),
+               dict(PRELOAD=True), dict(PRELOAD=True, GROUPS_PER_STEP=2, SPLITS=3)]
 
 
 @pytest.mark.gpu
@@ -550,9 +551,11 @@ def _plan_on_gpu(x, qw, config=None):
 @pytest.mark.parametrize("m", [1, 4, 16])
 @pytest.mark.parametrize("nk", [(4096, 4096), (14336, 4096), (4096, 14336), (4097, 1024)])
 @pytest.mark.parametrize("g", [32, 128])
-def test_gpu_int4_mma_llm_shapes(m, nk, g):
-    """The sweep's shapes (and a ragged N) with the Gluon int4 kernel's default config, bf16, bias."""
-    _check_launch(m, *nk, (4, g), torch.bfloat16, dict(PATH="mma"))
+@pytest.mark.parametrize("preload", [False, True])
+def test_gpu_int4_mma_llm_shapes(m, nk, g, preload):
+    """The sweep's shapes (and a ragged N) with the Gluon int4 kernel's default config, weight words
+    one step ahead in registers or all through cp.async (PRELOAD), bf16, bias."""
+    _check_launch(m, *nk, (4, g), torch.bfloat16, dict(PATH="mma", PRELOAD=preload))
 
 
 @pytest.mark.gpu

@@ -39,7 +39,7 @@ import functools
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from .._launch import fast_launch
 from ._quant_kernels import DEQUANT_ARGS, _dequant_int4_asm
@@ -193,6 +193,7 @@ def int4_mma_kernel(
     BLOCK_N: gl.constexpr,          # weight rows per program: 16 x WARPS_N x REPS
     HAS_BIAS: gl.constexpr,
     SPLIT: gl.constexpr,            # write fp32 partials (more than one split) instead of y
+    PRELOAD: gl.constexpr,          # every step's weight words in flight at once (cp.async into shared memory)
 ):
     """``y[m, n] = Σ_g s[n, g] · Σ_{k in g} (q[n, k] − z[n, g]) · x[m, k]`` for ``BLOCK_N`` rows n
     and the groups ``[pid_s · SLOTS · STEPS, ...)`` of K (slot b takes STEPS consecutive ones:
@@ -238,14 +239,29 @@ def int4_mma_kernel(
     x_m = gl.minimum(gl.arange(0, MMA_N, layout=gl.SliceLayout(0, gl.SliceLayout(1, X_LAYOUT))), M - 1)[None, None, :]
     x_rows = x_ptr.to(gl.pointer_type(gl.int32)) + x_m.to(gl.int64) * (stride_xm // 2) + x_pair
 
-    words = gl.load(qw_rows + (gl.minimum(w_first, g_last) * WORDS)[:, :, None])
+    if PRELOAD:
+        # all the program's weight bytes in flight at once: one cp.async group per step into
+        # [STEPS, SLOTS, BLOCK_N, WORDS] (64-byte rows at group 128: conflict-free 16-byte reads),
+        # each thread copying the words it will read (no barrier: its own copies, after the wait)
+        w_smem = gl.allocate_shared_memory(gl.int32, [STEPS, SLOTS, BLOCK_N, WORDS],
+                                           gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0]))
+        for j in gl.static_range(STEPS):
+            async_copy.async_copy_global_to_shared(
+                w_smem.index(j), qw_rows + (gl.minimum(w_first + j, g_last) * WORDS)[:, :, None])
+            async_copy.commit_group()
+    else:
+        words = gl.load(qw_rows + (gl.minimum(w_first, g_last) * WORDS)[:, :, None])
     xp = gl.load(x_rows + gl.minimum(x_first, g_last) * (GROUP // 2))
     acc = gl.zeros([SLOTS, BLOCK_N, MMA_N], gl.float32, MMA_LAYOUT)
     zero = gl.zeros([SLOTS, BLOCK_N, MMA_N], gl.float32, MMA_LAYOUT)
     for j in gl.static_range(STEPS):
         if j + 1 < STEPS:      # the next step's operands first (clamped past the range), then this step's math
-            words_next = gl.load(qw_rows + (gl.minimum(w_first + (j + 1), g_last) * WORDS)[:, :, None])
+            if not PRELOAD:
+                words_next = gl.load(qw_rows + (gl.minimum(w_first + (j + 1), g_last) * WORDS)[:, :, None])
             xp_next = gl.load(x_rows + gl.minimum(x_first + (j + 1), g_last) * (GROUP // 2))
+        if PRELOAD:            # step j's words have landed once at most the later steps' groups are pending
+            async_copy.wait_group(STEPS - 1 - j)
+            words = w_smem.index(j).load(WORDS_LAYOUT)
         nz = gl.convert_layout(gl.sum(gl.where(r_step == j, nz_all, 0), axis=2), SW, assert_trivial=True)
         q = gl.convert_layout(_q_minus_z(words, nz[:, :, None], DTYPE), A_LAYOUT, assert_trivial=True)
         part = mma_v2(q, _x_fragment(xp, B_LAYOUT, DTYPE), zero)
@@ -253,7 +269,9 @@ def int4_mma_kernel(
                               assert_trivial=True)
         acc += part * s[:, :, None]
         if j + 1 < STEPS:
-            words, xp = words_next, xp_next
+            if not PRELOAD:
+                words = words_next
+            xp = xp_next
 
     out = gl.sum(acc, axis=0)                             # the slots' groups: [BLOCK_N, MMA_N]
     SO: gl.constexpr = gl.SliceLayout(0, MMA_LAYOUT)

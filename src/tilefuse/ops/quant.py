@@ -160,7 +160,7 @@ SKINNY_MAX_ROWS = 64       # up to here the dot kernel pads M to a 16..64-row ti
 REDUCE_BLOCK_N = 256       # columns per program of the split-K reduction
 MMA_MAX_ROWS = 32         # the Gluon int4 kernel pads x to an MMA N of 8, 16 or 32 rows
 CONFIG_KEYS = ("PATH", "SWAP_AB", "BLOCK_M", "BLOCK_N", "BLOCK_K", "NUM_STAGES", "num_warps", "SPLITS", "PACKED",
-               "X_PAIRS", "WARPS_K", "WARPS_N", "REPS", "GROUPS_PER_STEP")
+               "X_PAIRS", "WARPS_K", "WARPS_N", "REPS", "GROUPS_PER_STEP", "PRELOAD")
 
 
 class LaunchPlan(NamedTuple):
@@ -368,6 +368,7 @@ def _mma_plan(cfg: dict, group_size: int, m: int, n: int, k: int, sms: int) -> L
     splits = cdiv(n_groups, slots * steps)
     words, mma, xl, rows = mma_layouts(group_size, slots, warps_k, warps_n, reps, mma_n, steps)
     meta = dict(GROUP=group_size, MMA_N=mma_n, WORDS_LAYOUT=words, MMA_LAYOUT=mma, X_LAYOUT=xl, ROW_LAYOUT=rows,
+                PRELOAD=bool(cfg.get("PRELOAD", False)),
                 SLOTS=slots, STEPS=steps, EVEN_GROUPS=n_groups % (slots * steps) == 0, BLOCK_N=block_n,
                 num_warps=warps_k * warps_n)
     return LaunchPlan(int4_mma_kernel, (blocks, splits), splits, n_groups, slots * steps, meta)
