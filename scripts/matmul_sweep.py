@@ -77,6 +77,11 @@ MID_ALTERNATIVES = {
     "g64x128-k128-s4": dict(g.WS_TILES["64x128"], BLOCK_K=128, STAGES=4, GLUON=True),
     "g128x128-k32-s12": dict(g.WS_TILES["128x128"], BLOCK_K=32, STAGES=12, GLUON=True),
     "g128x128-k128-s3": dict(g.WS_TILES["128x128"], BLOCK_K=128, STAGES=3, GLUON=True),
+    # tiles 96 wide (a 64- and a 32-column B part): 128 tiles at N = 6144 (cuBLAS's nvjet 96x64 tile there)
+    "g64x96": dict(g.WS_TILES["64x128"], BLOCK_N=96, GLUON=True),
+    "g64x96-s10": dict(g.WS_TILES["64x128"], BLOCK_N=96, STAGES=10, GLUON=True),
+    "g64x96-k128-s5": dict(g.WS_TILES["64x128"], BLOCK_N=96, BLOCK_K=128, STAGES=5, GLUON=True),
+    "g128x96": dict(g.WS_TILES["128x128"], BLOCK_N=96, GLUON=True),
     "flatten": dict(FLATTEN=True),
     "128x32-k128-s5-w4": dict(BLOCK_M=128, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=5),
     "128x64-k128-s4-w4": dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4),

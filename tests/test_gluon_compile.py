@@ -176,6 +176,7 @@ GEMM_CASES = {   # name: (tile of _matmul_gluon.WS_TILES, activation, bias / res
     "128x128-silu-epilogue-fp32": ("128x128", "silu", True, torch.float32, True),
     "64x64-row-major-b": ("64x64", "none", False, torch.bfloat16, False),
     "128x128-row-major-b-epilogue": ("128x128", "relu", True, torch.float16, False),
+    "64x96-two-part-tile-epilogue": ("64x96", "gelu", True, torch.bfloat16, True),
 }
 
 
@@ -189,22 +190,26 @@ def compile_gemm(case):
     ring and output tiles within shared memory, wgmma and TMA in the SASS."""
     from tilefuse.ops import _matmul_gluon as g
     tile, act, epilogue, out_dtype, b_k_major = GEMM_CASES[case]
-    cfg = g.WS_TILES[tile]
+    cfg = g.WS_TILES.get(tile) or dict(g.WS_TILES["64x128"], BLOCK_N=96)      # 96 = 64 + 32: two B parts
     m, n, k = 200, 1000, 3000
     dtype = torch.float16 if out_dtype == torch.float16 else torch.bfloat16
     a, w = torch.empty(m, k, dtype=dtype), torch.empty(n, k, dtype=dtype)
     out = torch.empty(m, n, dtype=out_dtype)
     launch_regs, worker_regs = g.ws_regs(cfg["CONSUMERS"])
     rows = g.ROWS_PER_GROUP
-    b_desc = (g._descriptor(w, (cfg["BLOCK_N"], cfg["BLOCK_K"])) if b_k_major
-              else g._descriptor(w.t().contiguous(), (cfg["BLOCK_K"], cfg["BLOCK_N"])))
-    args = dict(a_desc=g._descriptor(a, (rows, cfg["BLOCK_K"])), b_desc=b_desc,
-                c_desc=g._descriptor(out, (rows, cfg["BLOCK_N"])), bias_ptr=torch.empty(n, dtype=dtype),
-                residual_ptr=out, preact_ptr=out, M=m, N=n, K=k, stride_rm=n, stride_rn=1, stride_pm=n)
+    bn1 = 1 << (cfg["BLOCK_N"].bit_length() - 1)
+    bn2 = cfg["BLOCK_N"] - bn1
+    w_t = w.t().contiguous()
+    part = lambda width: (g._descriptor(w, (width, cfg["BLOCK_K"])) if b_k_major  # noqa: E731
+                          else g._descriptor(w_t, (cfg["BLOCK_K"], width)))
+    args = dict(a_desc=g._descriptor(a, (rows, cfg["BLOCK_K"])), b_desc=part(bn1), b2_desc=part(bn2 or bn1),
+                c_desc=g._descriptor(out, (rows, bn1)), c2_desc=g._descriptor(out, (rows, bn2 or bn1)),
+                bias_ptr=torch.empty(n, dtype=dtype), residual_ptr=out, preact_ptr=out, M=m, N=n, K=k,
+                stride_rm=n, stride_rn=1, stride_pm=n)
     stages = g.fit_ring(cfg["STAGES"], cfg["CONSUMERS"], cfg["BLOCK_N"], cfg["BLOCK_K"], 2, out.element_size())
     constexprs = dict(HAS_BIAS=epilogue, ACT=act, HAS_RESIDUAL=epilogue, SAVE_PREACT=epilogue, NUM_PROGRAMS=132,
                       GROUP_M=cfg["GROUP_M"], STAGES=stages, CONSUMERS=cfg["CONSUMERS"], CONSUMER_REGS=worker_regs,
-                      B_K_MAJOR=b_k_major)
+                      B_K_MAJOR=b_k_major, HAS_B2=bn2 > 0)
     compiled = _compile_sm90(g.gemm_small_m_ws_kernel, args, constexprs, launch_regs)
     _check(compiled)
     sass = _ptxas_and_sass(compiled)[1]

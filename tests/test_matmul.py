@@ -344,19 +344,21 @@ def test_gpu_split_k(split, store_tma, use_tma):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile", ["64x64", "64x128", "128x128"])
+@pytest.mark.parametrize("tile", ["64x64", "64x128", "128x128", "64x96", "128x96"])
 @pytest.mark.parametrize("dtype,out_dtype,row_major_b", [
     (torch.bfloat16, None, False), (torch.float16, None, False), (torch.bfloat16, torch.float32, False),
     (torch.bfloat16, None, True), (torch.float16, torch.float32, True)], ids=str)
 def test_gpu_gluon_small_m(tile, dtype, out_dtype, row_major_b):
     """The Gluon small-M kernel with each tile (forced through config, so it runs on any sm_90
-    GPU whatever the heuristic picks), b as x @ w.t() or row-major [K, N]: ragged M / N / K (TMA
+    GPU whatever the heuristic picks; 96 wide: two B parts of 64 + 32 columns), b as x @ w.t() or
+    row-major [K, N]: ragged M / N / K (TMA
     zero fill and clipped stores), every epilogue, output NaN-poisoned first, bit-identical
     relaunches, the residual as the output itself, and a CUDA graph replay."""
     from tilefuse.ops import _matmul_gluon as g
     if not torch.cuda.get_device_capability()[0] == 9:
         pytest.skip("wgmma kernel: sm_90 only")
-    cfg = dict(g.WS_TILES[tile], GLUON=True)
+    rows, width = (int(v) for v in tile.split("x"))     # 96 wide: a 64- and a 32-column part
+    cfg = dict(g.WS_TILES[f"{rows}x128"] if width == 96 else g.WS_TILES[tile], BLOCK_N=width, GLUON=True)
     shapes = [(128, 6144, 4096), (200, 1000, 3000), (33, 136, 72), (1, 64, 8)]
     for (m, n, k), act in zip(shapes, ["gelu", "silu", None, "relu"]):
         a = torch.randn(m, k, device="cuda", dtype=dtype)

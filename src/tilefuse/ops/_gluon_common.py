@@ -68,13 +68,18 @@ def gemm_ring(a_desc, b_desc, c_desc, STAGES: gl.constexpr, CONSUMERS: gl.conste
 
 
 @gluon.jit
-def load_stage(a_desc, b_desc, a_bufs, b_bufs, ready, empty, it, off_m, off_n, off_k,
-               STAGES: gl.constexpr, CONSUMERS: gl.constexpr, B_K_MAJOR: gl.constexpr):
+def load_stage(a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, it, off_m, off_n, off_k,
+               STAGES: gl.constexpr, CONSUMERS: gl.constexpr, B_K_MAJOR: gl.constexpr, HAS_B2: gl.constexpr):
     """The producer's ``it``-th K step: wait for its stage to be free, then TMA the 64-row pieces
     of the A tile at (off_m, off_k) (one per consumer group) and the B tile at (off_n, off_k) into
-    it (out-of-range rows and K columns read as zeros). B_K_MAJOR: b is [N, K] (a weight read as
-    x @ wᵀ), else [K, N] (row-major)."""
-    step_bytes: gl.constexpr = CONSUMERS * a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    it (out-of-range rows and K columns read as zeros); with HAS_B2 also the B tile's second,
+    narrower part (``b2_desc``'s block) right after the first (a tile of two power-of-two widths,
+    e.g. 64 + 32). B_K_MAJOR: b is [N, K] (a weight read as x @ wᵀ), else [K, N] (row-major)."""
+    if HAS_B2:
+        step_bytes: gl.constexpr = (CONSUMERS * a_desc.block_type.nbytes + b_desc.block_type.nbytes
+                                    + b2_desc.block_type.nbytes)
+    else:
+        step_bytes: gl.constexpr = CONSUMERS * a_desc.block_type.nbytes + b_desc.block_type.nbytes
     s = it % STAGES
     # a fresh mbarrier counts as phase 1 complete: the first lap does not wait
     mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
@@ -84,17 +89,21 @@ def load_stage(a_desc, b_desc, a_bufs, b_bufs, ready, empty, it, off_m, off_n, o
         tma.async_copy_global_to_shared(a_desc, [off_m + g * WG_ROWS, off_k], bar, a_bufs.index(CONSUMERS * s + g))
     if B_K_MAJOR:
         tma.async_copy_global_to_shared(b_desc, [off_n, off_k], bar, b_bufs.index(s))
+        if HAS_B2:
+            tma.async_copy_global_to_shared(b2_desc, [off_n + b_desc.block_type.shape[0], off_k], bar, b2_bufs.index(s))
     else:
         tma.async_copy_global_to_shared(b_desc, [off_k, off_n], bar, b_bufs.index(s))
+        if HAS_B2:
+            tma.async_copy_global_to_shared(b2_desc, [off_k, off_n + b_desc.block_type.shape[1]], bar, b2_bufs.index(s))
 
 
 @gluon.jit
-def gemm_load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
+def gemm_load_partition(a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, M, N, K,
                         NUM_PROGRAMS: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_N: gl.constexpr,
                         BLOCK_K: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
-                        B_K_MAJOR: gl.constexpr):
+                        B_K_MAJOR: gl.constexpr, HAS_B2: gl.constexpr):
     """The producer warp: every K step of every tile of this program (grouped order, as the
-    consumers walk them) through :func:`load_stage`."""
+    consumers walk them) through :func:`load_stage`. BLOCK_N: the tile's width (both B parts)."""
     num_pid_m = gl.cdiv(M, WG_ROWS * CONSUMERS)
     num_pid_n = gl.cdiv(N, BLOCK_N)
     k_tiles = gl.cdiv(K, BLOCK_K)
@@ -102,8 +111,9 @@ def gemm_load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
     for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         for ki in range(k_tiles):
-            load_stage(a_desc, b_desc, a_bufs, b_bufs, ready, empty, it, pid_m * (WG_ROWS * CONSUMERS),
-                       pid_n * BLOCK_N, ki * BLOCK_K, STAGES, CONSUMERS, B_K_MAJOR)
+            load_stage(a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, it,
+                       pid_m * (WG_ROWS * CONSUMERS), pid_n * BLOCK_N, ki * BLOCK_K, STAGES, CONSUMERS, B_K_MAJOR,
+                       HAS_B2)
             it += 1
 
 

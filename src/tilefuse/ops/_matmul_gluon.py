@@ -63,49 +63,74 @@ def _gemm_epilogue(acc, c_desc, c_smem, bias_ptr, residual_ptr, preact_ptr, off_
 
 
 @gluon.jit
-def _mma_k_steps(acc, a_bufs, b_bufs, ready, empty, it, steps, WG: gl.constexpr, STAGES: gl.constexpr,
-                 CONSUMERS: gl.constexpr, B_K_MAJOR: gl.constexpr):
-    """acc + the ring's ``steps`` (>= 1) K steps from step ``it``, one wgmma in flight; each stage
-    goes back to the producer once the wgmma that read it has finished."""
+def _mma_k_steps(acc, acc2, a_bufs, b_bufs, b2_bufs, ready, empty, it, steps, WG: gl.constexpr,
+                 STAGES: gl.constexpr, CONSUMERS: gl.constexpr, B_K_MAJOR: gl.constexpr, HAS_B2: gl.constexpr):
+    """(acc, acc2) + the ring's ``steps`` (>= 1) K steps from step ``it`` (acc2: the B tile's second
+    part, HAS_B2), one step's wgmmas in flight; each stage goes back to the producer once the
+    wgmmas that read it have finished."""
     for ki in range(steps):
         s = (it + ki) % STAGES
         mbarrier.wait(ready.index(s), ((it + ki) // STAGES) & 1)
+        a = a_bufs.index(CONSUMERS * s + WG)
         if B_K_MAJOR:
-            acc = warpgroup_mma(a_bufs.index(CONSUMERS * s + WG), b_bufs.index(s).permute((1, 0)), acc,
-                                is_async=True)
+            acc = warpgroup_mma(a, b_bufs.index(s).permute((1, 0)), acc, is_async=True)
+            if HAS_B2:
+                acc2 = warpgroup_mma(a, b2_bufs.index(s).permute((1, 0)), acc2, is_async=True)
         else:
-            acc = warpgroup_mma(a_bufs.index(CONSUMERS * s + WG), b_bufs.index(s), acc, is_async=True)
-        # the previous step's wgmma is done once at most this one is outstanding: free its stage
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            acc = warpgroup_mma(a, b_bufs.index(s), acc, is_async=True)
+            if HAS_B2:
+                acc2 = warpgroup_mma(a, b2_bufs.index(s), acc2, is_async=True)
+        # the previous step's wgmmas are done once at most this step's are outstanding: free its stage
+        if HAS_B2:
+            acc, acc2 = warpgroup_mma_wait(num_outstanding=2, deps=(acc, acc2))
+        else:
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
         if ki > 0:
             release_stage(empty, (it + ki + STAGES - 1) % STAGES)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    if HAS_B2:
+        acc, acc2 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc2))
+    else:
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     release_stage(empty, (it + steps + STAGES - 1) % STAGES)
-    return acc
+    return acc, acc2
 
 
 @gluon.jit
-def gemm_mma_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, bias_ptr, residual_ptr, preact_ptr,
-                       M, N, K, stride_rm, stride_rn, stride_pm, WG: gl.constexpr,
+def gemm_mma_partition(a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, c_smem, c2_smem, bias_ptr,
+                       residual_ptr, preact_ptr, M, N, K, stride_rm, stride_rn, stride_pm, WG: gl.constexpr,
                        HAS_BIAS: gl.constexpr, ACT: gl.constexpr, HAS_RESIDUAL: gl.constexpr,
                        SAVE_PREACT: gl.constexpr, NUM_PROGRAMS: gl.constexpr, GROUP_M: gl.constexpr,
-                       BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                       CONSUMERS: gl.constexpr, B_K_MAJOR: gl.constexpr):
-    """One consumer warp group: rows [WG·64, WG·64 + 64) of each tile of this program."""
+                       BLOCK_N1: gl.constexpr, BLOCK_N2: gl.constexpr, BLOCK_K: gl.constexpr,
+                       STAGES: gl.constexpr, CONSUMERS: gl.constexpr, B_K_MAJOR: gl.constexpr):
+    """One consumer warp group: rows [WG·64, WG·64 + 64) of each tile of this program, columns
+    [0, BLOCK_N1) in one accumulator and, when BLOCK_N2 > 0, [BLOCK_N1, BLOCK_N1 + BLOCK_N2) in a
+    second (a tile of two power-of-two widths, e.g. 96 = 64 + 32)."""
+    HAS_B2: gl.constexpr = BLOCK_N2 > 0
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, BLOCK_N, 16])
+                                                         instr_shape=[16, BLOCK_N1, 16])
     num_pid_m = gl.cdiv(M, WG_ROWS * CONSUMERS)
-    num_pid_n = gl.cdiv(N, BLOCK_N)
+    num_pid_n = gl.cdiv(N, BLOCK_N1 + BLOCK_N2)
     k_tiles = gl.cdiv(K, BLOCK_K)
     it = 0
     for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
-        acc = _mma_k_steps(gl.zeros([WG_ROWS, BLOCK_N], gl.float32, mma_layout), a_bufs, b_bufs, ready,
-                           empty, it, k_tiles, WG, STAGES, CONSUMERS, B_K_MAJOR)
+        off_m = pid_m * (WG_ROWS * CONSUMERS) + WG * WG_ROWS
+        off_n = pid_n * (BLOCK_N1 + BLOCK_N2)
+        acc = gl.zeros([WG_ROWS, BLOCK_N1], gl.float32, mma_layout)
+        if HAS_B2:
+            mma_layout2: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                                  instr_shape=[16, BLOCK_N2, 16])
+            acc2 = gl.zeros([WG_ROWS, BLOCK_N2], gl.float32, mma_layout2)
+        else:
+            acc2 = acc
+        acc, acc2 = _mma_k_steps(acc, acc2, a_bufs, b_bufs, b2_bufs, ready, empty, it, k_tiles, WG, STAGES,
+                                 CONSUMERS, B_K_MAJOR, HAS_B2)
         it += k_tiles
-        _gemm_epilogue(acc, c_desc, c_smem, bias_ptr, residual_ptr, preact_ptr,
-                       pid_m * (WG_ROWS * CONSUMERS) + WG * WG_ROWS, pid_n * BLOCK_N, M, N,
+        _gemm_epilogue(acc, c_desc, c_smem, bias_ptr, residual_ptr, preact_ptr, off_m, off_n, M, N,
                        stride_rm, stride_rn, stride_pm, HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT)
+        if HAS_B2:
+            _gemm_epilogue(acc2, c2_desc, c2_smem, bias_ptr, residual_ptr, preact_ptr, off_m, off_n + BLOCK_N1, M,
+                           N, stride_rm, stride_rn, stride_pm, HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT)
     tma.store_wait(pendings=0)
 
 
@@ -113,8 +138,10 @@ def gemm_mma_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, bias_ptr, r
 @gluon.jit
 def gemm_small_m_ws_kernel(
     a_desc,             # TMA descriptor of a [M, K], block [64, BLOCK_K]
-    b_desc,             # TMA descriptor of b: [N, K] block [BLOCK_N, BLOCK_K] (B_K_MAJOR), else [K, N] block [BLOCK_K, BLOCK_N]
-    c_desc,             # TMA descriptor of out [M, N], block [64, BLOCK_N]
+    b_desc,             # TMA descriptor of b: [N, K] block [BLOCK_N1, BLOCK_K] (B_K_MAJOR), else [K, N] block [BLOCK_K, BLOCK_N1]
+    b2_desc,            # the same with BLOCK_N2 columns: the tile's second part (ignored unless HAS_B2)
+    c_desc,             # TMA descriptor of out [M, N], block [64, BLOCK_N1]
+    c2_desc,            # the same with block [64, BLOCK_N2] (ignored unless HAS_B2)
     bias_ptr,           # *bias [N], contiguous (ignored unless HAS_BIAS)
     residual_ptr,       # *residual [M, N], output dtype (ignored unless HAS_RESIDUAL)
     preact_ptr,         # *pre-activation a @ b + bias [M, N], row-major (ignored unless SAVE_PREACT)
@@ -134,33 +161,43 @@ def gemm_small_m_ws_kernel(
     CONSUMERS: gl.constexpr,        # consumer warp groups (1 or 2): BLOCK_M = 64 * CONSUMERS
     CONSUMER_REGS: gl.constexpr,    # registers per thread of the worker consumer group
     B_K_MAJOR: gl.constexpr,        # b read as [N, K] (x @ wᵀ: nn.Linear's weight), else [K, N]
+    HAS_B2: gl.constexpr,           # tiles BLOCK_N1 + BLOCK_N2 wide (b2_desc, c2_desc)
 ):
-    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0] if B_K_MAJOR else b_desc.block_type.shape[1]
+    BLOCK_N1: gl.constexpr = b_desc.block_type.shape[0] if B_K_MAJOR else b_desc.block_type.shape[1]
+    BLOCK_N2: gl.constexpr = (b2_desc.block_type.shape[0] if B_K_MAJOR else b2_desc.block_type.shape[1]) if HAS_B2 else 0
     BLOCK_K: gl.constexpr = b_desc.block_type.shape[1] if B_K_MAJOR else b_desc.block_type.shape[0]
     a_bufs, b_bufs, c_bufs, ready, empty = gemm_ring(a_desc, b_desc, c_desc, STAGES, CONSUMERS)
+    if HAS_B2:
+        b2_bufs = gl.allocate_shared_memory(b2_desc.dtype, [STAGES] + b2_desc.block_type.shape, b2_desc.layout)
+        c2_bufs = gl.allocate_shared_memory(c2_desc.dtype, [CONSUMERS] + c2_desc.block_type.shape, c2_desc.layout)
+    else:
+        b2_bufs = b_bufs
+        c2_bufs = c_bufs
     # the argument lists are written out: warp_specialize takes literal tuples
     if CONSUMERS == 1:
         gl.warp_specialize([
-            (gemm_mma_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs.index(0), bias_ptr, residual_ptr,
-                                  preact_ptr, M, N, K, stride_rm, stride_rn, stride_pm, 0,
-                                  HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT, NUM_PROGRAMS, GROUP_M, BLOCK_N, BLOCK_K,
-                                  STAGES, CONSUMERS, B_K_MAJOR)),
-            (gemm_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, NUM_PROGRAMS,
-                                   GROUP_M, BLOCK_N, BLOCK_K, STAGES, CONSUMERS, B_K_MAJOR)),
+            (gemm_mma_partition, (a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, c_bufs.index(0),
+                                  c2_bufs.index(0), bias_ptr, residual_ptr, preact_ptr, M, N, K, stride_rm, stride_rn,
+                                  stride_pm, 0, HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT, NUM_PROGRAMS, GROUP_M,
+                                  BLOCK_N1, BLOCK_N2, BLOCK_K, STAGES, CONSUMERS, B_K_MAJOR)),
+            (gemm_load_partition, (a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, M, N, K,
+                                   NUM_PROGRAMS, GROUP_M, BLOCK_N1 + BLOCK_N2, BLOCK_K, STAGES, CONSUMERS, B_K_MAJOR,
+                                   HAS_B2)),
         ], [1], [LOADER_REGS_KERNEL])
     else:
         gl.static_assert(CONSUMERS == 2, "one or two consumer warp groups")
         gl.warp_specialize([
-            (gemm_mma_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs.index(0), bias_ptr, residual_ptr,
-                                  preact_ptr, M, N, K, stride_rm, stride_rn, stride_pm, 0,
-                                  HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT, NUM_PROGRAMS, GROUP_M, BLOCK_N, BLOCK_K,
-                                  STAGES, CONSUMERS, B_K_MAJOR)),
-            (gemm_mma_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs.index(1), bias_ptr, residual_ptr,
-                                  preact_ptr, M, N, K, stride_rm, stride_rn, stride_pm, 1,
-                                  HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT, NUM_PROGRAMS, GROUP_M, BLOCK_N, BLOCK_K,
-                                  STAGES, CONSUMERS, B_K_MAJOR)),
-            (gemm_load_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, NUM_PROGRAMS,
-                                   GROUP_M, BLOCK_N, BLOCK_K, STAGES, CONSUMERS, B_K_MAJOR)),
+            (gemm_mma_partition, (a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, c_bufs.index(0),
+                                  c2_bufs.index(0), bias_ptr, residual_ptr, preact_ptr, M, N, K, stride_rm, stride_rn,
+                                  stride_pm, 0, HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT, NUM_PROGRAMS, GROUP_M,
+                                  BLOCK_N1, BLOCK_N2, BLOCK_K, STAGES, CONSUMERS, B_K_MAJOR)),
+            (gemm_mma_partition, (a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, c_bufs.index(1),
+                                  c2_bufs.index(1), bias_ptr, residual_ptr, preact_ptr, M, N, K, stride_rm, stride_rn,
+                                  stride_pm, 1, HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT, NUM_PROGRAMS, GROUP_M,
+                                  BLOCK_N1, BLOCK_N2, BLOCK_K, STAGES, CONSUMERS, B_K_MAJOR)),
+            (gemm_load_partition, (a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, M, N, K,
+                                   NUM_PROGRAMS, GROUP_M, BLOCK_N1 + BLOCK_N2, BLOCK_K, STAGES, CONSUMERS, B_K_MAJOR,
+                                   HAS_B2)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS_KERNEL])
 
 
@@ -235,15 +272,23 @@ def launch_gemm_small_m_ws(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, 
     launch_regs, worker_regs = ws_regs(consumers)
     stages = fit_ring(cfg["STAGES"], consumers, block_n, block_k, a.element_size(), out.element_size())
     res_strides = residual.stride() if residual is not None else (n, 1)
-    b_desc = _descriptor(b.t(), (block_n, block_k)) if b_k_major else _descriptor(b, (block_k, block_n))
+    # a tile width that is not a power of two (96) is two parts that are (64 + 32)
+    block_n1 = 1 << (block_n.bit_length() - 1)
+    block_n2 = block_n - block_n1
+    if block_n2 & (block_n2 - 1):
+        raise ValueError(f"config: BLOCK_N must be a power of two or the sum of two, got {block_n}")
+    def b_part(width: int) -> TensorDescriptor:
+        return _descriptor(b.t(), (width, block_k)) if b_k_major else _descriptor(b, (block_k, width))
+    b_desc, c_desc = b_part(block_n1), _descriptor(out, (ROWS_PER_GROUP, block_n1))
+    b2_desc, c2_desc = (b_part(block_n2), _descriptor(out, (ROWS_PER_GROUP, block_n2))) if block_n2 else (b_desc, c_desc)
     gemm_small_m_ws_kernel[(programs,)](
-        _descriptor(a, (ROWS_PER_GROUP, block_k)), b_desc, _descriptor(out, (ROWS_PER_GROUP, block_n)),
+        _descriptor(a, (ROWS_PER_GROUP, block_k)), b_desc, b2_desc, c_desc, c2_desc,
         bias if bias is not None else out, residual if residual is not None else out,
         preact if preact is not None else out,
         m, n, k, res_strides[0], res_strides[1], n,
         HAS_BIAS=bias is not None, ACT=activation, HAS_RESIDUAL=residual is not None,
         SAVE_PREACT=preact is not None,
         NUM_PROGRAMS=programs, GROUP_M=cfg["GROUP_M"], STAGES=stages, CONSUMERS=consumers,
-        CONSUMER_REGS=worker_regs, B_K_MAJOR=b_k_major, num_warps=4, maxnreg=launch_regs,
+        CONSUMER_REGS=worker_regs, B_K_MAJOR=b_k_major, HAS_B2=block_n2 > 0, num_warps=4, maxnreg=launch_regs,
     )
     return out
