@@ -314,6 +314,20 @@ def test_gpu_bf16_large(m, n, k, cfg):
         assert rel_err(out, a.double() @ b.double()) <= 1e-2
 
 
+def _assert_graph_replays(fn, expected):
+    """``fn`` (compiled first) captured in a CUDA graph: two replays into a NaN-poisoned output
+    give ``expected`` bit for bit."""
+    fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fn()
+    for _ in range(2):
+        captured.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, expected)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("split", [2, 4, 7])
 @pytest.mark.parametrize("store_tma", [False, True])
@@ -332,15 +346,7 @@ def test_gpu_split_k(split, store_tma, use_tma):
         assert rel_err(out, ref) <= 1e-2
         for _ in range(3):
             assert torch.equal(out, mk.launch_matmul(a, w.t(), bias, res, "gelu", config=cfg)[0])
-        mk.launch_matmul(a, w.t(), bias, res, "gelu", config=cfg)      # compiled before capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = mk.launch_matmul(a, w.t(), bias, res, "gelu", config=cfg)[0]
-        for _ in range(2):
-            captured.fill_(float("nan"))
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(captured, out)
+        _assert_graph_replays(lambda: mk.launch_matmul(a, w.t(), bias, res, "gelu", config=cfg)[0], out)
 
 
 @pytest.mark.gpu
@@ -381,14 +387,8 @@ def test_gpu_gluon_small_m(tile, dtype, out_dtype, row_major_b):
         inplace = res.clone()
         mk.launch_matmul(a, b, bias, inplace, act or "none", out_dtype=out_dtype, config=cfg, out=inplace)
         assert torch.equal(inplace, out)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = mk.launch_matmul(a, b, bias, res, act or "none", out_dtype=out_dtype, config=cfg)[0]
-    for _ in range(2):
-        captured.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(captured, out)
+    _assert_graph_replays(lambda: mk.launch_matmul(a, b, bias, res, act or "none", out_dtype=out_dtype,
+                                                   config=cfg)[0], out)
 
 
 @pytest.mark.gpu
