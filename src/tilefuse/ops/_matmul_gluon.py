@@ -1,6 +1,7 @@
 """Warp-specialized bf16/fp16 GEMM for small M on Hopper (Gluon): a deep TMA ring.
 
-    out[M, N] = a[M, K] @ b[N, K]ᵀ        (b: nn.Linear's weight, K-contiguous)
+    out[M, N] = a[M, K] @ w[N, K]ᵀ        (x @ w.t(): nn.Linear's weight, K-contiguous)
+    out[M, N] = a[M, K] @ b[K, N]         (row-major b: dy @ w, nn.Linear's input gradient)
 
 Why a second GEMM: at M ≤ 256 the GEMM streams the weight once (memory-bound) and each SM's
 share of it must keep enough bytes in flight. ncu on the ``tl`` kernel at 128x4096x4096 (H200,
@@ -12,7 +13,9 @@ a producer warp group. Here:
   from descriptors built on the host (no in-kernel descriptor creation at the start of the launch);
 - ``CONSUMERS`` warp groups each own 64 rows of the tile and share its B tile; each keeps one
   wgmma in flight and releases a stage once the wgmma that read it has finished;
-- the output tile goes out through shared memory and a TMA store.
+- the output tile goes out through shared memory and a TMA store;
+- a tile width that is not a power of two (96) is two B parts that are (64 + 32): two TMA loads
+  per stage, two accumulators, two epilogues (Triton's blocks are powers of two).
 
 GPU only (Gluon has no interpreter).
 """

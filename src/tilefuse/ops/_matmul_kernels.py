@@ -477,8 +477,8 @@ def _ws_tile(m: int, n: int, k: int, dtype: torch.dtype, out_dtype: torch.dtype,
     1.00 / 0.97 / 1.04 / 0.94x cuBLAS at N x K = 4096², 14336x4096, 4096x14336, 6144x4096, where
     the tl kernel measured 0.86 / 0.95 / 0.96 / 0.85x in the same run
     (-s19-matmul-sweep-small-m-graph.log; M = 64 / 256 in -s19-decode-splits-matmul-mid-sweep.log);
-    row-major b: 0.98 / 0.96 / 1.01 / 0.92x, the tl kernel 0.80 / 0.93 / 0.91 / 0.87x
-    (-s20-matmul-m128-stream-k-sweep.log).
+    row-major b: 0.99 / 0.96 / 1.01 / 1.03x, the tl kernel 0.80 / 0.93 / 0.91 / 0.87x
+    (-s20-matmul-row-major-b-sweep.log, -s20-matmul-m128-stream-k-sweep.log).
     ``config``: GLUON False never takes it, True whenever eligible (at any M, 64x64 tiles if none
     fills the SMs; the tile keys BLOCK_N, BLOCK_K, STAGES, CONSUMERS, GROUP_M override); any other
     config without GLUON is a tl kernel config, and keeps the tl kernel."""
