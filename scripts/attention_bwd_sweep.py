@@ -110,7 +110,12 @@ CONFIGS = {
 }
 # the warp-specialized Gluon dk/dv kernel (sm_90; the default where it serves) against the tl one
 WS_CONFIGS = {"tl": {"GLUON": False}, "ws": {"GLUON": True}, "ws-s2": {"GLUON": True, "GLUON_STAGES": 2},
-              "ws-s4": {"GLUON": True, "GLUON_STAGES": 4}}
+              "ws-s4": {"GLUON": True, "GLUON_STAGES": 4},
+              # the warp-specialized dq kernel (default with "ws") against the tl one, and its tiles
+              "ws-tldq": {"GLUON": True, "GLUON_DQ": False},
+              "ws-dq-s3": {"GLUON": True, "GLUON_DQ_STAGES": 3},
+              "ws-dq-s2": {"GLUON": True, "GLUON_DQ_STAGES": 2},
+              "ws-dq-n64": {"GLUON": True, "GLUON_DQ_BLOCK_N": 64}}
 CONFIGS[64].update(WS_CONFIGS, **{"ws-m128": {"GLUON": True, "GLUON_BLOCK_M": 128},
                                   "ws-m128-s2": {"GLUON": True, "GLUON_BLOCK_M": 128, "GLUON_STAGES": 2}})
 CONFIGS[128].update(WS_CONFIGS)

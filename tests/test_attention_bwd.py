@@ -296,7 +296,7 @@ def test_gpu_warp_specialized_dkdv(d, dtype, cfg):
         _check(b, sq, sk, hq, hkv, d, dtype, window=(-1, 0), config=config)
         _check(b, sq, sk, hq, hkv, d, dtype, window=(100, 7), softcap=20.0, config=config)
         _check(b, sq, sk, hq, hkv, d, dtype, window=(-1, 0), s0=0, scale=-0.3, config=config)
-    # the same inputs through both dk/dv kernels (the dq kernel is shared)
+    # the same inputs through both Gluon kernels and both tl kernels
     q = torch.randn(2, 1000, 8, d, device=DEVICE, dtype=dtype)
     k, v = (torch.randn(2, 1000, 2, d, device=DEVICE, dtype=dtype) for _ in range(2))
     out, lse = attention_reference(q, k, v, True, (-1, -1), 0.0, d ** -0.5, return_lse=True)
@@ -305,6 +305,33 @@ def test_gpu_warp_specialized_dkdv(d, dtype, cfg):
                                           config=dict(cfg, GLUON=g)) for g in (True, False)}
     for name, a, r in zip(("dq", "dk", "dv"), grads[True], grads[False]):
         assert rel_err(a, r) <= 1e-2, (name, rel_err(a, r))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("cfg", [{"GLUON_DQ_STAGES": 2}, {"GLUON_DQ_BLOCK_N": 64}, {"GLUON_DQ_STAGES": 3}],
+                         ids=["stages2", "n64", "stages3"])
+def test_gpu_warp_specialized_dq(d, dtype, cfg):
+    """The Gluon dq kernel (sm_90) in other tiles than its default (which the dk/dv test above
+    runs), by the flash-attn rule at every masking mode; its dq within bf16 rounding of the tl
+    dq kernel's, with the dk/dv kernel fixed."""
+    from tilefuse._dispatch import is_hopper
+    if not is_hopper(torch.empty(0, device=DEVICE)):
+        pytest.skip("the warp-specialized dq kernel is sm_90 only")
+    config = dict(cfg, GLUON=True)
+    for b, sq, sk, hq, hkv in WS_SHAPES:
+        _check(b, sq, sk, hq, hkv, d, dtype, config=config)
+        _check(b, sq, sk, hq, hkv, d, dtype, window=(-1, 0), config=config)
+        _check(b, sq, sk, hq, hkv, d, dtype, window=(100, 7), softcap=20.0, config=config)
+        _check(b, sq, sk, hq, hkv, d, dtype, window=(-1, 0), s0=0, scale=-0.3, config=config)
+    q = torch.randn(2, 1000, 8, d, device=DEVICE, dtype=dtype)
+    k, v = (torch.randn(2, 1000, 2, d, device=DEVICE, dtype=dtype) for _ in range(2))
+    out, lse = attention_reference(q, k, v, True, (-1, -1), 0.0, d ** -0.5, return_lse=True)
+    do = torch.randn_like(out)
+    dq = {g: launch_attention_backward(do, q, k, v, out, lse.float(), scale=d ** -0.5, window_right=0,
+                                       config=dict(config, GLUON_DQ=g))[0] for g in (True, False)}
+    assert rel_err(dq[True], dq[False]) <= 1e-2, rel_err(dq[True], dq[False])
 
 
 @pytest.mark.gpu

@@ -102,6 +102,19 @@ def test_attention_backward_compiles_for_sm90(case):
     _in_child("attention-bwd", case)
 
 
+DQ_CASES = {   # name: (D, BLOCK_N, STAGES, masks, softcap)
+    "d128-full": (128, 64, 4, (False, False), False),
+    "d128-causal": (128, 64, 4, (False, True), False),
+    "d64-causal": (64, 128, 4, (False, True), False),
+    "d64-window-softcap": (64, 64, 4, (True, True), True),
+}
+
+
+@pytest.mark.parametrize("case", list(DQ_CASES))
+def test_attention_dq_compiles_for_sm90(case):
+    _in_child("attention-dq", case)
+
+
 @pytest.mark.parametrize("case", ["bf16", "rowwise-bias-fp32"])
 def test_fp8_gemm_compiles_for_sm90(case):
     _in_child("fp8", case)
@@ -147,6 +160,25 @@ def compile_attention_bwd(case):
     # spilled (32 registers: 128 B stored and 128 loaded): a spilled tile would cost the tensor
     # core, a scalar does not.
     _check(_compile_sm90(bwd.attention_bwd_dkdv_ws_kernel, args, constexprs, launch_regs), spill_below=2 * 128)
+
+
+def compile_attention_dq(case):
+    from tilefuse.ops import _attention_dq_gluon as dqk
+    from tilefuse.ops._attention_fwd_gluon import _descriptor
+    from tilefuse.ops._gluon_common import consumer_regs
+    d, block_n, stages, (left, right), softcap = DQ_CASES[case]
+    q = torch.empty(2, 300, 4, d, dtype=torch.bfloat16)
+    kv = torch.empty(2, 500, 2, d, dtype=torch.bfloat16)
+    stat = torch.empty(4, 600)
+    launch_regs, worker_regs = consumer_regs(dqk.CONSUMER_GROUPS)
+    rows = dqk.ROWS_PER_GROUP
+    args = dict(q_desc=_descriptor(q, rows), do_desc=_descriptor(q, rows), k_desc=_descriptor(kv, block_n),
+                v_desc=_descriptor(kv, block_n), dq_desc=_descriptor(q, rows), lse2_ptr=stat, delta_ptr=stat,
+                stat_stride=600, stat_seq=300, seqlen_q=300, seqlen_k=500, n_heads_q=4, group_size=2, scale=0.1,
+                score_scale=0.14, softcap=30.0, window_left=7, window_right=0)
+    constexprs = dict(HAS_LEFT=left, HAS_RIGHT=right, HAS_SOFTCAP=softcap, REVERSE_M=right, STAGES=stages,
+                      CONSUMERS=dqk.CONSUMER_GROUPS, CONSUMER_REGS=worker_regs)
+    _check(_compile_sm90(dqk.attention_bwd_dq_ws_kernel, args, constexprs, launch_regs))
 
 
 def compile_fp8(case):
@@ -267,7 +299,8 @@ def compile_int4_mma(case):
 
 if __name__ == "__main__":
     kind, name = sys.argv[1:]
-    {"attention": compile_attention, "attention-bwd": compile_attention_bwd, "fp8": compile_fp8,
+    {"attention": compile_attention, "attention-bwd": compile_attention_bwd, "attention-dq": compile_attention_dq,
+     "fp8": compile_fp8,
      "int4-mma": compile_int4_mma, "gemm": compile_gemm}[kind](name)
     print("OK")
 
@@ -276,6 +309,7 @@ if __name__ == "__main__":
 def test_gluon_kernels_do_not_count_as_compiled_mode():
     """The CLI's interpreter check skips Gluon kernels (never interpreted, never launched off sm_90)."""
     import tilefuse.ops._attention_bwd_gluon  # noqa: F401
+    import tilefuse.ops._attention_dq_gluon  # noqa: F401
     import tilefuse.ops._attention_fwd_gluon  # noqa: F401
     import tilefuse.ops._fp8_gluon  # noqa: F401
     import tilefuse.ops._matmul_gluon  # noqa: F401

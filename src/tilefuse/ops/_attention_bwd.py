@@ -16,7 +16,8 @@ its GQA group, so dk/dv are summed in registers: no atomics) and the dq kernel (
 (query block, query head, sequence) walks key_range()). Nothing uses atomics: results are bitwise
 reproducible, ``deterministic`` only documents that. On sm_90, dense 16-bit inputs with D = 64 /
 128 take the warp-specialized Gluon dk/dv kernel (``_attention_bwd_gluon``; :func:`_use_gluon`):
-same math and walk, its kernel time 11-31 % below the ``tl`` one's (H200, session 17). The
+same math and walk, its kernel time 11-31 % below the ``tl`` one's (H200, session 17), and the
+warp-specialized Gluon dq kernel (``_attention_dq_gluon``, the Gluon forward's walk). The
 statistics buffers are ``[H_q, B, stat_seq]`` (dense; stat_seq = S_q rounded up to 4 columns) or
 ``[H_q, total_q]``: every sequence's columns start on 16 bytes, as the Gluon kernel's TMA needs.
 
@@ -193,8 +194,9 @@ def launch_attention_backward(
     :func:`dkdv_config` / :func:`dq_config` (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps,
     num_stages for the dk/dv kernel, num_warps_dq, num_stages_dq; use_tma; split_loops: the
     SPLIT_LOOPS variant of both kernels, split_loops_dkdv / split_loops_dq of one; dv_late: the
-    dk/dv kernel's DV_LATE; GLUON: the warp-specialized dk/dv kernel on or off, GLUON_BLOCK_M /
-    GLUON_STAGES its tiles) -- tests and the sweep."""
+    dk/dv kernel's DV_LATE; GLUON: the warp-specialized dk/dv and dq kernels on or off, GLUON_BLOCK_M /
+    GLUON_STAGES the dk/dv kernel's tiles; GLUON_DQ: the warp-specialized dq kernel on or off (with
+    GLUON), GLUON_DQ_BLOCK_N / GLUON_DQ_STAGES its tiles) -- tests and the sweep."""
     varlen = cu_seqlens_q is not None
     q, k, v, do, out = (_unit_last_dim(t) for t in (q, k, v, do, out))
     head_dim = q.shape[-1]
@@ -262,7 +264,8 @@ def launch_attention_backward(
     common = (scale, softcap, wl, wr)
     strides = (*_bsh_strides(q, varlen), *_bsh_strides(k, varlen), *_bsh_strides(v, varlen),
                *_bsh_strides(do, varlen))
-    if _use_gluon(q, varlen, use_tma, config):
+    gluon = _use_gluon(q, varlen, use_tma, config)
+    if gluon:
         from ._attention_bwd_gluon import launch_attention_bwd_dkdv_ws   # Gluon imports on first use
         launch_attention_bwd_dkdv_ws(
             q, k, v, do, dk, dv, lse2, delta, stat_seq, scale=scale, softcap=softcap,
@@ -277,6 +280,13 @@ def launch_attention_backward(
             DV_LATE=bool(cfg.get("dv_late", False)), **flags,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
+    if gluon and cfg.get("GLUON_DQ", True):
+        from ._attention_dq_gluon import launch_attention_bwd_dq_ws
+        launch_attention_bwd_dq_ws(
+            q, k, v, do, dq, lse2, delta, stat_seq, scale=scale, softcap=softcap,
+            window_left=None if window_left is None else wl, window_right=None if window_right is None else wr,
+            config={key: cfg["GLUON_DQ_" + key] for key in ("BLOCK_N", "STAGES") if "GLUON_DQ_" + key in cfg})
+        return dq, dk, dv
     n_q_blocks = cdiv(max_seqlen_q, cfg["BLOCK_M2"])
     attention_bwd_dq_kernel[(n_q_blocks, h_q, batch)](
         q, k, v, do, dq, lse2, delta, cu_q, cu_k,

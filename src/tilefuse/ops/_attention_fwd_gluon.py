@@ -56,15 +56,22 @@ def _tile_of_program(seqlen_q, n_heads_q, group_size, BLOCK_M: gl.constexpr, REV
 
 
 @gluon.jit
-def attn_load_partition(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_empty,
-                        seqlen_q, seqlen_k, n_heads_q, group_size, window_left, window_right,
+def attn_load_partition(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready,
+                        kv_empty, seqlen_q, seqlen_k, n_heads_q, group_size, window_left, window_right,
                         BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                        REVERSE_M: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
-    """The producer warp: each group's query rows, then K_j and V_j of every key block the
-    program's queries can see, into stage j % STAGES once both groups have released it."""
+                        REVERSE_M: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
+                        HAS_DO: gl.constexpr):
+    """The producer warp: each group's query rows (and with HAS_DO their dO rows, the backward's
+    dq kernel: ``_attention_dq_gluon``), then K_j and V_j of every key block the program's
+    queries can see, into stage j % STAGES once both groups have released it."""
     start_m, b, h, hk = _tile_of_program(seqlen_q, n_heads_q, group_size, WG_ROWS * CONSUMERS, REVERSE_M)
     for g in gl.static_range(CONSUMERS):
-        mbarrier.expect(q_ready.index(g), q_desc.block_type.nbytes)
+        if HAS_DO:
+            mbarrier.expect(q_ready.index(g), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(do_desc, [b, h, start_m + g * WG_ROWS, 0], q_ready.index(g),
+                                            do_bufs.index(g))
+        else:
+            mbarrier.expect(q_ready.index(g), q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [b, h, start_m + g * WG_ROWS, 0], q_ready.index(g), q_bufs.index(g))
     lo, hi = key_range(start_m, WG_ROWS * CONSUMERS, seqlen_k, seqlen_k - seqlen_q, window_left, window_right,
                        HAS_LEFT, HAS_RIGHT)
@@ -256,9 +263,9 @@ def attention_fwd_ws_kernel(
                               stride_lb, stride_lh, seqlen_q, seqlen_k, n_heads_q, group_size, score_scale,
                               softcap_log2, window_left, window_right, 1, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
                               FOLD_SCALE, EXP2_FMA_PARTS, REVERSE_M, STAGES, CONSUMERS)),
-        (attn_load_partition, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready, kv_empty,
-                               seqlen_q, seqlen_k, n_heads_q, group_size, window_left, window_right, BLOCK_N,
-                               HAS_LEFT, HAS_RIGHT, REVERSE_M, STAGES, CONSUMERS)),
+        (attn_load_partition, (q_desc, q_desc, k_desc, v_desc, q_bufs, q_bufs, k_bufs, v_bufs, q_ready, k_ready,
+                               v_ready, kv_empty, seqlen_q, seqlen_k, n_heads_q, group_size, window_left,
+                               window_right, BLOCK_N, HAS_LEFT, HAS_RIGHT, REVERSE_M, STAGES, CONSUMERS, False)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS_KERNEL])
 
 
