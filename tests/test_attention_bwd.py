@@ -313,13 +313,13 @@ def test_gpu_warp_specialized_dkdv(d, dtype, cfg):
 @pytest.mark.parametrize("cfg", [{"GLUON_DQ_STAGES": 2}, {"GLUON_DQ_BLOCK_N": 64}, {"GLUON_DQ_STAGES": 3}],
                          ids=["stages2", "n64", "stages3"])
 def test_gpu_warp_specialized_dq(d, dtype, cfg):
-    """The Gluon dq kernel (sm_90) in other tiles than its default (which the dk/dv test above
-    runs), by the flash-attn rule at every masking mode; its dq within bf16 rounding of the tl
-    dq kernel's, with the dk/dv kernel fixed."""
+    """The Gluon dq kernel (sm_90; the default at D = 128, where the dk/dv test above runs its
+    default tiles) in other tiles and at D = 64, by the flash-attn rule at every masking mode; its
+    dq within bf16 rounding of the tl dq kernel's, with the dk/dv kernel fixed."""
     from tilefuse._dispatch import is_hopper
     if not is_hopper(torch.empty(0, device=DEVICE)):
         pytest.skip("the warp-specialized dq kernel is sm_90 only")
-    config = dict(cfg, GLUON=True)
+    config = dict(cfg, GLUON=True, GLUON_DQ=True)
     for b, sq, sk, hq, hkv in WS_SHAPES:
         _check(b, sq, sk, hq, hkv, d, dtype, config=config)
         _check(b, sq, sk, hq, hkv, d, dtype, window=(-1, 0), config=config)
@@ -349,3 +349,23 @@ def test_gpu_default_dkdv_is_warp_specialized():
     assert not _use_gluon(x[..., :96].contiguous(), False, True, None)      # D = 96
     assert not _use_gluon(x, False, True, {"BLOCK_M1": 32})                 # a tl tile config
     assert _use_gluon(x, False, True, {"BLOCK_M1": 32, "GLUON": True}) == hopper
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d, dq_kernel", [(128, "attention_bwd_dq_ws_kernel"), (64, "attention_bwd_dq_kernel")])
+def test_gpu_default_dq_kernel(d, dq_kernel):
+    """The backward's default dq kernel on sm_90 (``gluon_dq_default``): the Gluon one at D = 128,
+    the tl one at D = 64 -- read from the kernels the profiler saw launch."""
+    from torch.profiler import ProfilerActivity, profile
+    from tilefuse._dispatch import is_hopper
+    q = torch.randn(1, 256, 2, d, device=DEVICE, dtype=torch.bfloat16)
+    if not is_hopper(q):
+        pytest.skip("the warp-specialized kernels are sm_90 only")
+    out, lse = attention_reference(q, q, q, True, (-1, -1), 0.0, d ** -0.5, return_lse=True)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        launch_attention_backward(torch.randn_like(out), q, q, q, out, lse.float(), scale=d ** -0.5, window_right=0)
+        torch.cuda.synchronize()
+    names = {e.key for e in prof.key_averages()}
+    dq_kernels = {"attention_bwd_dq_ws_kernel", "attention_bwd_dq_kernel"} & names
+    assert dq_kernels == {dq_kernel}, names
+    assert "attention_bwd_dkdv_ws_kernel" in names, names

@@ -16,8 +16,9 @@ its GQA group, so dk/dv are summed in registers: no atomics) and the dq kernel (
 (query block, query head, sequence) walks key_range()). Nothing uses atomics: results are bitwise
 reproducible, ``deterministic`` only documents that. On sm_90, dense 16-bit inputs with D = 64 /
 128 take the warp-specialized Gluon dk/dv kernel (``_attention_bwd_gluon``; :func:`_use_gluon`):
-same math and walk, its kernel time 11-31 % below the ``tl`` one's (H200, session 17), and the
-warp-specialized Gluon dq kernel (``_attention_dq_gluon``, the Gluon forward's walk). The
+same math and walk, its kernel time 11-31 % below the ``tl`` one's (H200, session 17), and at
+D = 128 the warp-specialized Gluon dq kernel (``_attention_dq_gluon``, the Gluon forward's walk;
+:func:`gluon_dq_default`: 18-24 % below the ``tl`` one's, session 21). The
 statistics buffers are ``[H_q, B, stat_seq]`` (dense; stat_seq = S_q rounded up to 4 columns) or
 ``[H_q, total_q]``: every sequence's columns start on 16 bytes, as the Gluon kernel's TMA needs.
 
@@ -131,6 +132,15 @@ def _use_gluon(q: torch.Tensor, varlen: bool, use_tma: bool, config: dict | None
     return use_gluon_backward(q, varlen, use_tma) and config_wants_gluon(config, TL_ONLY_KEYS, True)
 
 
+def gluon_dq_default(head_dim: int) -> bool:
+    """The warp-specialized dq kernel with the Gluon dk/dv kernel at D = 128, the tl one at D = 64,
+    where it stayed faster (H200, session 21, dq kernel µs at S = 1k / 4k / 16k, B·S = 16k, H = 16,
+    tl -> Gluon: D = 128 full 407 / 1332 / 4940 -> 304 / 1051 / 4060, causal 277 / 783 / 2616 ->
+    210 / 603 / 2038; D = 64 full 204 / 700 / 2668 -> 225 / 796 / 3023 with 128 keys a step,
+    220 / 732 / 2860 with 64; -s21-attention-bwd-dq-ws-sweep.log)."""
+    return head_dim > 64
+
+
 def tma_eligible(*tensors: torch.Tensor) -> bool:
     """The default load path: TMA descriptors where they work (sm_90+, 16-byte aligned bases and
     row strides, which D a multiple of 8 in 16-bit types gives for the usual layouts; checked,
@@ -196,7 +206,8 @@ def launch_attention_backward(
     SPLIT_LOOPS variant of both kernels, split_loops_dkdv / split_loops_dq of one; dv_late: the
     dk/dv kernel's DV_LATE; GLUON: the warp-specialized dk/dv and dq kernels on or off, GLUON_BLOCK_M /
     GLUON_STAGES the dk/dv kernel's tiles; GLUON_DQ: the warp-specialized dq kernel on or off (with
-    GLUON), GLUON_DQ_BLOCK_N / GLUON_DQ_STAGES its tiles) -- tests and the sweep."""
+    GLUON; default :func:`gluon_dq_default`), GLUON_DQ_BLOCK_N / GLUON_DQ_STAGES its tiles) -- tests
+    and the sweep."""
     varlen = cu_seqlens_q is not None
     q, k, v, do, out = (_unit_last_dim(t) for t in (q, k, v, do, out))
     head_dim = q.shape[-1]
@@ -280,7 +291,7 @@ def launch_attention_backward(
             DV_LATE=bool(cfg.get("dv_late", False)), **flags,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
-    if gluon and cfg.get("GLUON_DQ", True):
+    if gluon and cfg.get("GLUON_DQ", gluon_dq_default(head_dim)):
         from ._attention_dq_gluon import launch_attention_bwd_dq_ws
         launch_attention_bwd_dq_ws(
             q, k, v, do, dq, lse2, delta, stat_seq, scale=scale, softcap=softcap,
