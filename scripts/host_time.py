@@ -1,6 +1,7 @@
 """Host time per call of every registered op, beside its torch peer (GPU machine, PYTHONPATH=src).
 
-    python scripts/host_time.py [OP ...] [--profile OP ...] [--cpu-stub]
+    python scripts/host_time.py [OP ...] [--profile OP ...] [--cpu-stub] [--shape 1x128x128x2x2x128]
+                                [--dtype bf16] [--peer sdpa_flash]
 
 ``--cpu-stub`` measures the same Python path on a machine without a GPU: CPU tensors take the
 Triton launchers (as under the interpreter) but every ``fast_launch`` kernel launch is a no-op, so
@@ -105,7 +106,11 @@ def main() -> None:
     ap.add_argument("ops", nargs="*")
     ap.add_argument("--profile", nargs="*", default=[])
     ap.add_argument("--cpu-stub", action="store_true", help="no GPU: stubbed launches on CPU tensors")
+    ap.add_argument("--shape", help="one shape for every op named (e.g. 1x128x128x2x2x128), not the test shape")
+    ap.add_argument("--dtype", choices=["fp16", "bf16", "fp32"], help="input dtype (default fp16 where served)")
+    ap.add_argument("--peer", default="torch", help="the peer to time beside tilefuse (a registered peer name)")
     a = ap.parse_args()
+    dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
     specs = [s for s in registry.all_ops() if not a.ops or s.name in a.ops]
     device = "cpu" if a.cpu_stub else "cuda"
     if a.cpu_stub:
@@ -114,14 +119,14 @@ def main() -> None:
         _REPEATS = 150
     name = "CPU, launches stubbed" if a.cpu_stub else torch.cuda.get_device_name()
     print(f"{name}  host µs per call (loop of 300, kernels negligible)")
-    print(f"{'op':22s} {'shape':18s} {'pass':14s} {'tilefuse':>9s} {'torch':>9s}")
+    print(f"{'op':22s} {'shape':18s} {'pass':14s} {'tilefuse':>9s} {a.peer:>9s}")
     for spec in specs:
-        shape = _small_shape(spec)
-        dtype = torch.float16 if torch.float16 in spec.dtypes else spec.dtypes[0]
+        shape = tuple(int(n) for n in a.shape.split("x")) if a.shape else _small_shape(spec)
+        dtype = dtypes[a.dtype] if a.dtype else (torch.float16 if torch.float16 in spec.dtypes else spec.dtypes[0])
         try:
             inputs = spec.make_inputs(shape, dtype, device)
             ours = _passes(spec.fn, inputs, spec.has_backward)
-            peer_factory = spec.peers.get("torch")
+            peer_factory = spec.peers.get(a.peer)
             peer = peer_factory() if peer_factory else None
             theirs = _passes(peer, inputs.cloned(), spec.has_backward) if peer else {}
             for name, fn in ours.items():
