@@ -43,6 +43,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="cProfile of the backward, top functions by own time")
     a = ap.parse_args()
     d = a.d
     q, k, v = (torch.randn(1, 128, 2, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
@@ -95,6 +96,33 @@ def main() -> None:
         print(f"{torch.cuda.get_device_name()}  D={d} causal={a.causal}: host µs per call")
         for name, fn in rows.items():
             print(f"  {name:42s} {us_per_call(fn):8.1f}")
+    # fast_launch misses per kernel over one more fwd + bwd: a kernel that misses on every call
+    # pays Triton's own launch path (~20 µs) each time
+    from tilefuse import _launch
+    misses = {}
+    real_run = _launch.FastKernel._run_keyed
+
+    def counting(self, cache, key, device, grid, args, kwargs):
+        if cache.get(key) is None:
+            misses[self.fn.__name__] = misses.get(self.fn.__name__, 0) + 1
+        return real_run(self, cache, key, device, grid, args, kwargs)
+
+    _launch.FastKernel._run_keyed = counting
+    for _ in range(3):
+        torch.autograd.grad(attention(q, k, v, causal=a.causal), (q, k, v), do)
+    torch.cuda.synchronize()
+    _launch.FastKernel._run_keyed = real_run
+    print(f"fast_launch misses in 3 fwd + bwd steps: {misses or 'none'}")
+    if a.profile:
+        import cProfile
+        import pstats
+        step = rows["autograd.grad (retained graph)"]
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(300):
+            step()
+        pr.disable()
+        pstats.Stats(pr).sort_stats("tottime").print_stats(25)
 
 
 if __name__ == "__main__":

@@ -258,8 +258,7 @@ def launch_attention_backward(
     if not varlen:
         n_stat_rows = batch * stat_seq
     stat_stride = cdiv(n_stat_rows, 4) * 4
-    delta = empty((h_q, stat_stride), torch.float32, q.device)
-    lse2 = empty((h_q, stat_stride), torch.float32, q.device)
+    delta, lse2 = empty((2, h_q, stat_stride), torch.float32, q.device)   # one allocation: ~9 µs of host each
     lse_strides = (0, lse.stride(0), lse.stride(1)) if varlen else lse.stride()
     block_pre = preprocess_block(d_pad)
     attention_bwd_preprocess_kernel[(cdiv(max_seqlen_q, block_pre), h_q, batch)](

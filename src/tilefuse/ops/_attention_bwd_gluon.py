@@ -53,7 +53,7 @@ from .._launch import fast_launch
 from ._attention_bwd_kernels import LOG2E, free_query_blocks
 from ._attention_common import apply_softcap, query_range, visible
 from ._attention_fwd_gluon import _descriptor
-from ._gluon_common import consumer_regs, resident_and_ring_barriers
+from ._gluon_common import consumer_regs, host_descriptor, resident_and_ring_barriers
 
 KEYS_PER_GROUP = 64                          # keys per consumer warp group (the wgmma's M)
 WG_KEYS = gl.constexpr(KEYS_PER_GROUP)
@@ -308,7 +308,7 @@ STAT_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, ra
 def _stat_descriptor(stat: torch.Tensor, n_rows: int, block_m: int) -> TensorDescriptor:
     """lse2 / delta ``[H_q, head stride]`` fp32 (head stride a multiple of 4: TMA's 16-byte rule)
     as [H_q, n_rows], block [1, block_m]; columns past n_rows read as zeros."""
-    return TensorDescriptor(stat, [stat.shape[0], n_rows], [stat.stride(0), 1], [1, block_m], STAT_LAYOUT)
+    return host_descriptor(stat, (stat.shape[0], n_rows), (stat.stride(0), 1), (1, block_m), STAT_LAYOUT)
 
 
 def use_gluon_backward(q: torch.Tensor, varlen: bool, use_tma: bool) -> bool:

@@ -41,7 +41,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from .._dispatch import cdiv
 from .._launch import fast_launch
 from ._attention_common import key_range
-from ._gluon_common import LOADER_REGS_KERNEL, consumer_regs, release_stage, resident_and_ring_barriers, smem_layout
+from ._gluon_common import (
+    LOADER_REGS_KERNEL, consumer_regs, host_descriptor, release_stage, resident_and_ring_barriers, smem_layout)
 from ._attention_fwd_kernels import LN2, _block_probs, _desc_strides, _unmasked_key_blocks, program_block
 
 ROWS_PER_GROUP = 64                           # query rows per consumer warp group (wgmma's M)
@@ -285,7 +286,7 @@ def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     sb, ss, sh, _ = _desc_strides(t)
     b, s, h, d = t.shape
     block = (1, 1, rows, d)
-    return TensorDescriptor(t, [b, h, s, d], [sb, sh, ss, 1], list(block), smem_layout(block, t.dtype))
+    return host_descriptor(t, (b, h, s, d), (sb, sh, ss, 1), block, smem_layout(block, t.dtype))
 
 
 def use_gluon_forward(q: torch.Tensor, varlen: bool, load: str) -> bool:

@@ -33,7 +33,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .._dispatch import cdiv, num_sms
 from .._launch import fast_launch
-from ._gluon_common import (LOADER_REGS_KERNEL, ROWS_PER_GROUP, SMEM_BYTES, WG_ROWS, consumer_regs,
+from ._gluon_common import (LOADER_REGS_KERNEL, ROWS_PER_GROUP, SMEM_BYTES, WG_ROWS, consumer_regs, host_descriptor,
                              gemm_load_partition, gemm_ring, release_stage, smem_layout)
 from ._matmul_kernels import _tile_coords     # the grouped tile order, shared with the tl GEMMs
 
@@ -157,7 +157,7 @@ WS_CONFIG = dict(BLOCK_N=128, BLOCK_K=128, STAGES=4, GROUP_M=8, PROMOTE_EVERY=1)
 
 
 def _descriptor(t: torch.Tensor, block: tuple[int, int]) -> TensorDescriptor:
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), smem_layout(block, t.dtype))
+    return host_descriptor(t, tuple(t.shape), t.stride(), tuple(block), smem_layout(tuple(block), t.dtype))
 
 
 def fit_stages(requested: int, consumers: int, block_n: int, block_k: int, out_bytes: int) -> int:

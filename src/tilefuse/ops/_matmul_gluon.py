@@ -31,7 +31,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .._dispatch import cdiv, num_sms
 from .._launch import fast_launch
-from ._gluon_common import (LOADER_REGS_KERNEL, ROWS_PER_GROUP, SMEM_BYTES, WG_ROWS, consumer_regs,
+from ._gluon_common import (LOADER_REGS_KERNEL, ROWS_PER_GROUP, SMEM_BYTES, WG_ROWS, consumer_regs, host_descriptor,
                              gemm_load_partition, gemm_ring, release_stage, smem_layout)
 from ._activation_math import activation_fwd
 from ._matmul_kernels import _tile_coords
@@ -240,7 +240,7 @@ def choose_ws_tile(m: int, n: int, sms: int) -> dict | None:
 
 
 def _descriptor(t: torch.Tensor, block: tuple[int, int]) -> TensorDescriptor:
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), smem_layout(block, t.dtype))
+    return host_descriptor(t, tuple(t.shape), t.stride(), tuple(block), smem_layout(tuple(block), t.dtype))
 
 
 def fit_ring(requested: int, consumers: int, block_n: int, block_k: int, elem: int, out_elem: int) -> int:
