@@ -81,3 +81,29 @@ def test_prepared_launches_match_reference():
             for o, r in zip(out, ref):
                 assert rel_err(o, r) <= 2e-3, (seq, heads, offset, layout)
     assert len(rope_kernel._prepared_cache) >= 3
+
+
+def test_host_descriptors_cached_by_view_and_not_owning():
+    """Gluon host descriptors (``host_descriptor``): the same address and view give the same
+    cached object, another view or block another one; a cached descriptor keeps the address, not
+    the tensor (its memory is freed with the tensor); its launch key equals the uncached one's
+    except for the layout, which is a token of the layout's value."""
+    import gc
+    import weakref
+
+    from tilefuse.ops._gluon_common import host_descriptor, smem_layout
+
+    x = torch.randn(4, 64, 32, dtype=torch.float16)
+    layout = smem_layout((1, 16, 32), torch.float16)
+    d1 = host_descriptor(x, (4, 64, 32), (2048, 32, 1), (1, 16, 32), layout)
+    assert host_descriptor(x, (4, 64, 32), (2048, 32, 1), (1, 16, 32), layout) is d1
+    assert host_descriptor(x, (4, 32, 32), (2048, 32, 1), (1, 16, 32), layout) is not d1      # another view
+    other = smem_layout((1, 32, 32), torch.float16)
+    d2 = host_descriptor(x, (4, 64, 32), (2048, 32, 1), (1, 32, 32), other)
+    assert d2 is not d1 and d2.launch_key != d1.launch_key
+    assert d1.base.data_ptr() == x.data_ptr() and d1.base.dtype == x.dtype
+    assert d1.launch_key[:3] == ("d", torch.float16, (1, 16, 32)) and _launch._arg_key(d1) is d1.launch_key
+    alive = weakref.ref(x)
+    del x
+    gc.collect()
+    assert alive() is None          # the cache did not keep the tensor

@@ -58,6 +58,8 @@ def _arg_key(a):
         return _int_key(int(a))
     if isinstance(a, float):
         return ("f",)
+    if hasattr(a, "launch_key"):      # a cached Gluon host descriptor (_gluon_common.host_descriptor)
+        return a.launch_key
     if t.__name__ == "TensorDescriptor" and hasattr(a, "layout"):
         # a Gluon host descriptor: Triton specializes it on dtype, block shape and shared layout
         # (the shape and strides travel in the TMA descriptor the launcher builds on each call)
@@ -103,8 +105,8 @@ class FastKernel:
                 keys.append(("i", a == 1, a % 16 == 0, 0 if -2147483648 <= a < 2147483648 else 1 if a < 2**63 else 2))
             elif t is float:
                 keys.append(("f",))
-            else:
-                keys.append(_arg_key(a))
+            else:   # a cached Gluon host descriptor carries its key (_gluon_common.host_descriptor)
+                keys.append(getattr(a, "launch_key", None) or _arg_key(a))
         return (device, tuple(keys), tuple(kwargs.items()))
 
     def _launch(self, grid, args, kwargs):

@@ -58,14 +58,23 @@ def host_descriptor(t: torch.Tensor, shape: tuple, strides: tuple, block: tuple,
     strides and box, so a later tensor at the same address with the same view gets a descriptor
     that is exactly right for it; the cached one holds the address, not the tensor. (Device
     addresses are unique across the GPUs of a process: unified virtual addressing.)"""
-    key = (t.data_ptr(), t.dtype, shape, strides, block, layout)
+    # the layout by identity (hashing one runs Python code, and every launch would hash it twice):
+    # the entry's descriptor holds the layout, so its id is not reused while the entry lives
+    key = (t.data_ptr(), t.dtype, shape, strides, block, id(layout))
     desc = _HOST_DESCRIPTORS.get(key)
     if desc is None:
         if len(_HOST_DESCRIPTORS) >= HOST_DESCRIPTOR_CACHE:
             _HOST_DESCRIPTORS.clear()
         desc = TensorDescriptor(_DeviceAddress(key[0], t.dtype), list(shape), list(strides), list(block), layout)
+        # fast_launch's key of this argument (what Triton specializes a descriptor on), computed
+        # once: the layout as a token of its value, so equal layouts share compiled kernels
+        desc.launch_key = ("d", t.dtype, tuple(block), _LAYOUT_TOKENS.setdefault(layout, len(_LAYOUT_TOKENS)),
+                           desc.padding)
         _HOST_DESCRIPTORS[key] = desc
     return desc
+
+
+_LAYOUT_TOKENS: dict = {}     # shared layout -> a small int, one per distinct value (never reused)
 
 
 def consumer_regs(consumers: int, loader_regs: int = LOADER_REGS, cap: int = 232) -> tuple[int, int]:
