@@ -279,6 +279,24 @@ def test_gpu_softcap_strided_bf16():
 WS_SHAPES = [(1, 1, 21, 2, 2), (2, 65, 129, 4, 2), (1, 1000, 1531, 8, 2), (1, 300, 200, 2, 1), (2, 2048, 2048, 4, 4)]
 
 
+def _check_ws_shapes(d, dtype, config):
+    """Every WS_SHAPES case by the flash-attn rule at every masking mode: full, causal, window +
+    softcap, top-left causal (negative windows) with a negative scale."""
+    for b, sq, sk, hq, hkv in WS_SHAPES:
+        _check(b, sq, sk, hq, hkv, d, dtype, config=config)
+        _check(b, sq, sk, hq, hkv, d, dtype, window=(-1, 0), config=config)
+        _check(b, sq, sk, hq, hkv, d, dtype, window=(100, 7), softcap=20.0, config=config)
+        _check(b, sq, sk, hq, hkv, d, dtype, window=(-1, 0), s0=0, scale=-0.3, config=config)
+
+
+def _causal_gqa_inputs(d, dtype):
+    """(do, q, k, v, out, lse) of a causal GQA case, 2 x 1000 tokens, 8 query heads on 2 kv heads."""
+    q = torch.randn(2, 1000, 8, d, device=DEVICE, dtype=dtype)
+    k, v = (torch.randn(2, 1000, 2, d, device=DEVICE, dtype=dtype) for _ in range(2))
+    out, lse = attention_reference(q, k, v, True, (-1, -1), 0.0, d ** -0.5, return_lse=True)
+    return torch.randn_like(out), q, k, v, out, lse.float()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -291,17 +309,10 @@ def test_gpu_warp_specialized_dkdv(d, dtype, cfg):
     if not is_hopper(torch.empty(0, device=DEVICE)):
         pytest.skip("the warp-specialized dk/dv kernel is sm_90 only")
     config = dict(cfg, GLUON=True)
-    for b, sq, sk, hq, hkv in WS_SHAPES:
-        _check(b, sq, sk, hq, hkv, d, dtype, config=config)
-        _check(b, sq, sk, hq, hkv, d, dtype, window=(-1, 0), config=config)
-        _check(b, sq, sk, hq, hkv, d, dtype, window=(100, 7), softcap=20.0, config=config)
-        _check(b, sq, sk, hq, hkv, d, dtype, window=(-1, 0), s0=0, scale=-0.3, config=config)
+    _check_ws_shapes(d, dtype, config)
     # the same inputs through both Gluon kernels and both tl kernels
-    q = torch.randn(2, 1000, 8, d, device=DEVICE, dtype=dtype)
-    k, v = (torch.randn(2, 1000, 2, d, device=DEVICE, dtype=dtype) for _ in range(2))
-    out, lse = attention_reference(q, k, v, True, (-1, -1), 0.0, d ** -0.5, return_lse=True)
-    do = torch.randn_like(out)
-    grads = {g: launch_attention_backward(do, q, k, v, out, lse.float(), scale=d ** -0.5, window_right=0,
+    do, q, k, v, out, lse = _causal_gqa_inputs(d, dtype)
+    grads = {g: launch_attention_backward(do, q, k, v, out, lse, scale=d ** -0.5, window_right=0,
                                           config=dict(cfg, GLUON=g)) for g in (True, False)}
     for name, a, r in zip(("dq", "dk", "dv"), grads[True], grads[False]):
         assert rel_err(a, r) <= 1e-2, (name, rel_err(a, r))
@@ -320,16 +331,9 @@ def test_gpu_warp_specialized_dq(d, dtype, cfg):
     if not is_hopper(torch.empty(0, device=DEVICE)):
         pytest.skip("the warp-specialized dq kernel is sm_90 only")
     config = dict(cfg, GLUON=True, GLUON_DQ=True)
-    for b, sq, sk, hq, hkv in WS_SHAPES:
-        _check(b, sq, sk, hq, hkv, d, dtype, config=config)
-        _check(b, sq, sk, hq, hkv, d, dtype, window=(-1, 0), config=config)
-        _check(b, sq, sk, hq, hkv, d, dtype, window=(100, 7), softcap=20.0, config=config)
-        _check(b, sq, sk, hq, hkv, d, dtype, window=(-1, 0), s0=0, scale=-0.3, config=config)
-    q = torch.randn(2, 1000, 8, d, device=DEVICE, dtype=dtype)
-    k, v = (torch.randn(2, 1000, 2, d, device=DEVICE, dtype=dtype) for _ in range(2))
-    out, lse = attention_reference(q, k, v, True, (-1, -1), 0.0, d ** -0.5, return_lse=True)
-    do = torch.randn_like(out)
-    dq = {g: launch_attention_backward(do, q, k, v, out, lse.float(), scale=d ** -0.5, window_right=0,
+    _check_ws_shapes(d, dtype, config)
+    do, q, k, v, out, lse = _causal_gqa_inputs(d, dtype)
+    dq = {g: launch_attention_backward(do, q, k, v, out, lse, scale=d ** -0.5, window_right=0,
                                        config=dict(config, GLUON_DQ=g))[0] for g in (True, False)}
     assert rel_err(dq[True], dq[False]) <= 1e-2, rel_err(dq[True], dq[False])
 
