@@ -29,12 +29,12 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .._dispatch import cdiv, num_sms
 from .._launch import fast_launch
-from ._gluon_common import (LOADER_REGS_KERNEL, ROWS_PER_GROUP, SMEM_BYTES, WG_ROWS, consumer_regs, host_descriptor,
-                             gemm_load_partition, gemm_ring, release_stage, smem_layout)
+from ._gluon_common import matrix_descriptor as _descriptor
+from ._gluon_common import (LOADER_REGS_KERNEL, ROWS_PER_GROUP, SMEM_BYTES, WG_ROWS, consumer_regs,
+                             gemm_load_partition, gemm_ring, release_stage)
 from ._matmul_kernels import _tile_coords     # the grouped tile order, shared with the tl GEMMs
 
 
@@ -154,10 +154,6 @@ def fp8_gemm_ws_kernel(
 # partition list). Promotion every 2 steps (256 K): 1,322-1,433 at 8192³ (kept at DeepSeek's 128).
 CONSUMER_GROUPS = 3
 WS_CONFIG = dict(BLOCK_N=128, BLOCK_K=128, STAGES=4, GROUP_M=8, PROMOTE_EVERY=1)
-
-
-def _descriptor(t: torch.Tensor, block: tuple[int, int]) -> TensorDescriptor:
-    return host_descriptor(t, tuple(t.shape), t.stride(), tuple(block), smem_layout(tuple(block), t.dtype))
 
 
 def fit_stages(requested: int, consumers: int, block_n: int, block_k: int, out_bytes: int) -> int:

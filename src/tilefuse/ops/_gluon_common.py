@@ -77,6 +77,12 @@ def host_descriptor(t: torch.Tensor, shape: tuple, strides: tuple, block: tuple,
 _LAYOUT_TOKENS: dict = {}     # shared layout -> a small int, one per distinct value (never reused)
 
 
+def matrix_descriptor(t: torch.Tensor, block: tuple[int, int]) -> TensorDescriptor:
+    """A GEMM operand's descriptor (the small-M and fp8 GEMMs): ``t`` as it is, ``block`` boxes in
+    the widest-swizzle layout."""
+    return host_descriptor(t, tuple(t.shape), t.stride(), tuple(block), smem_layout(tuple(block), t.dtype))
+
+
 def consumer_regs(consumers: int, loader_regs: int = LOADER_REGS, cap: int = 232) -> tuple[int, int]:
     """(registers per thread at launch, registers requested by each worker consumer group) for
     ``consumers`` 4-warp consumer groups (the first is the default partition) and one loader warp,

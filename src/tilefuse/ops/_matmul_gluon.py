@@ -31,8 +31,9 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .._dispatch import cdiv, num_sms
 from .._launch import fast_launch
-from ._gluon_common import (LOADER_REGS_KERNEL, ROWS_PER_GROUP, SMEM_BYTES, WG_ROWS, consumer_regs, host_descriptor,
-                             gemm_load_partition, gemm_ring, release_stage, smem_layout)
+from ._gluon_common import matrix_descriptor as _descriptor
+from ._gluon_common import (LOADER_REGS_KERNEL, ROWS_PER_GROUP, SMEM_BYTES, WG_ROWS, consumer_regs,
+                             gemm_load_partition, gemm_ring, release_stage)
 from ._activation_math import activation_fwd
 from ._matmul_kernels import _tile_coords
 
@@ -237,10 +238,6 @@ def choose_ws_tile(m: int, n: int, sms: int) -> dict | None:
     cfg = WS_TILES[name]
     tiles = cdiv(m, ROWS_PER_GROUP * cfg["CONSUMERS"]) * cdiv(n, cfg["BLOCK_N"])
     return dict(cfg) if min(tiles, sms) >= MIN_FILL * sms else None
-
-
-def _descriptor(t: torch.Tensor, block: tuple[int, int]) -> TensorDescriptor:
-    return host_descriptor(t, tuple(t.shape), t.stride(), tuple(block), smem_layout(tuple(block), t.dtype))
 
 
 def fit_ring(requested: int, consumers: int, block_n: int, block_k: int, elem: int, out_elem: int) -> int:
