@@ -107,3 +107,26 @@ def test_host_descriptors_cached_by_view_and_not_owning():
     del x
     gc.collect()
     assert alive() is None          # the cache did not keep the tensor
+
+
+@pytest.mark.gpu
+def test_direct_launch_with_cached_descriptors():
+    """Hits call the C launcher directly (``_DirectLaunch``) with each cached descriptor's encoded
+    CUtensorMap: the tl attention forward (host descriptors, S below the Gluon kernel's range)
+    over shapes, head counts and fresh buffers (new addresses, and old addresses reused with other
+    views), two rounds, every result against the reference."""
+    from tilefuse import attention
+    from tilefuse.ops._attention_common import attention_reference
+    from tilefuse.ops._attention_fwd_kernels import attention_fwd_kernel
+
+    cases = [(1, 128, 2, 64), (2, 200, 4, 64), (1, 77, 2, 128), (3, 128, 1, 64)]
+    for _ in range(2):
+        for b, s, h, d in cases:
+            q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.float16) for _ in range(3))
+            out = attention(q, k, v, causal=True)
+            ref = attention_reference(q.double(), k.double(), v.double(), causal=True)
+            assert rel_err(out, ref) <= 2e-3, (b, s, h, d)
+    entries = list(attention_fwd_kernel._cache.values())
+    assert entries and all(direct is not None and direct.descs for _, _, direct in entries)
+    encoded = [d for d in _launch._HOST_DESCRIPTORS.values() if d.launch_key[3] is None and d.encoded]
+    assert encoded                      # the tl descriptors kept their encoded form

@@ -48,7 +48,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .._dispatch import cdiv, empty, is_hopper, next_power_of_2
-from .._launch import fast_launch, use_device_descriptors
+from .._launch import cached_descriptor, fast_launch, use_device_descriptors
 from ._attention_common import config_wants_gluon, exp2_mixed, key_range, tanh_via_exp2, visible
 
 LOG2E = 1.4426950408889634
@@ -463,12 +463,13 @@ def descriptors_fit(*tensors: torch.Tensor) -> bool:
 
 
 def _descriptor(t: torch.Tensor, load: str, rows: int, block_d: int) -> TensorDescriptor:
-    """TMA descriptor of a [B, S, H, D] tensor for LOAD mode ``load`` (module docstring)."""
+    """TMA descriptor of a [B, S, H, D] tensor for LOAD mode ``load`` (module docstring), cached
+    (``cached_descriptor``)."""
     sb, ss, sh, _ = _desc_strides(t)
     b, s, h, d = t.shape
     if load == "desc_bhsd":
-        return TensorDescriptor(t, [b, h, s, d], [sb, sh, ss, 1], [1, 1, rows, block_d])
-    return TensorDescriptor(t, [b, s, h, d], [sb, ss, sh, 1], [1, rows, 1, block_d])
+        return cached_descriptor(t, (b, h, s, d), (sb, sh, ss, 1), (1, 1, rows, block_d))
+    return cached_descriptor(t, (b, s, h, d), (sb, ss, sh, 1), (1, rows, 1, block_d))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -554,10 +555,7 @@ def attention_forward(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_
     grid = (cdiv(seqlen_q, block_m), batch * n_heads_q)
     if grid[0] == 0 or grid[1] == 0:
         return out, lse
-    # descriptors are not plain launch arguments for fast_launch's cache: a callable grid takes
-    # Triton's own launch path (host cost ~20 us, against milliseconds of kernel at these sizes)
-    launch_grid = grid if load in ("ptr", "desc_device") else (lambda meta: grid)
-    attention_fwd_kernel[launch_grid](
+    attention_fwd_kernel[grid](
         q_arg, k_arg, v_arg, o_arg, lse, cu_q, cu_k,
         q4.stride(0), q4.stride(1), q4.stride(2),
         k4.stride(0), k4.stride(1), k4.stride(2),

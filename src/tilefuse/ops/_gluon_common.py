@@ -17,6 +17,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from .._launch import cached_descriptor
 from ._matmul_kernels import _tile_coords     # the grouped tile order, shared with the tl GEMMs
 
 GLUON_DTYPES = {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5,
@@ -32,49 +33,12 @@ def smem_layout(block: tuple[int, ...], dtype: torch.dtype) -> gl.NVMMASharedLay
     return gl.NVMMASharedLayout.get_default_for(list(block), GLUON_DTYPES[dtype])
 
 
-class _DeviceAddress:
-    """What a launch reads of a host descriptor's tensor -- its address and dtype -- without the
-    tensor: a cached descriptor must not keep its memory alive."""
-    __slots__ = ("_ptr", "dtype")
-
-    def __init__(self, ptr: int, dtype: torch.dtype):
-        self._ptr = ptr
-        self.dtype = dtype
-
-    def data_ptr(self) -> int:
-        return self._ptr
-
-
-_HOST_DESCRIPTORS: dict = {}
-HOST_DESCRIPTOR_CACHE = 4096    # entries kept before the cache starts over
-
-
 def host_descriptor(t: torch.Tensor, shape: tuple, strides: tuple, block: tuple,
                     layout: gl.NVMMASharedLayout) -> TensorDescriptor:
-    """The Gluon host TMA descriptor of ``t``'s memory viewed as ``shape`` / ``strides`` (elements)
-    with ``block`` boxes, cached by (address, dtype, view, block, layout). Building one cost 5.8 µs
-    of host time on the H200 host (session 21, ``scripts/attn_host_probe.py``), and the attention
-    backward builds 13 a step; a lookup costs ~0.5. A descriptor holds only the address, dims,
-    strides and box, so a later tensor at the same address with the same view gets a descriptor
-    that is exactly right for it; the cached one holds the address, not the tensor. (Device
-    addresses are unique across the GPUs of a process: unified virtual addressing.)"""
-    # the layout by identity (hashing one runs Python code, and every launch would hash it twice):
-    # the entry's descriptor holds the layout, so its id is not reused while the entry lives
-    key = (t.data_ptr(), t.dtype, shape, strides, block, id(layout))
-    desc = _HOST_DESCRIPTORS.get(key)
-    if desc is None:
-        if len(_HOST_DESCRIPTORS) >= HOST_DESCRIPTOR_CACHE:
-            _HOST_DESCRIPTORS.clear()
-        desc = TensorDescriptor(_DeviceAddress(key[0], t.dtype), list(shape), list(strides), list(block), layout)
-        # fast_launch's key of this argument (what Triton specializes a descriptor on), computed
-        # once: the layout as a token of its value, so equal layouts share compiled kernels
-        desc.launch_key = ("d", t.dtype, tuple(block), _LAYOUT_TOKENS.setdefault(layout, len(_LAYOUT_TOKENS)),
-                           desc.padding)
-        _HOST_DESCRIPTORS[key] = desc
-    return desc
-
-
-_LAYOUT_TOKENS: dict = {}     # shared layout -> a small int, one per distinct value (never reused)
+    """The Gluon host TMA descriptor of ``t``'s memory viewed as ``shape`` / ``strides`` with
+    ``block`` boxes in ``layout``, cached (``_launch.cached_descriptor``: the attention backward
+    builds 13 a step, 5.8 µs each uncached on the H200 host)."""
+    return cached_descriptor(t, shape, strides, block, layout)
 
 
 def matrix_descriptor(t: torch.Tensor, block: tuple[int, int]) -> TensorDescriptor:
