@@ -36,6 +36,13 @@ def _major(index: int) -> int:
     return torch.cuda.get_device_capability(index)[0]
 
 
+def device_major(t: torch.Tensor) -> int:
+    """Compute-capability major of t's GPU, 0 off CUDA (a cached plan's device key)."""
+    if t.device.type != "cuda":
+        return 0
+    return _major(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
 def is_hopper_or_newer(t: torch.Tensor) -> bool:
     """t lives on an sm_90+ GPU (TMA descriptors, wgmma); cached per device (the query costs
     several µs of host time per call)."""

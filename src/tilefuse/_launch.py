@@ -156,12 +156,15 @@ class FastKernel:
 
     def launch_prepared(self, grid, tensors: tuple, prepared: "PreparedArgs"):
         """``self[grid](*tensors, *prepared.ints, **prepared.kwargs)``, keyed on the tensors' dtype
-        and alignment plus the prepared key: the per-call key work is one pair per tensor."""
+        and alignment plus the prepared key: the per-call key work is one pair per tensor.
+        ``tensors`` may hold host descriptors too (keyed by :func:`_arg_key`: cached ones carry
+        their key)."""
         args = (*tensors, *prepared.ints)
         if not (_ENABLED and isinstance(self.fn, JITFunction)):
             return self.fn[grid](*args, **prepared.kwargs)
         device = torch.cuda.current_device()
-        key = (device, tuple([(t.dtype, t.data_ptr() % 16 == 0) for t in tensors]), prepared.key)
+        key = (device, tuple([(t.dtype, t.data_ptr() % 16 == 0) if type(t) is torch.Tensor else _arg_key(t)
+                              for t in tensors]), prepared.key)
         return self._run_keyed(self._prepared_cache, key, device, grid, args, prepared.kwargs)
 
 
@@ -344,6 +347,16 @@ class UnitValueFallback:
             unit = any(args[i] == 1 for i in self._positions)
             return (self.unspecialized if unit else self.specialized)[grid](*args, **kwargs)
         return launch
+
+    def prepare(self, ints: tuple, kwargs: dict) -> "PreparedArgs":
+        """As :meth:`FastKernel.prepare` (the key is finer than either twin's specialization)."""
+        return self.specialized.prepare(ints, kwargs)
+
+    def launch_prepared(self, grid, tensors: tuple, prepared: "PreparedArgs"):
+        """As :meth:`FastKernel.launch_prepared`, on the twin the integers ask for."""
+        n = len(tensors)
+        unit = any(prepared.ints[i - n] == 1 for i in self._positions if i >= n)
+        return (self.unspecialized if unit else self.specialized).launch_prepared(grid, tensors, prepared)
 
 
 def unit_value_fallback(*names: str):

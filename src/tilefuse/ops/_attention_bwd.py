@@ -41,10 +41,13 @@ FLOPs (FlashAttention's convention): 2.5 × the forward's 4·B·S_q·S_k·H·D, 
 
 from __future__ import annotations
 
+import functools
+from typing import NamedTuple
+
 import torch
 
-from .._launch import use_device_descriptors
-from .._dispatch import cdiv, empty, is_hopper, is_hopper_or_newer
+from .._launch import PreparedArgs, config_key, use_device_descriptors
+from .._dispatch import cdiv, device_major, empty
 from ._attention_common import config_wants_gluon
 from ._attention_bwd_kernels import attention_bwd_dkdv_kernel, attention_bwd_dq_kernel, attention_bwd_preprocess_kernel
 from ._attention_fwd_kernels import head_block
@@ -122,14 +125,16 @@ def dq_config(d_pad: int, dtype: torch.dtype, use_tma: bool) -> dict:
 TL_ONLY_KEYS = ("BLOCK_M1", "BLOCK_N1", "num_warps", "num_stages", "split_loops", "split_loops_dkdv", "dv_late")
 
 
-def _use_gluon(q: torch.Tensor, varlen: bool, use_tma: bool, config: dict | None) -> bool:
-    """The warp-specialized Gluon dk/dv kernel (``_attention_bwd_gluon``) on sm_90 for the inputs
-    it serves; ``config={"GLUON": True / False}`` forces the choice, tl-only tile keys
-    (:data:`TL_ONLY_KEYS`) without "GLUON" keep the ``tl`` kernel."""
-    if not is_hopper(q):
+def _use_gluon(major: int, dtype: torch.dtype, head_dim: int, varlen: bool, use_tma: bool,
+               config: dict | None) -> bool:
+    """The warp-specialized Gluon dk/dv kernel (``_attention_bwd_gluon``) on sm_90 (``major``:
+    the device's compute capability) for the inputs it serves; ``config={"GLUON": True / False}``
+    forces the choice, tl-only tile keys (:data:`TL_ONLY_KEYS`) without "GLUON" keep the ``tl``
+    kernel."""
+    if major != 9:
         return False
     from ._attention_bwd_gluon import use_gluon_backward
-    return use_gluon_backward(q, varlen, use_tma) and config_wants_gluon(config, TL_ONLY_KEYS, True)
+    return use_gluon_backward(dtype, head_dim, varlen, use_tma) and config_wants_gluon(config, TL_ONLY_KEYS, True)
 
 
 def gluon_dq_default(head_dim: int) -> bool:
@@ -145,12 +150,19 @@ def tma_eligible(*tensors: torch.Tensor) -> bool:
     """The default load path: TMA descriptors where they work (sm_90+, 16-byte aligned bases and
     row strides, which D a multiple of 8 in 16-bit types gives for the usual layouts; checked,
     not assumed), pointer loads otherwise."""
-    t0 = tensors[0]
-    if not is_hopper_or_newer(t0):
-        return False
-    return all(t.data_ptr() % 16 == 0 and all((st * t.element_size()) % 16 == 0 for st in t.stride()[:-1])
-               for t in tensors)
+    return _tma_fits(device_major(tensors[0]), _aligned(*tensors), tensors[0].element_size(),
+                     tuple(t.stride() for t in tensors))
 
+
+def _aligned(*tensors: torch.Tensor) -> bool:
+    """Every base address on 16 bytes."""
+    return all(t.data_ptr() % 16 == 0 for t in tensors)
+
+
+def _tma_fits(major: int, aligned: bool, elem_size: int, strides: tuple) -> bool:
+    """:func:`tma_eligible` from what a cached plan keys: the device, the bases' alignment, the
+    strides (elements) of each tensor."""
+    return major >= 9 and aligned and all((st * elem_size) % 16 == 0 for ts in strides for st in ts[:-1])
 
 
 def preprocess_block(d_pad: int) -> int:
@@ -163,11 +175,12 @@ def preprocess_block(d_pad: int) -> int:
 # ----------------------------------------------------------------------------------------------
 
 
-def _bsh_strides(t: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
-    """(batch, sequence, head) strides; batch stride 0 for packed [total, H, D] tensors."""
+def _bsh_strides(strides: tuple, varlen: bool) -> tuple[int, int, int]:
+    """(batch, sequence, head) strides of a tensor's ``strides``; batch stride 0 for packed
+    [total, H, D] tensors."""
     if varlen:
-        return 0, t.stride(0), t.stride(1)
-    return t.stride(0), t.stride(1), t.stride(2)
+        return 0, strides[0], strides[1]
+    return strides[0], strides[1], strides[2]
 
 
 def _unit_last_dim(t: torch.Tensor) -> torch.Tensor:
@@ -195,6 +208,102 @@ def attention_backward(
         window_left=window_left, window_right=window_right, softcap=softcap)
 
 
+class _BackwardPlan(NamedTuple):
+    """Everything of one backward call that shapes, strides and options fix (cached: building it
+    cost ~100 µs of host time a call on the H200 host, session 22)."""
+    use_tma: bool
+    stat_shape: tuple               # (2, H_q, stat_stride): delta and lse2 in one allocation
+    stat_seq: int
+    pre_grid: tuple
+    pre: PreparedArgs               # the preprocess kernel's arguments after its 6 tensors
+    gluon_dkdv: dict | None         # the Gluon dk/dv launcher's config (None: the tl kernel)
+    gluon_dq: dict | None           # the Gluon dq launcher's config (None: the tl kernel)
+    window: tuple                   # (left, right) as the Gluon launchers take them
+    dkdv_grid: tuple
+    dkdv: PreparedArgs | None       # the tl dk/dv kernel's arguments after its 10 tensors
+    dq_grid: tuple
+    dq: PreparedArgs | None         # the tl dq kernel's arguments after its 9 tensors
+
+
+def _contiguous_strides(shape: tuple) -> tuple:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+@functools.lru_cache(maxsize=512)
+def _backward_plan(q_shape: tuple, k_shape: tuple, strides: tuple, lse_strides: tuple, dtype: torch.dtype,
+                   major: int, aligned: bool, varlen: bool, batch: int, max_seqlen_q: int, max_seqlen_k: int,
+                   scale: float, softcap: float, window_left, window_right, config: tuple) -> _BackwardPlan:
+    """The launch plan of :func:`launch_attention_backward` (``strides``: q, k, v, do, out)."""
+    config = dict(config)
+    head_dim, h_q, h_kv = q_shape[-1], q_shape[-2], k_shape[-2]
+    elem = dtype.itemsize
+    if varlen:
+        seqlen_q = seqlen_k = 0        # per sequence, read from cu_seqlens in the kernels
+        n_stat_rows = q_shape[0]
+    else:
+        seqlen_q, seqlen_k = q_shape[1], k_shape[1]
+    d_pad = head_block(head_dim)
+    use_tma = config.get("use_tma")
+    fits = _tma_fits(major, aligned, elem, strides[:4])
+    use_tma = fits if use_tma is None else (bool(use_tma) and (fits or major == 0))   # asked for: where possible
+    masked = window_left is not None or window_right is not None
+    cfg = {**dkdv_config(d_pad, dtype, use_tma, masked), **dq_config(d_pad, dtype, use_tma), **config}
+    split_dkdv, split_dq = split_loops_default(d_pad, dtype, use_tma, masked)
+    if "split_loops" in cfg:
+        split_dkdv = split_dq = bool(cfg["split_loops"])
+    split_dkdv = bool(cfg.get("split_loops_dkdv", split_dkdv))
+    split_dq = bool(cfg.get("split_loops_dq", split_dq))
+    bound = max_seqlen_q + max_seqlen_k + 1
+    wl, wr = _clamp_window(window_left, bound), _clamp_window(window_right, bound)
+    flags = dict(USE_TMA=use_tma, HAS_LEFT=window_left is not None, HAS_RIGHT=window_right is not None,
+                 HAS_SOFTCAP=softcap > 0, IS_VARLEN=varlen, HEAD_DIM=head_dim, D_PAD=d_pad,
+                 DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32")
+
+    # [H_q, B, stat_seq] (dense) or [H_q, total_q] (varlen); columns of a sequence and of a head
+    # start on 16 bytes, so the Gluon kernel's TMA can read them from any 4-aligned query row
+    stat_seq = cdiv(seqlen_q, 4) * 4
+    if not varlen:
+        n_stat_rows = batch * stat_seq
+    stat_stride = cdiv(n_stat_rows, 4) * 4
+    bsh = [_bsh_strides(st, varlen) for st in strides]     # q, k, v, do, out
+    block_pre = preprocess_block(d_pad)
+    pre = attention_bwd_preprocess_kernel.prepare(
+        (*bsh[4], *bsh[3], *lse_strides, seqlen_q, stat_stride, stat_seq),
+        dict(HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_M=block_pre, IS_VARLEN=varlen, num_warps=4))
+    common = (scale, softcap, wl, wr)
+    gluon = _use_gluon(major, dtype, head_dim, varlen, use_tma, config)
+    gluon_dkdv = gluon_dq = dkdv = dq = None
+    dkdv_grid = dq_grid = ()
+    if gluon:
+        gluon_dkdv = {key: cfg["GLUON_" + key] for key in ("BLOCK_M", "STAGES") if "GLUON_" + key in cfg}
+    else:
+        k_out = _bsh_strides(_contiguous_strides(k_shape), varlen)     # dk, dv: contiguous, k's shape
+        dkdv_grid = (cdiv(max_seqlen_k, cfg["BLOCK_N1"]), h_kv, batch)
+        dkdv = attention_bwd_dkdv_kernel.prepare(
+            (*bsh[0], *bsh[1], *bsh[2], *bsh[3], *k_out, *k_out,
+             seqlen_q, seqlen_k, stat_stride, stat_seq, h_q // h_kv, *common),
+            dict(BLOCK_M=cfg["BLOCK_M1"], BLOCK_N=cfg["BLOCK_N1"], SPLIT_LOOPS=split_dkdv,
+                 DV_LATE=bool(cfg.get("dv_late", False)), **flags,
+                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
+    if gluon and cfg.get("GLUON_DQ", gluon_dq_default(head_dim)):
+        gluon_dq = {key: cfg["GLUON_DQ_" + key] for key in ("BLOCK_N", "STAGES") if "GLUON_DQ_" + key in cfg}
+    else:
+        n_q_blocks = cdiv(max_seqlen_q, cfg["BLOCK_M2"])
+        dq_grid = (n_q_blocks, h_q, batch)
+        dq = attention_bwd_dq_kernel.prepare(
+            (*bsh[0], *bsh[1], *bsh[2], *bsh[3], *_bsh_strides(_contiguous_strides(q_shape), varlen),
+             seqlen_q, seqlen_k, stat_stride, stat_seq, n_q_blocks, h_q // h_kv, *common),
+            dict(BLOCK_M=cfg["BLOCK_M2"], BLOCK_N=cfg["BLOCK_N2"], SPLIT_LOOPS=split_dq, **flags,
+                 num_warps=cfg["num_warps_dq"], num_stages=cfg["num_stages_dq"]))
+    window = (None if window_left is None else wl, None if window_right is None else wr)
+    return _BackwardPlan(use_tma, (2, h_q, stat_stride), stat_seq, (cdiv(max_seqlen_q, block_pre), h_q, batch),
+                         pre, gluon_dkdv, gluon_dq, window, dkdv_grid, dkdv, dq_grid, dq)
+
+
 def launch_attention_backward(
     do, q, k, v, out, lse, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
     max_seqlen_k=None, scale: float, window_left=None, window_right=None, softcap: float = 0.0,
@@ -207,102 +316,48 @@ def launch_attention_backward(
     dk/dv kernel's DV_LATE; GLUON: the warp-specialized dk/dv and dq kernels on or off, GLUON_BLOCK_M /
     GLUON_STAGES the dk/dv kernel's tiles; GLUON_DQ: the warp-specialized dq kernel on or off (with
     GLUON; default :func:`gluon_dq_default`), GLUON_DQ_BLOCK_N / GLUON_DQ_STAGES its tiles) -- tests
-    and the sweep."""
+    and the sweep. Per call: a cached plan (:func:`_backward_plan`), four allocations, three launches."""
     varlen = cu_seqlens_q is not None
     q, k, v, do, out = (_unit_last_dim(t) for t in (q, k, v, do, out))
-    head_dim = q.shape[-1]
-    h_q, h_kv = q.shape[-2], k.shape[-2]
     if varlen:
         batch = cu_seqlens_q.numel() - 1
         if max_seqlen_q is None:
             max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if batch > 0 else 0
         if max_seqlen_k is None:
             max_seqlen_k = int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max()) if batch > 0 else 0
-        seqlen_q = seqlen_k = 0        # per sequence, read from cu_seqlens in the kernels
-        n_stat_rows = q.shape[0]
         cu_q, cu_k = cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32)
+        lse_strides = (0, lse.stride(0), lse.stride(1))
     else:
-        batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
-        max_seqlen_q, max_seqlen_k = seqlen_q, seqlen_k
-        n_stat_rows = batch * seqlen_q
+        batch, max_seqlen_q, max_seqlen_k = q.shape[0], q.shape[1], k.shape[1]
         cu_q = cu_k = q                # unused pointers
+        lse_strides = lse.stride()
     if q.numel() == 0 or k.numel() == 0 or batch == 0:
         # no query or no key anywhere: every gradient is an empty sum
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     if batch > 65535:
         raise ValueError(f"batch must be <= 65535 (a grid axis), got {batch}")
-    d_pad = head_block(head_dim)
-    use_tma = (config or {}).get("use_tma")
-    if use_tma is None:
-        use_tma = tma_eligible(q, k, v, do)
-    elif use_tma and q.device.type == "cuda":
-        use_tma = tma_eligible(q, k, v, do)   # asked for, but not possible here: pointer loads
-    if use_tma:
+    plan = _backward_plan(tuple(q.shape), tuple(k.shape), (q.stride(), k.stride(), v.stride(), do.stride(), out.stride()),
+                          lse_strides, q.dtype, device_major(q), _aligned(q, k, v, do), varlen, batch, max_seqlen_q,
+                          max_seqlen_k, scale, softcap, window_left, window_right, config_key(config))
+    if plan.use_tma:
         use_device_descriptors()
-    masked = window_left is not None or window_right is not None
-    cfg = {**dkdv_config(d_pad, q.dtype, use_tma, masked), **dq_config(d_pad, q.dtype, use_tma), **(config or {})}
-    split_dkdv, split_dq = split_loops_default(d_pad, q.dtype, use_tma, masked)
-    if "split_loops" in cfg:
-        split_dkdv = split_dq = bool(cfg["split_loops"])
-    split_dkdv = bool(cfg.get("split_loops_dkdv", split_dkdv))
-    split_dq = bool(cfg.get("split_loops_dq", split_dq))
-    bound = max_seqlen_q + max_seqlen_k + 1
-    wl, wr = _clamp_window(window_left, bound), _clamp_window(window_right, bound)
-    flags = dict(USE_TMA=use_tma, HAS_LEFT=window_left is not None, HAS_RIGHT=window_right is not None,
-                 HAS_SOFTCAP=softcap > 0, IS_VARLEN=varlen, HEAD_DIM=head_dim, D_PAD=d_pad,
-                 DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
-
-    # [H_q, B, stat_seq] (dense) or [H_q, total_q] (varlen); columns of a sequence and of a head
-    # start on 16 bytes, so the Gluon kernel's TMA can read them from any 4-aligned query row
-    stat_seq = cdiv(seqlen_q, 4) * 4
-    if not varlen:
-        n_stat_rows = batch * stat_seq
-    stat_stride = cdiv(n_stat_rows, 4) * 4
-    delta, lse2 = empty((2, h_q, stat_stride), torch.float32, q.device)   # one allocation: ~9 µs of host each
-    lse_strides = (0, lse.stride(0), lse.stride(1)) if varlen else lse.stride()
-    block_pre = preprocess_block(d_pad)
-    attention_bwd_preprocess_kernel[(cdiv(max_seqlen_q, block_pre), h_q, batch)](
-        out, do, lse, delta, lse2, cu_q,
-        *_bsh_strides(out, varlen), *_bsh_strides(do, varlen), *lse_strides,
-        seqlen_q, stat_stride, stat_seq,
-        HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_M=block_pre, IS_VARLEN=varlen, num_warps=4,
-    )
-
+    delta, lse2 = empty(plan.stat_shape, torch.float32, q.device)   # one allocation: ~5-9 µs of host each
+    attention_bwd_preprocess_kernel.launch_prepared(plan.pre_grid, (out, do, lse, delta, lse2, cu_q), plan.pre)
     dq = empty(q.shape, q.dtype, q.device)
     dk = empty(k.shape, k.dtype, k.device)
     dv = empty(v.shape, v.dtype, v.device)
-    common = (scale, softcap, wl, wr)
-    strides = (*_bsh_strides(q, varlen), *_bsh_strides(k, varlen), *_bsh_strides(v, varlen),
-               *_bsh_strides(do, varlen))
-    gluon = _use_gluon(q, varlen, use_tma, config)
-    if gluon:
+    left, right = plan.window
+    if plan.gluon_dkdv is not None:
         from ._attention_bwd_gluon import launch_attention_bwd_dkdv_ws   # Gluon imports on first use
-        launch_attention_bwd_dkdv_ws(
-            q, k, v, do, dk, dv, lse2, delta, stat_seq, scale=scale, softcap=softcap,
-            window_left=None if window_left is None else wl, window_right=None if window_right is None else wr,
-            config={key: cfg["GLUON_" + key] for key in ("BLOCK_M", "STAGES") if "GLUON_" + key in cfg})
+        launch_attention_bwd_dkdv_ws(q, k, v, do, dk, dv, lse2, delta, plan.stat_seq, scale=scale, softcap=softcap,
+                                     window_left=left, window_right=right, config=plan.gluon_dkdv)
     else:
-        attention_bwd_dkdv_kernel[(cdiv(max_seqlen_k, cfg["BLOCK_N1"]), h_kv, batch)](
-            q, k, v, do, dk, dv, lse2, delta, cu_q, cu_k,
-            *strides, *_bsh_strides(dk, varlen), *_bsh_strides(dv, varlen),
-            seqlen_q, seqlen_k, stat_stride, stat_seq, h_q // h_kv, *common,
-            BLOCK_M=cfg["BLOCK_M1"], BLOCK_N=cfg["BLOCK_N1"], SPLIT_LOOPS=split_dkdv,
-            DV_LATE=bool(cfg.get("dv_late", False)), **flags,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        )
-    if gluon and cfg.get("GLUON_DQ", gluon_dq_default(head_dim)):
+        attention_bwd_dkdv_kernel.launch_prepared(plan.dkdv_grid, (q, k, v, do, dk, dv, lse2, delta, cu_q, cu_k),
+                                                  plan.dkdv)
+    if plan.gluon_dq is not None:
         from ._attention_dq_gluon import launch_attention_bwd_dq_ws
-        launch_attention_bwd_dq_ws(
-            q, k, v, do, dq, lse2, delta, stat_seq, scale=scale, softcap=softcap,
-            window_left=None if window_left is None else wl, window_right=None if window_right is None else wr,
-            config={key: cfg["GLUON_DQ_" + key] for key in ("BLOCK_N", "STAGES") if "GLUON_DQ_" + key in cfg})
-        return dq, dk, dv
-    n_q_blocks = cdiv(max_seqlen_q, cfg["BLOCK_M2"])
-    attention_bwd_dq_kernel[(n_q_blocks, h_q, batch)](
-        q, k, v, do, dq, lse2, delta, cu_q, cu_k,
-        *strides, *_bsh_strides(dq, varlen),
-        seqlen_q, seqlen_k, stat_stride, stat_seq, n_q_blocks, h_q // h_kv, *common,
-        BLOCK_M=cfg["BLOCK_M2"], BLOCK_N=cfg["BLOCK_N2"], SPLIT_LOOPS=split_dq, **flags,
-        num_warps=cfg["num_warps_dq"], num_stages=cfg["num_stages_dq"],
-    )
+        launch_attention_bwd_dq_ws(q, k, v, do, dq, lse2, delta, plan.stat_seq, scale=scale, softcap=softcap,
+                                   window_left=left, window_right=right, config=plan.gluon_dq)
+    else:
+        attention_bwd_dq_kernel.launch_prepared(plan.dq_grid, (q, k, v, do, dq, lse2, delta, cu_q, cu_k), plan.dq)
     return dq, dk, dv

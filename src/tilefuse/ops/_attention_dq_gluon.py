@@ -38,13 +38,15 @@ kernel, and CI compiles it offline for sm_90 (tests/test_gluon_compile.py).
 
 from __future__ import annotations
 
+import functools
+
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 from .._dispatch import cdiv
-from .._launch import fast_launch
+from .._launch import config_key, fast_launch
 from ._attention_bwd_kernels import LOG2E
 from ._attention_common import apply_softcap, key_range, visible
 from ._attention_fwd_gluon import _descriptor, _tile_2d, _tile_of_program, attn_load_partition
@@ -254,21 +256,32 @@ def dq_ws_config(head_dim: int, softcap: bool) -> dict:
     return dict(BLOCK_N=128 if head_dim <= 64 and not softcap else 64, STAGES=4)
 
 
+@functools.lru_cache(maxsize=256)
+def _dq_ws_plan(q_shape: tuple, k_shape: tuple, stat_stride: int, stat_seq: int, scale: float, softcap: float,
+                window_left, window_right, config: tuple) -> tuple:
+    """(grid, keys per step, prepared arguments after the 7 leading descriptors and tensors) of
+    one launch, from shapes and options only (cached, as the dk/dv kernel's)."""
+    cfg = {**dq_ws_config(q_shape[-1], softcap > 0), **dict(config)}
+    batch, seqlen_q, n_heads_q, _ = q_shape
+    seqlen_k, n_heads_kv = k_shape[1], k_shape[2]
+    launch_regs, worker_regs = consumer_regs(CONSUMER_GROUPS)
+    grid = (cdiv(seqlen_q, ROWS_PER_GROUP * CONSUMER_GROUPS), batch * n_heads_q)
+    prepared = attention_bwd_dq_ws_kernel.prepare(
+        (stat_stride, stat_seq, seqlen_q, seqlen_k, n_heads_q, n_heads_q // n_heads_kv, scale,
+         scale * 1.4426950408889634, softcap, window_left if window_left is not None else 0,
+         window_right if window_right is not None else 0),
+        dict(HAS_LEFT=window_left is not None, HAS_RIGHT=window_right is not None, HAS_SOFTCAP=softcap > 0,
+             REVERSE_M=window_right is not None, STAGES=cfg["STAGES"], CONSUMERS=CONSUMER_GROUPS,
+             CONSUMER_REGS=worker_regs, num_warps=4, maxnreg=launch_regs))
+    return grid, cfg["BLOCK_N"], prepared
+
+
 def launch_attention_bwd_dq_ws(q, k, v, do, dq, lse2, delta, stat_seq, *, scale: float, softcap: float,
                                window_left, window_right, config: dict | None = None) -> None:
     """Fills dq ([B, S_q, H_q, D], preallocated) from the preprocess kernel's lse2 and delta
     (``[H_q, stride]``, sequence b's columns from b·stat_seq)."""
-    cfg = {**dq_ws_config(q.shape[-1], softcap > 0), **(config or {})}
-    batch, seqlen_q, n_heads_q, _ = q.shape
-    seqlen_k, n_heads_kv = k.shape[1], k.shape[2]
-    launch_regs, worker_regs = consumer_regs(CONSUMER_GROUPS)
-    grid = (cdiv(seqlen_q, ROWS_PER_GROUP * CONSUMER_GROUPS), batch * n_heads_q)
-    attention_bwd_dq_ws_kernel[grid](
-        _descriptor(q, ROWS_PER_GROUP), _descriptor(do, ROWS_PER_GROUP), _descriptor(k, cfg["BLOCK_N"]),
-        _descriptor(v, cfg["BLOCK_N"]), _descriptor(dq, ROWS_PER_GROUP), lse2, delta, lse2.stride(0), stat_seq,
-        seqlen_q, seqlen_k, n_heads_q, n_heads_q // n_heads_kv, scale, scale * 1.4426950408889634, softcap,
-        window_left if window_left is not None else 0, window_right if window_right is not None else 0,
-        HAS_LEFT=window_left is not None, HAS_RIGHT=window_right is not None, HAS_SOFTCAP=softcap > 0,
-        REVERSE_M=window_right is not None, STAGES=cfg["STAGES"], CONSUMERS=CONSUMER_GROUPS,
-        CONSUMER_REGS=worker_regs, num_warps=4, maxnreg=launch_regs,
-    )
+    grid, block_n, prepared = _dq_ws_plan(tuple(q.shape), tuple(k.shape), lse2.stride(0), stat_seq, scale, softcap,
+                                          window_left, window_right, config_key(config))
+    attention_bwd_dq_ws_kernel.launch_prepared(grid, (
+        _descriptor(q, ROWS_PER_GROUP), _descriptor(do, ROWS_PER_GROUP), _descriptor(k, block_n),
+        _descriptor(v, block_n), _descriptor(dq, ROWS_PER_GROUP), lse2, delta), prepared)
