@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from tilefuse.nn.functional import scaled_dot_product_attention
 from tilefuse.ops import attention as attention_module   # registers the ops
 from tilefuse.ops._attention_common import attention_reference, attention_varlen_reference, exp2_mixed, visible_mask
-from tilefuse._dispatch import is_hopper
+from tilefuse._dispatch import device_major, is_hopper
 from tilefuse.ops._attention_fwd_kernels import LOAD_MODES, _use_gluon, attention_forward
 from tilefuse.ops.attention import attention, attention_varlen
 from tilefuse.testing import rel_err
@@ -448,13 +448,15 @@ def test_gpu_default_forward_is_warp_specialized():
     the faster kernel, and the tl kernel otherwise."""
     x = _rand((1, 64, 2, 128), torch.bfloat16)
     hopper = is_hopper(x)
-    assert _use_gluon(x, False, "desc_bhsd", None, False, 4096) == hopper
-    assert not _use_gluon(x, False, "desc_bhsd", None, True, 1024)                  # short causal: tl
-    assert not _use_gluon(x, True, "desc_device", None, False, 4096)                # varlen
-    assert not _use_gluon(x.float(), False, "desc_bhsd", None, False, 4096)         # fp32
-    assert not _use_gluon(x[..., :96], False, "desc_bhsd", None, False, 4096)       # D = 96
-    assert not _use_gluon(x, False, "desc_bhsd", {"BLOCK_M": 64}, False, 4096)      # a tl tile config
-    assert _use_gluon(x, False, "desc_bhsd", {"BLOCK_M": 64, "GLUON": True}, True, 64) == hopper
+    major = device_major(x)
+    bf16, fp32 = torch.bfloat16, torch.float32
+    assert _use_gluon(major, bf16, 128, False, "desc_bhsd", None, False, 4096) == hopper
+    assert not _use_gluon(major, bf16, 128, False, "desc_bhsd", None, True, 1024)          # short causal: tl
+    assert not _use_gluon(major, bf16, 128, True, "desc_device", None, False, 4096)        # varlen
+    assert not _use_gluon(major, fp32, 128, False, "desc_bhsd", None, False, 4096)         # fp32
+    assert not _use_gluon(major, bf16, 96, False, "desc_bhsd", None, False, 4096)          # D = 96
+    assert not _use_gluon(major, bf16, 128, False, "desc_bhsd", {"BLOCK_M": 64}, False, 4096)   # a tl tile config
+    assert _use_gluon(major, bf16, 128, False, "desc_bhsd", {"BLOCK_M": 64, "GLUON": True}, True, 64) == hopper
 
 
 @pytest.mark.gpu

@@ -287,6 +287,29 @@ def cached_descriptor(t: torch.Tensor, shape: tuple, strides: tuple, block: tupl
     return desc
 
 
+def cached_by_view(build):
+    """Decorator for a descriptor builder ``build(t, *params)`` that derives the view from ``t``'s
+    shape and strides and calls :func:`cached_descriptor`: memoized by (address, dtype, shape,
+    strides, params) of CUDA tensors, so a hit skips the derivation and the layout lookup (a
+    cached ``_descriptor`` call cost 3.3-3.7 µs of host time on the H200 host, session 22, and an
+    attention fwd + bwd makes 17). Other tensors call ``build``."""
+    memo: dict = {}
+
+    def lookup(t: torch.Tensor, *params):
+        if not t.is_cuda:
+            return build(t, *params)
+        key = (t.data_ptr(), t.dtype, t.shape, t.stride(), params)
+        desc = memo.get(key)
+        if desc is None:
+            if len(memo) >= HOST_DESCRIPTOR_CACHE:
+                memo.clear()
+            desc = memo[key] = build(t, *params)
+        return desc
+
+    lookup.__doc__, lookup.__name__, lookup.__wrapped__ = build.__doc__, build.__name__, build
+    return lookup
+
+
 def _new_descriptor(base, shape, strides, block, layout):
     if layout is None:
         from triton.tools.tensor_descriptor import TensorDescriptor

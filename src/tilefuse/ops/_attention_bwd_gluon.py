@@ -51,7 +51,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .._dispatch import cdiv
-from .._launch import config_key, fast_launch
+from .._launch import cached_by_view, config_key, fast_launch
 from ._attention_bwd_kernels import LOG2E, free_query_blocks
 from ._attention_common import apply_softcap, query_range, visible
 from ._attention_fwd_gluon import _descriptor
@@ -307,6 +307,7 @@ GLUON_HEAD_DIMS = (64, 128)
 STAT_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
 
 
+@cached_by_view
 def _stat_descriptor(stat: torch.Tensor, n_rows: int, block_m: int) -> TensorDescriptor:
     """lse2 / delta ``[H_q, head stride]`` fp32 (head stride a multiple of 4: TMA's 16-byte rule)
     as [H_q, n_rows], block [1, block_m]; columns past n_rows read as zeros."""

@@ -31,6 +31,8 @@ against the tl kernel's 0.83-0.92x); GPU tests compare it with the fp64 referenc
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -39,7 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .._dispatch import cdiv
-from .._launch import fast_launch
+from .._launch import cached_by_view, config_key, fast_launch
 from ._attention_common import key_range
 from ._gluon_common import (
     LOADER_REGS_KERNEL, consumer_regs, host_descriptor, release_stage, resident_and_ring_barriers, smem_layout)
@@ -281,6 +283,7 @@ WS_CONFIG = dict(BLOCK_N=128, STAGES=3)
 GLUON_HEAD_DIMS = (64, 128)
 
 
+@cached_by_view
 def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     """[B, S, H, D] memory as [B, H, S, D] (exact per-(batch, head) bounds), block [1, 1, rows, D]."""
     sb, ss, sh, _ = _desc_strides(t)
@@ -289,30 +292,41 @@ def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     return host_descriptor(t, (b, h, s, d), (sb, sh, ss, 1), block, smem_layout(block, t.dtype))
 
 
-def use_gluon_forward(q: torch.Tensor, varlen: bool, load: str) -> bool:
+def use_gluon_forward(dtype: torch.dtype, head_dim: int, varlen: bool, load: str) -> bool:
     """The warp-specialized kernel serves dense 16-bit inputs with D = 64 or 128 read through
     host TMA descriptors (``load`` the ``tl`` path's "desc_*"), on sm_90 exactly."""
-    return (not varlen and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] in GLUON_HEAD_DIMS
+    return (not varlen and dtype in (torch.bfloat16, torch.float16) and head_dim in GLUON_HEAD_DIMS
             and load.startswith("desc_") and load != "desc_device")
+
+
+@functools.lru_cache(maxsize=256)
+def _fwd_ws_plan(q_shape: tuple, k_shape: tuple, scale_arg: float, softcap_log2: float, window_left, window_right,
+                 has_softcap: bool, exp2_fma_parts: int, config: tuple) -> tuple:
+    """(grid, keys per step, prepared arguments after the 4 descriptors and lse) of one launch,
+    from shapes and options only (cached)."""
+    cfg = dict(WS_CONFIG, **dict(config))
+    batch, seqlen_q, n_heads_q, _ = q_shape
+    seqlen_k, n_heads_kv = k_shape[1], k_shape[2]
+    block_m = ROWS_PER_GROUP * CONSUMER_GROUPS
+    launch_regs, worker_regs = consumer_regs(CONSUMER_GROUPS)
+    grid = (cdiv(seqlen_q, block_m), batch * n_heads_q)
+    prepared = attention_fwd_ws_kernel.prepare(
+        (n_heads_q * seqlen_q, seqlen_q,                # lse [B, H_q, S_q] contiguous: batch, head strides
+         seqlen_q, seqlen_k, n_heads_q, n_heads_q // n_heads_kv, scale_arg, softcap_log2,
+         window_left if window_left is not None else 0, window_right if window_right is not None else 0),
+        dict(HAS_LEFT=window_left is not None, HAS_RIGHT=window_right is not None, HAS_SOFTCAP=has_softcap,
+             FOLD_SCALE=scale_arg > 0, EXP2_FMA_PARTS=exp2_fma_parts, REVERSE_M=window_right is not None,
+             STAGES=cfg["STAGES"], CONSUMERS=CONSUMER_GROUPS, CONSUMER_REGS=worker_regs,
+             num_warps=4, maxnreg=launch_regs))
+    return grid, cfg["BLOCK_N"], prepared
 
 
 def launch_attention_fwd_ws(q, k, v, out, lse, *, scale_arg: float, softcap_log2: float,
                             window_left, window_right, has_softcap: bool, exp2_fma_parts: int,
                             config: dict | None = None) -> None:
-    """Fills out [B, S_q, H_q, D] and lse [B, H_q, S_q] (both preallocated)."""
-    cfg = dict(WS_CONFIG, **(config or {}))
-    batch, seqlen_q, n_heads_q, _ = q.shape
-    seqlen_k, n_heads_kv = k.shape[1], k.shape[2]
-    block_m = ROWS_PER_GROUP * CONSUMER_GROUPS
-    launch_regs, worker_regs = consumer_regs(CONSUMER_GROUPS)
-    grid = (cdiv(seqlen_q, block_m), batch * n_heads_q)
-    attention_fwd_ws_kernel[grid](
-        _descriptor(q, ROWS_PER_GROUP), _descriptor(k, cfg["BLOCK_N"]), _descriptor(v, cfg["BLOCK_N"]),
-        _descriptor(out, ROWS_PER_GROUP), lse, lse.stride(0), lse.stride(1),
-        seqlen_q, seqlen_k, n_heads_q, n_heads_q // n_heads_kv, scale_arg, softcap_log2,
-        window_left if window_left is not None else 0, window_right if window_right is not None else 0,
-        HAS_LEFT=window_left is not None, HAS_RIGHT=window_right is not None, HAS_SOFTCAP=has_softcap,
-        FOLD_SCALE=scale_arg > 0, EXP2_FMA_PARTS=exp2_fma_parts, REVERSE_M=window_right is not None,
-        STAGES=cfg["STAGES"], CONSUMERS=CONSUMER_GROUPS, CONSUMER_REGS=worker_regs,
-        num_warps=4, maxnreg=launch_regs,
-    )
+    """Fills out [B, S_q, H_q, D] and lse [B, H_q, S_q] (both preallocated, contiguous)."""
+    grid, block_n, prepared = _fwd_ws_plan(tuple(q.shape), tuple(k.shape), scale_arg, softcap_log2, window_left,
+                                           window_right, has_softcap, exp2_fma_parts, config_key(config))
+    attention_fwd_ws_kernel.launch_prepared(grid, (
+        _descriptor(q, ROWS_PER_GROUP), _descriptor(k, block_n), _descriptor(v, block_n),
+        _descriptor(out, ROWS_PER_GROUP), lse), prepared)

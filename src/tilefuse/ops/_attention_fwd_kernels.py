@@ -40,15 +40,16 @@ zero columns change neither q·k nor the output columns that are stored).
 
 from __future__ import annotations
 
-from typing import Optional
+import functools
+from typing import NamedTuple, Optional
 
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .._dispatch import cdiv, empty, is_hopper, next_power_of_2
-from .._launch import cached_descriptor, fast_launch, use_device_descriptors
+from .._dispatch import cdiv, device_major, empty, next_power_of_2
+from .._launch import PreparedArgs, cached_by_view, cached_descriptor, config_key, fast_launch, use_device_descriptors
 from ._attention_common import config_wants_gluon, exp2_mixed, key_range, tanh_via_exp2, visible
 
 LOG2E = 1.4426950408889634
@@ -407,16 +408,18 @@ def pv_lag_default(block_n: int) -> bool:
     return block_n >= 128
 
 
-def _use_gluon(q: torch.Tensor, varlen: bool, load: str, config: dict | None, masked: bool, seqlen_k: int) -> bool:
-    """The warp-specialized Gluon kernel (``_attention_fwd_gluon``) on sm_90 for the inputs it
-    serves, where :func:`gluon_forward_default` says it is faster; ``config={"GLUON": True /
-    False}`` forces the choice where it can serve them, and a config that sets a ``tl``-only key
-    (:data:`TL_ONLY_KEYS`) without "GLUON" keeps the ``tl`` kernel."""
-    if not is_hopper(q):
+def _use_gluon(major: int, dtype: torch.dtype, head_dim: int, varlen: bool, load: str, config: dict | None,
+               masked: bool, seqlen_k: int) -> bool:
+    """The warp-specialized Gluon kernel (``_attention_fwd_gluon``) on sm_90 (``major``: the
+    device's compute capability) for the inputs it serves, where :func:`gluon_forward_default`
+    says it is faster; ``config={"GLUON": True / False}`` forces the choice where it can serve
+    them, and a config that sets a ``tl``-only key (:data:`TL_ONLY_KEYS`) without "GLUON" keeps
+    the ``tl`` kernel."""
+    if major != 9:
         return False
     from ._attention_fwd_gluon import use_gluon_forward
-    return use_gluon_forward(q, varlen, load) and config_wants_gluon(
-        config, TL_ONLY_KEYS, gluon_forward_default(q.shape[-1], masked, seqlen_k))
+    return use_gluon_forward(dtype, head_dim, varlen, load) and config_wants_gluon(
+        config, TL_ONLY_KEYS, gluon_forward_default(head_dim, masked, seqlen_k))
 
 
 def gluon_forward_default(head_dim: int, masked: bool, seqlen_k: int) -> bool:
@@ -462,6 +465,12 @@ def descriptors_fit(*tensors: torch.Tensor) -> bool:
     return True
 
 
+def _strides_fit(shape: tuple, strides: tuple, elem_size: int) -> bool:
+    """:func:`descriptors_fit`'s stride rule for one tensor of a cached plan (size-1 dims exempt)."""
+    return strides[-1] == 1 and all((st * elem_size) % 16 == 0 for n, st in zip(shape[:-1], strides[:-1]) if n > 1)
+
+
+@cached_by_view
 def _descriptor(t: torch.Tensor, load: str, rows: int, block_d: int) -> TensorDescriptor:
     """TMA descriptor of a [B, S, H, D] tensor for LOAD mode ``load`` (module docstring), cached
     (``cached_descriptor``)."""
@@ -477,6 +486,87 @@ def _descriptor(t: torch.Tensor, load: str, rows: int, block_d: int) -> TensorDe
 # ----------------------------------------------------------------------------------------------
 
 
+class _ForwardPlan(NamedTuple):
+    """Everything of one forward call that shapes, strides and options fix (cached: building it
+    and Triton's own launch path cost ~150-250 µs of host time a call on the H200 host, session 22)."""
+    lse_shape: tuple
+    keys_exist: bool                # False: no key anywhere (out 0, lse -inf)
+    gluon: dict | None              # the Gluon launcher's keyword arguments (None: the tl kernel)
+    load: str                       # the tl kernel's LOAD mode
+    blocks: tuple                   # (BLOCK_M, BLOCK_N, BLOCK_D): the tl kernel's descriptor boxes
+    grid: tuple
+    prepared: PreparedArgs | None   # the tl kernel's arguments after its 7 tensors
+
+
+@functools.lru_cache(maxsize=512)
+def _forward_plan(q_shape: tuple, k_shape: tuple, strides: tuple, dtype: torch.dtype, major: int, aligned: bool,
+                  varlen: bool, batch: int, max_seqlen_q: int, max_seqlen_k: int, scale: float, window_left,
+                  window_right, softcap: float, config: tuple) -> _ForwardPlan:
+    """The launch plan of :func:`attention_forward` (``strides``: q, k, v)."""
+    config = dict(config) or None
+    head_dim = q_shape[-1]
+    block_d = head_block(head_dim)
+    masked = window_left is not None or window_right is not None
+    cfg = dict(fwd_tile_config(block_d, dtype, major > 0, masked, max_seqlen_k if varlen else k_shape[1]))
+    cfg["LOAD"] = varlen_load_default(max_seqlen_k) if varlen else DEFAULT_DENSE_LOAD
+    cfg["WARP_SPECIALIZE"] = False
+    cfg.update(config or {})
+    cfg.setdefault("EXP2_FMA_PARTS", exp2_fma_parts(cfg["BLOCK_N"]))
+    cfg.setdefault("PV_LAG", pv_lag_default(cfg["BLOCK_N"]) and dtype != torch.float32)
+    if cfg["EXP2_FMA_PARTS"] not in (0, 2, 4, 8) or cfg["EXP2_FMA_PARTS"] > cfg["BLOCK_N"]:
+        raise ValueError(f"config EXP2_FMA_PARTS={cfg['EXP2_FMA_PARTS']!r}: one of 0, 2, 4, 8, at most BLOCK_N")
+    if cfg["LOAD"] not in LOAD_MODES or (varlen and cfg["LOAD"] not in ("ptr", "desc_device")):
+        raise ValueError(f"config LOAD={cfg['LOAD']!r}: one of {LOAD_MODES}; varlen takes 'ptr' or 'desc_device'")
+    elem = dtype.itemsize
+    if varlen:
+        n_heads_q, total_q, n_heads_kv = q_shape[1], q_shape[0], k_shape[1]
+        lse_shape, lse_strides = (n_heads_q, total_q), (0, total_q)
+        seqlen_q, seqlen_k = max_seqlen_q, max_seqlen_k
+        keys_exist = k_shape[0] > 0
+        # packed tensors as [1, total, H, D] with batch stride 0 (sequences start at cu_seqlens rows)
+        strides = tuple((0,) + st for st in strides)
+        out_strides = (0, q_shape[1] * head_dim, head_dim)
+    else:
+        _, seqlen_q, n_heads_q, _ = q_shape
+        seqlen_k, n_heads_kv = k_shape[1], k_shape[2]
+        lse_shape, lse_strides = (batch, n_heads_q, seqlen_q), (n_heads_q * seqlen_q, seqlen_q)
+        keys_exist = seqlen_k > 0
+        out_strides = (seqlen_q * n_heads_q * head_dim, n_heads_q * head_dim, head_dim)
+    q_numel = 1
+    for n in q_shape:
+        q_numel *= n
+    shapes = (q_shape, k_shape, k_shape)
+    fits = (aligned and q_numel > 0 and k_shape[0] * k_shape[1] > 0
+            and all(_strides_fit(sh, st, elem) for sh, st in zip(shapes, strides)))
+    if cfg["LOAD"] != "ptr" and not fits:
+        cfg["LOAD"] = "ptr"
+    load = cfg["LOAD"]
+    has_softcap = softcap > 0
+    score_scale = scale / softcap if has_softcap else scale * LOG2E
+    if _use_gluon(major, dtype, head_dim, varlen, load, config, masked, k_shape[1]):
+        from ._attention_fwd_gluon import WS_CONFIG   # Gluon imports on first use
+        ws_cfg = dict(WS_CONFIG, **{key: config[key] for key in WS_CONFIG if config and key in config})
+        parts = (config or {}).get("EXP2_FMA_PARTS", gluon_exp2_fma_parts(head_dim, masked))
+        gluon = dict(scale_arg=score_scale, softcap_log2=softcap * LOG2E, window_left=window_left,
+                     window_right=window_right, has_softcap=has_softcap, exp2_fma_parts=parts, config=ws_cfg)
+        return _ForwardPlan(lse_shape, keys_exist, gluon, load, (), (), None)
+    block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    grid = (cdiv(seqlen_q, block_m), batch * n_heads_q)
+    prepared = attention_fwd_kernel.prepare(
+        (*strides[0][:3], *strides[1][:3], *strides[2][:3], *out_strides, *lse_strides,
+         seqlen_q, seqlen_k, n_heads_q, n_heads_q // n_heads_kv, score_scale, softcap * LOG2E,
+         window_left if window_left is not None else 0, window_right if window_right is not None else 0),
+        dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
+             HAS_LEFT=window_left is not None, HAS_RIGHT=window_right is not None,
+             HAS_SOFTCAP=has_softcap, IS_VARLEN=varlen, LOAD=load,
+             DOT_PRECISION="ieee" if dtype == torch.float32 else None,
+             REVERSE_M=window_right is not None, WARP_SPECIALIZE=cfg["WARP_SPECIALIZE"],
+             FOLD_SCALE=score_scale > 0,
+             EXP2_FMA_PARTS=cfg["EXP2_FMA_PARTS"] if dtype != torch.float32 else 0,
+             PV_LAG=cfg["PV_LAG"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
+    return _ForwardPlan(lse_shape, keys_exist, None, load, (block_m, block_n, block_d), grid, prepared)
+
+
 def attention_forward(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
                       max_seqlen_k=None, *, scale: float, window_left: Optional[int] = None,
                       window_right: Optional[int] = None, softcap: float = 0.0,
@@ -489,93 +579,38 @@ def attention_forward(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_
     EXP2_FMA_PARTS). Otherwise
     ``config`` overrides fwd_tile_config's keys and may set LOAD, WARP_SPECIALIZE,
     EXP2_FMA_PARTS (default: :func:`exp2_fma_parts` of the BLOCK_N in use; fp32 inputs always
-    take exact exp2s, as their tolerance is 1e-5) and PV_LAG (default: :func:`pv_lag_default`)."""
+    take exact exp2s, as their tolerance is 1e-5) and PV_LAG (default: :func:`pv_lag_default`).
+    Per call: a cached plan (:func:`_forward_plan`), two allocations, one launch."""
     varlen = cu_seqlens_q is not None
-    head_dim = q.shape[-1]
-    block_d = head_block(head_dim)
-    on_gpu = q.device.type == "cuda"
-    masked = window_left is not None or window_right is not None
-    cfg = dict(fwd_tile_config(block_d, q.dtype, on_gpu, masked, max_seqlen_k if varlen else k.shape[1]))
-    cfg["LOAD"] = varlen_load_default(max_seqlen_k) if varlen else DEFAULT_DENSE_LOAD
-    cfg["WARP_SPECIALIZE"] = False
-    cfg.update(config or {})
-    cfg.setdefault("EXP2_FMA_PARTS", exp2_fma_parts(cfg["BLOCK_N"]))
-    cfg.setdefault("PV_LAG", pv_lag_default(cfg["BLOCK_N"]) and q.dtype != torch.float32)
-    if cfg["EXP2_FMA_PARTS"] not in (0, 2, 4, 8) or cfg["EXP2_FMA_PARTS"] > cfg["BLOCK_N"]:
-        raise ValueError(f"config EXP2_FMA_PARTS={cfg['EXP2_FMA_PARTS']!r}: one of 0, 2, 4, 8, at most BLOCK_N")
-    if cfg["LOAD"] not in LOAD_MODES or (varlen and cfg["LOAD"] not in ("ptr", "desc_device")):
-        raise ValueError(f"config LOAD={cfg['LOAD']!r}: one of {LOAD_MODES}; varlen takes 'ptr' or 'desc_device'")
-
+    batch = cu_seqlens_q.shape[0] - 1 if varlen else q.shape[0]
+    plan = _forward_plan(tuple(q.shape), tuple(k.shape), (q.stride(), k.stride(), v.stride()), q.dtype,
+                         device_major(q), (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 == 0, varlen, batch,
+                         max_seqlen_q or 0, max_seqlen_k or 0, scale, window_left, window_right, softcap,
+                         config_key(config))
     out = empty(q.shape, q.dtype, q.device)
-    if varlen:
-        batch, n_heads_q, total_q = cu_seqlens_q.shape[0] - 1, q.shape[1], q.shape[0]
-        n_heads_kv = k.shape[1]
-        lse = empty((n_heads_q, total_q), torch.float32, q.device)
-        seqlen_q, seqlen_k = max_seqlen_q, max_seqlen_k
-        keys_exist = k.shape[0] > 0
-        lse_strides = (0, lse.stride(0))
-        # packed tensors as [1, total, H, D] with batch stride 0 (sequences start at cu_seqlens
-        # rows), so dense and varlen share the stride arguments
-        q4, k4, v4, o4 = (t.unsqueeze(0).as_strided((1,) + t.shape, (0,) + t.stride()) for t in (q, k, v, out))
-    else:
-        batch, seqlen_q, n_heads_q, _ = q.shape
-        seqlen_k, n_heads_kv = k.shape[1], k.shape[2]
-        lse = empty((batch, n_heads_q, seqlen_q), torch.float32, q.device)
-        keys_exist = seqlen_k > 0
-        lse_strides = (lse.stride(0), lse.stride(1))
-        q4, k4, v4, o4 = q, k, v, out
+    lse = empty(plan.lse_shape, torch.float32, q.device)
     if out.numel() == 0 and lse.numel() == 0:
         return out, lse
-    if not keys_exist:    # no key anywhere: every row sees nothing (out 0, lse -inf)
+    if not plan.keys_exist:    # no key anywhere: every row sees nothing (out 0, lse -inf)
         return out.zero_(), lse.fill_(float("-inf"))
-    if cfg["LOAD"] != "ptr" and not descriptors_fit(q, k, v, out):
-        cfg["LOAD"] = "ptr"
-
-    load = cfg["LOAD"]
-    has_softcap = softcap > 0
-    score_scale = scale / softcap if has_softcap else scale * LOG2E
-    if _use_gluon(q, varlen, load, config, masked, k.shape[1]):
-        from ._attention_fwd_gluon import WS_CONFIG, launch_attention_fwd_ws   # Gluon imports on first use
-        ws_cfg = dict(WS_CONFIG, **{key: config[key] for key in WS_CONFIG if config and key in config})
-        parts = (config or {}).get("EXP2_FMA_PARTS", gluon_exp2_fma_parts(head_dim, masked))
-        launch_attention_fwd_ws(q, k, v, out, lse, scale_arg=score_scale, softcap_log2=softcap * LOG2E,
-                                window_left=window_left, window_right=window_right, has_softcap=has_softcap,
-                                exp2_fma_parts=parts, config=ws_cfg)
+    if plan.gluon is not None:
+        from ._attention_fwd_gluon import launch_attention_fwd_ws
+        launch_attention_fwd_ws(q, k, v, out, lse, **plan.gluon)
         return out, lse
-    block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    if plan.grid[0] == 0 or plan.grid[1] == 0:
+        return out, lse
+    load = plan.load
     if load in ("ptr", "desc_device"):
-        q_arg, k_arg, v_arg, o_arg = q4, k4, v4, o4
         if load == "desc_device":
             use_device_descriptors()
+        args = (q, k, v, out)           # pointers: the plan's strides say how to walk them
     else:
-        q_arg, o_arg = (_descriptor(t, load, block_m, block_d) for t in (q, out))
-        k_arg, v_arg = (_descriptor(t, load, block_n, block_d) for t in (k, v))
+        block_m, block_n, block_d = plan.blocks
+        args = (_descriptor(q, load, block_m, block_d), _descriptor(k, load, block_n, block_d),
+                _descriptor(v, load, block_n, block_d), _descriptor(out, load, block_m, block_d))
     cu_q = cu_seqlens_q if varlen else lse     # any pointer: never read when not varlen
     cu_k = cu_seqlens_k if varlen else lse
-    grid = (cdiv(seqlen_q, block_m), batch * n_heads_q)
-    if grid[0] == 0 or grid[1] == 0:
-        return out, lse
-    attention_fwd_kernel[grid](
-        q_arg, k_arg, v_arg, o_arg, lse, cu_q, cu_k,
-        q4.stride(0), q4.stride(1), q4.stride(2),
-        k4.stride(0), k4.stride(1), k4.stride(2),
-        v4.stride(0), v4.stride(1), v4.stride(2),
-        o4.stride(0), o4.stride(1), o4.stride(2),
-        lse_strides[0], lse_strides[1],
-        seqlen_q, seqlen_k, n_heads_q, n_heads_q // n_heads_kv,
-        score_scale, softcap * LOG2E,
-        window_left if window_left is not None else 0,
-        window_right if window_right is not None else 0,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
-        HAS_LEFT=window_left is not None, HAS_RIGHT=window_right is not None,
-        HAS_SOFTCAP=has_softcap, IS_VARLEN=varlen, LOAD=load,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
-        REVERSE_M=window_right is not None, WARP_SPECIALIZE=cfg["WARP_SPECIALIZE"],
-        FOLD_SCALE=score_scale > 0,
-        EXP2_FMA_PARTS=cfg["EXP2_FMA_PARTS"] if q.dtype != torch.float32 else 0,
-        PV_LAG=cfg["PV_LAG"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
+    attention_fwd_kernel.launch_prepared(plan.grid, (*args, lse, cu_q, cu_k), plan.prepared)
     return out, lse
 
 

@@ -17,7 +17,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .._launch import cached_descriptor
+from .._launch import cached_by_view, cached_descriptor
 from ._matmul_kernels import _tile_coords     # the grouped tile order, shared with the tl GEMMs
 
 GLUON_DTYPES = {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5,
@@ -41,6 +41,7 @@ def host_descriptor(t: torch.Tensor, shape: tuple, strides: tuple, block: tuple,
     return cached_descriptor(t, shape, strides, block, layout)
 
 
+@cached_by_view
 def matrix_descriptor(t: torch.Tensor, block: tuple[int, int]) -> TensorDescriptor:
     """A GEMM operand's descriptor (the small-M and fp8 GEMMs): ``t`` as it is, ``block`` boxes in
     the widest-swizzle layout."""
