@@ -126,7 +126,7 @@ def test_direct_launch_with_cached_descriptors():
             out = attention(q, k, v, causal=True)
             ref = attention_reference(q.double(), k.double(), v.double(), causal=True)
             assert rel_err(out, ref) <= 2e-3, (b, s, h, d)
-    entries = list(attention_fwd_kernel._cache.values())
+    entries = list(attention_fwd_kernel._prepared_cache.values())     # the forward's plan launches
     assert entries and all(direct is not None and direct.descs for _, _, direct in entries)
     encoded = [d for d in _launch._HOST_DESCRIPTORS.values() if d.launch_key[3] is None and d.encoded]
     assert encoded                      # the tl descriptors kept their encoded form
