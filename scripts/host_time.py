@@ -92,7 +92,8 @@ def _stub_launches() -> None:
         self._cache.get(self._key(0, args, kwargs))
 
     def launch_prepared(self, grid, tensors, prepared):
-        self._prepared_cache.get((0, tuple([(t.dtype, t.data_ptr() % 16 == 0) for t in tensors]), prepared.key))
+        self._prepared_cache.get((0, tuple([(t.dtype, t.data_ptr() % 16 == 0) if type(t) is torch.Tensor
+                                            else _launch._arg_key(t) for t in tensors]), prepared.key))
 
     _launch.FastKernel._launch = launch
     _launch.FastKernel.launch_prepared = launch_prepared
