@@ -91,6 +91,16 @@ def rows_view(x: torch.Tensor) -> torch.Tensor:
 POISON_OUTPUTS = False
 
 
+def contiguous_strides(shape: tuple) -> tuple:
+    """The strides (elements) of a contiguous tensor of ``shape`` (a cached plan's view of an
+    output it allocates per call)."""
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
 def empty(shape, dtype: torch.dtype, device) -> torch.Tensor:
     """``torch.empty`` for kernel outputs; NaN-filled while POISON_OUTPUTS is on (tests).
     (An int or a tuple of ints as ``shape`` costs ~1 µs of host time less than a torch.Size.)"""

@@ -47,7 +47,7 @@ from typing import NamedTuple
 import torch
 
 from .._launch import PreparedArgs, config_key, use_device_descriptors
-from .._dispatch import cdiv, device_major, empty
+from .._dispatch import cdiv, contiguous_strides, device_major, empty
 from ._attention_common import config_wants_gluon
 from ._attention_bwd_kernels import attention_bwd_dkdv_kernel, attention_bwd_dq_kernel, attention_bwd_preprocess_kernel
 from ._attention_fwd_kernels import head_block
@@ -225,14 +225,6 @@ class _BackwardPlan(NamedTuple):
     dq: PreparedArgs | None         # the tl dq kernel's arguments after its 9 tensors
 
 
-def _contiguous_strides(shape: tuple) -> tuple:
-    strides, step = [], 1
-    for n in reversed(shape):
-        strides.append(step)
-        step *= max(n, 1)
-    return tuple(reversed(strides))
-
-
 @functools.lru_cache(maxsize=512)
 def _backward_plan(q_shape: tuple, k_shape: tuple, strides: tuple, lse_strides: tuple, dtype: torch.dtype,
                    major: int, aligned: bool, varlen: bool, batch: int, max_seqlen_q: int, max_seqlen_k: int,
@@ -281,7 +273,7 @@ def _backward_plan(q_shape: tuple, k_shape: tuple, strides: tuple, lse_strides: 
     if gluon:
         gluon_dkdv = {key: cfg["GLUON_" + key] for key in ("BLOCK_M", "STAGES") if "GLUON_" + key in cfg}
     else:
-        k_out = _bsh_strides(_contiguous_strides(k_shape), varlen)     # dk, dv: contiguous, k's shape
+        k_out = _bsh_strides(contiguous_strides(k_shape), varlen)     # dk, dv: contiguous, k's shape
         dkdv_grid = (cdiv(max_seqlen_k, cfg["BLOCK_N1"]), h_kv, batch)
         dkdv = attention_bwd_dkdv_kernel.prepare(
             (*bsh[0], *bsh[1], *bsh[2], *bsh[3], *k_out, *k_out,
@@ -295,7 +287,7 @@ def _backward_plan(q_shape: tuple, k_shape: tuple, strides: tuple, lse_strides: 
         n_q_blocks = cdiv(max_seqlen_q, cfg["BLOCK_M2"])
         dq_grid = (n_q_blocks, h_q, batch)
         dq = attention_bwd_dq_kernel.prepare(
-            (*bsh[0], *bsh[1], *bsh[2], *bsh[3], *_bsh_strides(_contiguous_strides(q_shape), varlen),
+            (*bsh[0], *bsh[1], *bsh[2], *bsh[3], *_bsh_strides(contiguous_strides(q_shape), varlen),
              seqlen_q, seqlen_k, stat_stride, stat_seq, n_q_blocks, h_q // h_kv, *common),
             dict(BLOCK_M=cfg["BLOCK_M2"], BLOCK_N=cfg["BLOCK_N2"], SPLIT_LOOPS=split_dq, **flags,
                  num_warps=cfg["num_warps_dq"], num_stages=cfg["num_stages_dq"]))

@@ -42,7 +42,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .._checks import check_same_device, check_same_dtype, check_shape, check_tensor
-from .._dispatch import cdiv, empty, next_power_of_2, num_sms, use_triton
+from .._dispatch import cdiv, contiguous_strides, empty, next_power_of_2, num_sms, use_triton
 from .._launch import PreparedArgs, config_key
 from .._op import custom_op
 from ..registry import Inputs, OpSpec, register, tensor_bytes
@@ -151,14 +151,6 @@ def _launch_append(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table) -
     )
 
 
-def _contiguous_strides(shape: tuple) -> tuple:
-    strides, step = [], 1
-    for n in reversed(shape):
-        strides.append(step)
-        step *= n
-    return tuple(reversed(strides))
-
-
 class _DecodePlan(NamedTuple):
     """One decode launch, from shapes and strides only (cached: the split kernel takes ~45
     arguments, and keying them on every call cost more host time than the rest of the op)."""
@@ -176,13 +168,13 @@ def _decode_plan(q_shape: tuple, q_strides: tuple, k_strides: tuple, v_strides: 
     batch, s_q, h_q, d = q_shape
     cfg = _config_from_shapes(q_shape, elem_size, capacity, h_kv, num_splits, sms, dict(config))
     splits, group = cfg["splits"], h_q // h_kv
-    out_st, lse_st = _contiguous_strides(q_shape), _contiguous_strides((batch, h_q, s_q))
+    out_st, lse_st = contiguous_strides(q_shape), contiguous_strides((batch, h_q, s_q))
     if splits == 1:     # the split kernel writes out and lse themselves
         part_shapes = None
         o_strides, l_strides = (out_st[0], 0, *out_st[1:3]), (lse_st[0], 0, *lse_st[1:])
     else:               # fp32 partials, sized from shapes: B · splits · S_q · H_q · (D + 1) floats
         part_shapes = ((batch, splits, s_q, h_q, d), (batch, splits, h_q, s_q))
-        o_strides, l_strides = _contiguous_strides(part_shapes[0])[:4], _contiguous_strides(part_shapes[1])
+        o_strides, l_strides = contiguous_strides(part_shapes[0])[:4], contiguous_strides(part_shapes[1])
     split_args = decode_split_kernel.prepare(
         (*q_strides[:3], *k_strides[:3], *v_strides[:3], bt_stride, *o_strides, *l_strides, capacity, h_kv, d,
          scale, softcap, left, right),
