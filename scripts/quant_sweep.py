@@ -70,6 +70,18 @@ MMA_ALTERNATIVES = {
     "mma-wk1-wn4": dict(PATH="mma", WARPS_K=1, WARPS_N=4),
     "mma-split1": dict(PATH="mma", SPLITS=1),
 }
+# int4 group 128, M <= quant.WGMMA_MAX_ROWS on sm_90: the Hopper kernel (PATH="wgmma") and its knobs:
+# 4 warps x 2 row blocks of 64 (128 rows), z / s for 4 steps per body, 4 ring stages unless named
+WGMMA_ALTERNATIVES = {
+    "wg": dict(PATH="wgmma"),
+    "wg-w8-r1": dict(PATH="wgmma", num_warps=8, REPS=1),
+    "wg-w4-r1": dict(PATH="wgmma", REPS=1),
+    "wg-st8-c8": dict(PATH="wgmma", STAGES=8, CHUNK=8),
+    "wg-w8-st8-c8": dict(PATH="wgmma", num_warps=8, REPS=1, STAGES=8, CHUNK=8),
+    "wg-st2": dict(PATH="wgmma", STAGES=2),
+    "wg-split2": dict(PATH="wgmma", SPLITS=2),
+    "wg-w8-split2": dict(PATH="wgmma", num_warps=8, REPS=1, SPLITS=2),
+}
 
 
 def bench_e2e(fn) -> float:
@@ -124,8 +136,11 @@ def _x_pairs_only(cfg: dict) -> bool:
 def _plan_text(x, bits, n, cfg) -> str:
     m, k = x.shape
     plan = quant.launch_plan(bits, GROUP_SIZE if bits == 4 else 0, m, n, k, x.dtype, quant.num_sms(x),
-                             tuple(sorted(cfg.items())), True)
+                             tuple(sorted(cfg.items())), True, torch.cuda.get_device_capability()[0] == 9)
     meta = plan.meta
+    if "ACC_LAYOUT" in meta:
+        return (f"wgmma n{meta['BLOCK_N']} w{meta['num_warps']} chunk{meta['CHUNK']} stages{meta['STAGES']} "
+                f"mma_n{meta['MMA_N']} groups/split {plan.chunks_per_split} splits{plan.splits} grid{plan.grid}")
     if "MMA_N" in meta:
         return (f"mma n{meta['BLOCK_N']} slots{meta['SLOTS']} steps{meta['STEPS']} w{meta['num_warps']} mma_n{meta['MMA_N']} "
                 f"groups/split {plan.chunks_per_split} splits{plan.splits} grid{plan.grid}")
@@ -173,6 +188,9 @@ def sweep_shape(bits: int, m: int, n: int, k: int, copy_bw: float, args) -> dict
     alts = {} if args.quick else dict(GEMV_ALTERNATIVES if m == 1 else DOT_ALTERNATIVES)
     if bits == 4 and m <= quant.MMA_MAX_ROWS and not args.quick:
         alts = dict(alts, **MMA_ALTERNATIVES)
+    if (bits == 4 and m <= quant.WGMMA_MAX_ROWS and not args.quick and dtype in (torch.bfloat16, torch.float16)
+            and torch.cuda.get_device_capability()[0] == 9):
+        alts = dict(alts, **WGMMA_ALTERNATIVES)
     if bits != 4 or dtype != torch.bfloat16:
         alts = {name: cfg for name, cfg in alts.items() if not _x_pairs_only(cfg)}
     if args.grid:                                   # the named alternatives replaced by a grid

@@ -226,9 +226,9 @@ def _reference(x, qw, bias=None):
 def _plan(x, qw, config=None):
     """The plan the launcher makes for x (the Gluon mma path allowed where _launch allows it)."""
     m, k = x.shape
+    mma_ok = quant.is_ampere_or_newer(x) and not quant.interpreting()
     return quant.launch_plan(qw.bits, qw.group_size or 0, m, qw.shape[0], k, x.dtype, quant.num_sms(x),
-                             tuple(sorted((config or {}).items())),
-                             quant.is_ampere_or_newer(x) and not quant.interpreting())
+                             tuple(sorted((config or {}).items())), mma_ok, mma_ok and quant.device_major(x) == 9)
 
 
 def _check_launch(m, n, k, fmt, dtype, config=None, bias=True):
@@ -367,6 +367,39 @@ def test_mma_plans():
     assert quant.launch_plan(4, 128, 1, 4096, 4096, torch.bfloat16, 132, (), False).kernel is quant.quant_gemv_kernel
     with pytest.raises(ValueError, match="mma"):
         quant.launch_plan(4, 128, 1, 4096, 4096, torch.bfloat16, 132, mma, False)
+
+
+def test_wgmma_plans():
+    """Where the Hopper int4 kernel can run (``PATH="wgmma"`` on an sm_90 GPU: ``wgmma_ok``): int4
+    group 128 with fp16 / bf16 x and up to 64 rows. A program takes a whole number of CHUNKs of
+    groups and keeps x for all of them in shared memory, so K is split until that fits; the
+    split also fills the GPU (about one program per SM); asking for it where it cannot run is an
+    error naming the path."""
+    wg = (("PATH", "wgmma"),)
+    cases = [(1, 4096, 4096, 4, 32), (16, 14336, 4096, 1, 112), (16, 4096, 14336, 4, 32), (64, 4096, 14336, 14, 32),
+             (33, 4097, 1024, 2, 33), (5, 256, 128, 1, 2)]
+    for m, n, k, splits, blocks in cases:
+        plan = quant.launch_plan(4, 128, m, n, k, torch.bfloat16, 132, wg, True, True)
+        meta = plan.meta
+        assert meta["MMA_N"] == max(8, 1 << (m - 1).bit_length()) and meta["BLOCK_N"] == 128
+        assert plan.grid == (blocks, plan.splits) and plan.splits == splits, (m, n, k, plan.grid)
+        assert plan.chunks_per_split % meta["CHUNK"] == 0 and meta["X_STEPS"] == plan.chunks_per_split
+        assert (plan.splits - 1) * plan.chunks_per_split < plan.n_chunks == k // 128 <= plan.splits * plan.chunks_per_split
+        x_bytes = meta["X_STEPS"] * meta["MMA_N"] * 128 * 2
+        assert x_bytes + meta["STAGES"] * 128 * 64 <= quant.WGMMA_SMEM
+    plan = quant.launch_plan(4, 128, 16, 4096, 4096, torch.float16, 132, wg + (("SPLITS", 3),), True, True)
+    assert plan.splits == 3 and plan.chunks_per_split == 12                  # 32 groups: 12 + 12 + 8
+    plan = quant.launch_plan(4, 128, 9, 4096, 4096, torch.bfloat16, 132,
+                             (("CHUNK", 8), ("PATH", "wgmma"), ("REPS", 1), ("STAGES", 8), ("num_warps", 8)), True, True)
+    assert plan.meta["BLOCK_N"] == 128 and plan.meta["num_warps"] == 8 and plan.chunks_per_split % 8 == 0
+    with pytest.raises(ValueError, match="STAGES"):
+        quant.launch_plan(4, 128, 9, 4096, 4096, torch.bfloat16, 132, wg + (("CHUNK", 4), ("STAGES", 8)), True, True)
+    for bits, g, m, dtype in [(8, 0, 1, torch.bfloat16), (4, 64, 16, torch.bfloat16), (4, 128, 65, torch.bfloat16),
+                              (4, 128, 1, torch.float32)]:
+        with pytest.raises(ValueError, match="wgmma"):
+            quant.launch_plan(bits, g, m, 4096, 4096, dtype, 132, wg, True, True)
+    with pytest.raises(ValueError, match="sm_90"):
+        quant.launch_plan(4, 128, 16, 4096, 4096, torch.bfloat16, 132, wg, True, False)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -556,6 +589,50 @@ def test_gpu_int4_mma_llm_shapes(m, nk, g, preload):
     """The sweep's shapes (and a ragged N) with the Gluon int4 kernel's default config, weight words
     one step ahead in registers or all through cp.async (PRELOAD), bf16, bias."""
     _check_launch(m, *nk, (4, g), torch.bfloat16, dict(PATH="mma", PRELOAD=preload))
+
+
+WGMMA_CONFIGS = [{}, dict(SPLITS=3), dict(REPS=1), dict(num_warps=8, REPS=1), dict(STAGES=2),
+                 dict(CHUNK=8, STAGES=8, SPLITS=1), dict(CHUNK=8, STAGES=4, num_warps=8, REPS=1)]
+
+
+def _hopper():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="the wgmma kernel needs sm_90")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 16, 17, 32, 33, 64])
+@pytest.mark.parametrize("config", WGMMA_CONFIGS, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()) or "default")
+def test_gpu_int4_wgmma(dtype, m, config):
+    """The Hopper int4 kernel (``PATH="wgmma"``: group 128, up to 64 rows of fp16 / bf16 x) against
+    the fp64 product with the dequantized weight: N off every tile (201 rows: a half-empty second
+    row block), 13 groups (ragged splits and a last CHUNK with clamped groups), weights of both
+    signs and scales over 8 decades, bias on odd M; y NaN-poisoned by the launcher's empty, every
+    element checked; bitwise reproducible. The weight it multiplies is ``dequantize_weight``'s in
+    x's dtype, so y must match the ``tl`` dot kernel's closely."""
+    n, k = 201, 13 * 128
+    qw = _one_signed_rows_weight(n, k, dtype, 128)
+    x = torch.randn(m, k, device=DEVICE).to(dtype)
+    bias = torch.randn(n, device=DEVICE).to(dtype) if m % 2 else None
+    config = dict(config, PATH="wgmma")
+    plan = _plan(x, qw, config)
+    assert plan.meta["MMA_N"] == max(8, 1 << (m - 1).bit_length()) and "ACC_LAYOUT" in plan.meta
+    y = _launch(x, qw, bias, config)
+    assert y.dtype == dtype and y.shape == (m, n) and not y.isnan().any()
+    assert rel_err(y, _reference(x, qw, bias)) <= TOL[dtype], rel_err(y, _reference(x, qw, bias))
+    assert torch.equal(y, _launch(x, qw, bias, config))                # no atomics: reproducible
+    y_dot = _launch(x, qw, bias, dict(PATH="dot", SPLITS=1))
+    assert rel_err(y, y_dot) <= TOL[dtype] / 2, rel_err(y, y_dot)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="the wgmma kernel needs sm_90")
+@pytest.mark.parametrize("m", [1, 4, 16, 64])
+@pytest.mark.parametrize("nk", [(4096, 4096), (14336, 4096), (4096, 14336), (4097, 1024)])
+def test_gpu_int4_wgmma_llm_shapes(m, nk):
+    """The sweep's shapes (and a ragged N) with the Hopper kernel's default config, bf16, bias."""
+    _check_launch(m, *nk, (4, 128), torch.bfloat16, dict(PATH="wgmma"))
 
 
 @pytest.mark.gpu

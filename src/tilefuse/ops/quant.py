@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from .._checks import check_same_device, check_same_dtype, check_shape, check_tensor
-from .._dispatch import cdiv, empty, interpreting, is_ampere_or_newer, next_power_of_2, num_sms, rows_view, use_triton
+from .._dispatch import cdiv, device_major, empty, interpreting, is_ampere_or_newer, next_power_of_2, num_sms, rows_view, use_triton
 from .._op import custom_op
 from ..registry import Inputs, OpSpec, register
 from ._quant_kernels import MAGIC_BITS, quant_dot_kernel, quant_gemv_kernel, splitk_reduce_kernel
@@ -159,13 +159,15 @@ GEMV_MAX_ROWS = 8          # quant_gemv_kernel takes up to this many rows (one p
 SKINNY_MAX_ROWS = 64       # up to here the dot kernel pads M to a 16..64-row tile; above: 128
 REDUCE_BLOCK_N = 256       # columns per program of the split-K reduction
 MMA_MAX_ROWS = 32         # the Gluon int4 kernel pads x to an MMA N of 8, 16 or 32 rows
+WGMMA_MAX_ROWS = 64        # the Hopper int4 kernel pads x to a wgmma N of 8..64 rows
+WGMMA_SMEM = 200 * 1024    # its shared memory: x for the program's groups + the weight ring (sm_90: 227 KB)
 CONFIG_KEYS = ("PATH", "SWAP_AB", "BLOCK_M", "BLOCK_N", "BLOCK_K", "NUM_STAGES", "num_warps", "SPLITS", "PACKED",
-               "X_PAIRS", "WARPS_K", "WARPS_N", "REPS", "GROUPS_PER_STEP", "PRELOAD")
+               "X_PAIRS", "WARPS_K", "WARPS_N", "REPS", "GROUPS_PER_STEP", "PRELOAD", "CHUNK", "STAGES")
 
 
 class LaunchPlan(NamedTuple):
     """Everything a call of a given shape launches with (cached per shape by :func:`launch_plan`)."""
-    kernel: object             # quant_gemv_kernel, quant_dot_kernel or int4_mma_kernel
+    kernel: object             # quant_gemv_kernel, quant_dot_kernel, int4_mma_kernel or int4_wgmma_kernel
     grid: tuple
     splits: int                # > 1: fp32 partials, then splitk_reduce_kernel
     n_chunks: int              # BLOCK_K chunks of K
@@ -241,6 +243,19 @@ def _use_mma(bits: int, m: int, dtype: torch.dtype, mma_ok: bool) -> bool:
     return mma_ok and bits == 4 and m <= MMA_MAX_ROWS and dtype in (torch.float16, torch.bfloat16)
 
 
+def _use_wgmma(bits: int, group_size: int, m: int, dtype: torch.dtype, wgmma_ok: bool) -> bool:
+    """What the Hopper kernel (``_quant_wgmma``, ``PATH="wgmma"``) takes: int4 group 128 with fp16 /
+    bf16 x and up to WGMMA_MAX_ROWS rows, on an sm_90 GPU (not the interpreter)."""
+    return (wgmma_ok and bits == 4 and group_size == 128 and m <= WGMMA_MAX_ROWS
+            and dtype in (torch.float16, torch.bfloat16))
+
+
+def _wgmma_config(m: int, n: int) -> dict:
+    """4 warps (one warp group) on 128 weight rows (REPS = 2 row blocks of 64), z / s for 4 steps
+    per loop body, 4 steps of weight in the cp.async ring."""
+    return dict(PATH="wgmma", num_warps=4, REPS=2, CHUNK=4, STAGES=4)
+
+
 def _mma_config(m: int, n: int) -> dict:
     """4 warps on 16 weight rows (REPS = 1 row tile of 16 per warp), each warp on its own run of
     groups of K (WARPS_K = 4, summed through shared memory at the end), one group per warp and
@@ -309,7 +324,7 @@ def _splits(tiles: int, n_chunks: int, sms: int, bits: int, m: int, k: int, swap
 
 @functools.lru_cache(maxsize=4096)
 def launch_plan(bits: int, group_size: int, m: int, n: int, k: int, dtype: torch.dtype, sms: int,
-                overrides: tuple = (), mma_ok: bool = False) -> LaunchPlan:
+                overrides: tuple = (), mma_ok: bool = False, wgmma_ok: bool = False) -> LaunchPlan:
     """The launch of an ``[m, k] x [n, k]ᵀ`` call; ``overrides`` (sorted ``(key, value)`` pairs of
     :data:`CONFIG_KEYS`) replace the defaults (sweeps), those of the overriding PATH when it names
     another kernel. int4 BLOCK_K is rounded to whole groups. ``mma_ok``: the Gluon kernel can run
@@ -318,17 +333,21 @@ def launch_plan(bits: int, group_size: int, m: int, n: int, k: int, dtype: torch
     path = dict(overrides).get("PATH", cfg["PATH"])
     if path != cfg["PATH"]:
         cfg = {"gemv": lambda: _gemv_config(bits, n, sms), "dot": lambda: _dot_config(m, dtype),
-               "mma": lambda: _mma_config(m, n)}.get(path, lambda: dict(PATH=path))()
+               "mma": lambda: _mma_config(m, n), "wgmma": lambda: _wgmma_config(m, n)}.get(path, lambda: dict(PATH=path))()
     cfg.update(overrides)
     unknown = set(cfg) - set(CONFIG_KEYS)
     if unknown:
         raise ValueError(f"config: unknown keys {sorted(unknown)}; known: {CONFIG_KEYS}")
-    if (cfg["PATH"] not in ("gemv", "dot", "mma") or (cfg["PATH"] == "gemv" and m > GEMV_MAX_ROWS)
-            or (cfg["PATH"] == "mma" and not _use_mma(bits, m, dtype, mma_ok))):
-        raise ValueError(f"config: PATH {cfg['PATH']!r} cannot serve M = {m}, {bits} bits, {dtype}"
-                         + ("" if mma_ok else " here (the mma path needs an sm_80+ GPU)"))
+    if (cfg["PATH"] not in ("gemv", "dot", "mma", "wgmma") or (cfg["PATH"] == "gemv" and m > GEMV_MAX_ROWS)
+            or (cfg["PATH"] == "mma" and not _use_mma(bits, m, dtype, mma_ok))
+            or (cfg["PATH"] == "wgmma" and not _use_wgmma(bits, group_size, m, dtype, wgmma_ok))):
+        raise ValueError(f"config: PATH {cfg['PATH']!r} cannot serve M = {m}, {bits} bits, group {group_size}, {dtype}"
+                         + ("" if mma_ok else " here (the mma path needs an sm_80+ GPU)")
+                         + ("" if wgmma_ok else " here (the wgmma path needs an sm_90 GPU)"))
     if cfg["PATH"] == "mma":
         return _mma_plan(cfg, group_size, m, n, k, sms)
+    if cfg["PATH"] == "wgmma":
+        return _wgmma_plan(cfg, m, n, k, sms)
     block_k = _int4_block_k(cfg["BLOCK_K"], group_size, k // group_size) if bits == 4 else cfg["BLOCK_K"]
     n_chunks = cdiv(k, block_k)
     block_n = cfg["BLOCK_N"]
@@ -374,6 +393,30 @@ def _mma_plan(cfg: dict, group_size: int, m: int, n: int, k: int, sms: int) -> L
     return LaunchPlan(int4_mma_kernel, (blocks, splits), splits, n_groups, slots * steps, meta)
 
 
+def _wgmma_plan(cfg: dict, m: int, n: int, k: int, sms: int) -> LaunchPlan:
+    """The Hopper kernel's plan: ``n_chunks`` counts groups, ``chunks_per_split`` groups per
+    program (a multiple of CHUNK). Splits: enough programs for about one per SM, and few enough
+    groups per program that x for all of them fits in shared memory beside the weight ring."""
+    from ._quant_wgmma import GROUP, int4_wgmma_kernel, wgmma_layouts   # Gluon: imported when first used
+    num_warps, reps, chunk, stages = cfg["num_warps"], cfg["REPS"], cfg["CHUNK"], cfg["STAGES"]
+    if chunk % stages:
+        raise ValueError(f"config: STAGES ({stages}) must divide CHUNK ({chunk})")
+    group = GROUP.value
+    mma_n = max(8, next_power_of_2(m))
+    block_n = 16 * num_warps * reps
+    n_groups = k // group
+    blocks = cdiv(n, block_n)
+    x_steps_max = (WGMMA_SMEM - stages * block_n * group // 2) // (mma_n * group * 2) // chunk * chunk
+    splits = cfg.get("SPLITS") or max(1, round(sms / blocks))
+    splits = max(splits, cdiv(n_groups, x_steps_max))
+    per_split = cdiv(cdiv(n_groups, splits), chunk) * chunk
+    splits = cdiv(n_groups, per_split)
+    words, rows, acc, xl = wgmma_layouts(num_warps, reps, mma_n, chunk)
+    meta = dict(MMA_N=mma_n, WORDS_LAYOUT=words, ROW_LAYOUT=rows, ACC_LAYOUT=acc, X_LAYOUT=xl, X_STEPS=per_split,
+                CHUNK=chunk, STAGES=stages, BLOCK_N=block_n, num_warps=num_warps)
+    return LaunchPlan(int4_wgmma_kernel, (blocks, splits), splits, n_groups, per_split, meta)
+
+
 def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, bits: int, group_size: int,
             config: Optional[dict] = None) -> torch.Tensor:
     """y [M, N] for x2 [M, K] (unit K stride); group_size 0 means int8 per channel. ``config``
@@ -385,8 +428,9 @@ def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, bits: int, group_siz
         return y
     overrides = tuple(sorted(config.items())) if config else ()
     mma_ok = is_ampere_or_newer(x2) and not interpreting()
-    plan = launch_plan(bits, group_size, m, n, k, x2.dtype, num_sms(x2), overrides, mma_ok)
-    if plan.kernel is not quant_gemv_kernel and plan.kernel is not quant_dot_kernel and not _pairs_aligned(x2):
+    wgmma_ok = mma_ok and device_major(x2) == 9
+    plan = launch_plan(bits, group_size, m, n, k, x2.dtype, num_sms(x2), overrides, mma_ok, wgmma_ok)
+    if "MMA_LAYOUT" in plan.meta and not _pairs_aligned(x2):
         # the Gluon kernel reads x as int32 pairs: an x off 4-byte rows takes the default tl kernel
         plan = launch_plan(bits, group_size, m, n, k, x2.dtype, num_sms(x2))
     if qweight.data_ptr() % 4:
@@ -396,7 +440,13 @@ def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, bits: int, group_siz
     zeros_arg = zeros if zeros is not None else qweight   # never read for int8
     bias_arg = bias if bias is not None else y            # never read without HAS_BIAS
     meta = plan.meta
-    if plan.kernel is not quant_gemv_kernel and plan.kernel is not quant_dot_kernel:
+    if "ACC_LAYOUT" in meta:                              # the Hopper kernel
+        plan.kernel[plan.grid](
+            x2, qweight, scales, zeros, bias_arg, y, partial, m, n, plan.n_chunks, plan.chunks_per_split,
+            x2.stride(0), qweight.stride(0) // 4, scales.stride(0), y.stride(0),
+            **meta, HAS_BIAS=bias is not None and not split, SPLIT=split,
+        )
+    elif plan.kernel is not quant_gemv_kernel and plan.kernel is not quant_dot_kernel:
         plan.kernel[plan.grid](
             x2, qweight, scales, zeros, bias_arg, y, partial, m, n, plan.n_chunks,
             x2.stride(0) if m > 1 else 0, qweight.stride(0) // 4, scales.stride(0), y.stride(0),
