@@ -59,7 +59,7 @@ def wgmma_layouts(num_warps: int, reps: int, mma_n: int, chunk: int):
     a register, warps on rows 16, 32, (64), REPS row blocks of 16·num_warps in registers: the A
     fragment of a warp-group MMA, see the module docstring); per-row ``[BLOCK_N, CHUNK]`` (a
     row's CHUNK zero points / scales in registers of the threads that hold the row); the wgmma
-    accumulator ``[BLOCK_N, MMA_N]``; and x ``[MMA_N, GROUP]`` loaded 16 bytes per thread."""
+    accumulator ``[BLOCK_N, MMA_N]``; and x ``[X_UNROLL, MMA_N, GROUP]`` loaded 16 bytes per thread."""
     block_n = 16 * num_warps * reps
     rows_reg = [[8, 0]] + [[16 * num_warps << i, 0] for i in range(_log2(reps))]
     lane_rows = [[1, 0], [2, 0], [4, 0]]
@@ -70,7 +70,7 @@ def wgmma_layouts(num_warps: int, reps: int, mma_n: int, chunk: int):
                                          lane_bases=[[0, 0], [0, 0]] + lane_rows, warp_bases=warp, block_bases=[],
                                          shape=[block_n, chunk])
     acc = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, mma_n, 16])
-    x_load = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
+    x_load = gl.BlockedLayout([1, 1, 8], [1, 2, 16], [1, num_warps, 1], [2, 1, 0])
     return words, per_row, acc, x_load
 
 
@@ -98,13 +98,21 @@ def _dequant(words, nz, s2, DTYPE: gl.constexpr):
 @gluon.jit
 def _relabel(v):
     """Physical column ``p = 8·(4t + jw) + ib0 + 2·ib1 + 4·ib2`` (a group of 128) of the last axis
-    of a rank-2 tensor to the logical ``k' = ib0 + 2t + 8·ib1 + 16·ib2 + 32·jw`` of the MMA
-    fragments (reshape, permute, reshape: no data moves)."""
-    D0: gl.constexpr = v.shape[0]
-    D1: gl.constexpr = v.shape[1]
-    v = gl.reshape(v, [D0, 4, 4, 2, 2, 2])                                # (n, t, jw, ib2, ib1, ib0)
-    v = gl.permute(v, [0, 2, 3, 4, 1, 5])                                 # (n, jw, ib2, ib1, t, ib0)
-    return gl.reshape(v, [D0, D1])
+    of a rank-2 or rank-3 tensor to the logical ``k' = ib0 + 2t + 8·ib1 + 16·ib2 + 32·jw`` of the
+    MMA fragments (reshape, permute, reshape: no data moves)."""
+    if len(v.shape) == 2:
+        D0: gl.constexpr = v.shape[0]
+        D1: gl.constexpr = v.shape[1]
+        v = gl.reshape(v, [D0, 4, 4, 2, 2, 2])                            # (n, t, jw, ib2, ib1, ib0)
+        v = gl.permute(v, [0, 2, 3, 4, 1, 5])                             # (n, jw, ib2, ib1, t, ib0)
+        return gl.reshape(v, [D0, D1])
+    else:
+        E0: gl.constexpr = v.shape[0]
+        E1: gl.constexpr = v.shape[1]
+        E2: gl.constexpr = v.shape[2]
+        v = gl.reshape(v, [E0, E1, 4, 4, 2, 2, 2])                        # (s, m, t, jw, ib2, ib1, ib0)
+        v = gl.permute(v, [0, 1, 3, 4, 5, 2, 6])                          # (s, m, jw, ib2, ib1, t, ib0)
+        return gl.reshape(v, [E0, E1, E2])
 
 
 @fast_launch
@@ -130,7 +138,8 @@ def int4_wgmma_kernel(
     ROW_LAYOUT: gl.constexpr,       # wgmma_layouts(...)[1]
     ACC_LAYOUT: gl.constexpr,       # wgmma_layouts(...)[2]
     X_LAYOUT: gl.constexpr,         # wgmma_layouts(...)[3]
-    X_STEPS: gl.constexpr,          # steps of x resident in shared memory (>= groups_per_split)
+    X_STEPS: gl.constexpr,          # steps of x resident in shared memory (>= groups_per_split; X_UNROLL divides it)
+    X_UNROLL: gl.constexpr,         # steps of x per load in the prologue
     CHUNK: gl.constexpr,            # steps per unrolled loop body (their z / s one vector per row)
     STAGES: gl.constexpr,           # weight steps in the cp.async ring (divides CHUNK)
     BLOCK_N: gl.constexpr,          # weight rows per program: 16 x num_warps x REPS
@@ -152,11 +161,17 @@ def int4_wgmma_kernel(
     # rows past N, groups past the range and rows of x past M are clamped to the last valid one
     # (valid addresses, no masks); a clamped group's scale is 0, clamped rows are not stored
 
-    # x [MMA_N, 128 per step] into shared memory, relabeled, for all of this program's groups
-    x_smem = gl.allocate_shared_memory(DTYPE, [X_STEPS, MMA_N, GROUP],
+    # x [MMA_N, 128 per step] into shared memory, relabeled, for all of this program's groups,
+    # X_UNROLL steps per load (their 16-byte loads all in flight before the stores)
+    # halves of 64 columns (128-byte rows: one 128-byte swizzle span, so the 2-D tiles and the 3-D
+    # fill view below lay out the same bytes)
+    x_smem = gl.allocate_shared_memory(DTYPE, [2 * X_STEPS, MMA_N, GROUP // 2],
                                        gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
-    xm = gl.minimum(gl.arange(0, MMA_N, layout=gl.SliceLayout(1, X_LAYOUT)), M - 1)[:, None]
-    xk = gl.arange(0, GROUP, layout=gl.SliceLayout(0, X_LAYOUT))[None, :]
+    x_fill = x_smem._reinterpret(DTYPE, [X_STEPS // X_UNROLL, 2 * X_UNROLL, MMA_N, GROUP // 2],
+                                 gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3))
+    xs = gl.arange(0, X_UNROLL, layout=gl.SliceLayout(1, gl.SliceLayout(2, X_LAYOUT)))[:, None, None]
+    xm = gl.minimum(gl.arange(0, MMA_N, layout=gl.SliceLayout(0, gl.SliceLayout(2, X_LAYOUT))), M - 1)[None, :, None]
+    xk = gl.arange(0, GROUP, layout=gl.SliceLayout(0, gl.SliceLayout(1, X_LAYOUT)))[None, None, :]
     x_rows = x_ptr + xm.to(gl.int64) * stride_xm + xk
     # weight words ring [STAGES, BLOCK_N, WORDS], one 64-byte row per (stage, row): 16-byte reads
     w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, WORDS],
@@ -168,8 +183,10 @@ def int4_wgmma_kernel(
     for p in gl.static_range(STAGES - 1):       # the first steps' words in flight before x
         async_copy.async_copy_global_to_shared(w_smem.index(p), qw_rows + gl.minimum(g_begin + p, g_last) * WORDS)
         async_copy.commit_group()
-    for i in range(g_count):
-        x_smem.index(i).store(_relabel(gl.load(x_rows + (g_begin + i) * GROUP)))
+    for i in range(0, X_STEPS, X_UNROLL):       # groups past the program's last: clamped (finite, unused)
+        v = gl.load(x_rows + (gl.minimum(g_begin + i + xs, g_last) * GROUP))
+        v = gl.permute(gl.reshape(_relabel(v), [X_UNROLL, MMA_N, 2, GROUP // 2]), [0, 2, 1, 3])
+        x_fill.index(i // X_UNROLL).store(gl.reshape(v, [2 * X_UNROLL, MMA_N, GROUP // 2]))
     fence_async_shared()
     gl.thread_barrier()
 
@@ -195,11 +212,14 @@ def int4_wgmma_kernel(
             words = w_smem.index(j % STAGES).load(WORDS_LAYOUT)
             nz = gl.convert_layout(gl.sum(gl.where(r_step == j, nz_all, 0), axis=1), SW, assert_trivial=True)
             s2 = gl.convert_layout(gl.sum(gl.where(r_step == j, s2_all, 0), axis=1), SW, assert_trivial=True)
-            a = gl.convert_layout(_relabel(_dequant(words, nz[:, None], s2[:, None], DTYPE)), A_LAYOUT,
-                                  assert_trivial=True)
-            x_step = x_smem.index(gl.minimum(step, g_count - 1)).permute((1, 0))   # finite x under a clamped step
-            acc = warpgroup_mma(a, x_step, acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            q = _relabel(_dequant(words, nz[:, None], s2[:, None], DTYPE))
+            q0, q1 = gl.split(gl.permute(gl.reshape(q, [BLOCK_N, 2, GROUP // 2]), [0, 2, 1]))   # k' < 64, k' >= 64
+            xi = 2 * gl.minimum(step, g_count - 1)                              # finite x under a clamped step
+            acc = warpgroup_mma(gl.convert_layout(q0, A_LAYOUT, assert_trivial=True),
+                                x_smem.index(xi).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma(gl.convert_layout(q1, A_LAYOUT, assert_trivial=True),
+                                x_smem.index(xi + 1).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=2, deps=(acc,))       # the previous step's pair done
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     async_copy.wait_group(0)
 

@@ -393,6 +393,15 @@ def _mma_plan(cfg: dict, group_size: int, m: int, n: int, k: int, sms: int) -> L
     return LaunchPlan(int4_mma_kernel, (blocks, splits), splits, n_groups, slots * steps, meta)
 
 
+def _x_unroll(x_steps: int, mma_n: int, threads: int) -> int:
+    """Steps of x the Hopper kernel's prologue loads at once: up to 64 values per thread (8
+    16-byte loads in flight), a power of two dividing ``x_steps``."""
+    unroll = 1
+    while x_steps % (2 * unroll) == 0 and 2 * unroll * mma_n * 128 <= 64 * threads:
+        unroll *= 2
+    return unroll
+
+
 def _wgmma_plan(cfg: dict, m: int, n: int, k: int, sms: int) -> LaunchPlan:
     """The Hopper kernel's plan: ``n_chunks`` counts groups, ``chunks_per_split`` groups per
     program (a multiple of CHUNK). Splits: enough programs for about one per SM, and few enough
@@ -413,6 +422,7 @@ def _wgmma_plan(cfg: dict, m: int, n: int, k: int, sms: int) -> LaunchPlan:
     splits = cdiv(n_groups, per_split)
     words, rows, acc, xl = wgmma_layouts(num_warps, reps, mma_n, chunk)
     meta = dict(MMA_N=mma_n, WORDS_LAYOUT=words, ROW_LAYOUT=rows, ACC_LAYOUT=acc, X_LAYOUT=xl, X_STEPS=per_split,
+                X_UNROLL=_x_unroll(per_split, mma_n, 32 * num_warps),
                 CHUNK=chunk, STAGES=stages, BLOCK_N=block_n, num_warps=num_warps)
     return LaunchPlan(int4_wgmma_kernel, (blocks, splits), splits, n_groups, per_split, meta)
 
