@@ -261,47 +261,87 @@ def test_int4_mma_compiles_for_sm90(case):
     _in_child("int4-mma", case)
 
 
+def _compile_int4_plan(plan, dtype, g: int, m: int, n: int, k: int):
+    """(ptxas report, SASS) of an int4 Gluon plan's kernel as the launcher launches it, with the
+    specialization Triton makes on LLM shapes (16-byte aligned pointers, strides divisible by 16)."""
+    meta = dict(plan.meta)
+    num_warps = meta.pop("num_warps")
+    kernel = plan.kernel.fn
+    args = dict(x_ptr=torch.empty(m, k, dtype=dtype), qw_ptr=torch.empty(n, k // 2, dtype=torch.uint8),
+                scales_ptr=torch.empty(n, k // g, dtype=dtype), zeros_ptr=torch.empty(n, k // g, dtype=torch.uint8),
+                bias_ptr=torch.empty(n, dtype=dtype), y_ptr=torch.empty(m, n, dtype=dtype),
+                partial_ptr=torch.empty(1), M=m, N=n, n_groups=k // g, groups_per_split=plan.chunks_per_split,
+                stride_xm=k, stride_qw=k // 8, stride_sn=k // g, stride_ym=n)
+    names = [p.name for p in kernel.params]
+    constexprs = dict(meta, HAS_BIAS=True, SPLIT=plan.splits > 1)
+    signature = {name: "constexpr" if name in constexprs else mangle_type(args[name]) for name in names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names)
+               if name.endswith("_ptr") or (name.startswith("stride") and args[name] % 16 == 0)}
+    src = gluon_runtime.GluonASTSource(fn=kernel, signature=signature, attrs=aligned,
+                                       constexprs={(names.index(k),): v for k, v in constexprs.items()})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
+    report, sass = _ptxas_and_sass(compiled)
+    assert _spill_bytes(report) == 0, report
+    return report, sass
+
+
+def _sass_count(sass: str) -> int:
+    return len(re.findall(r"/\*[0-9a-f]{4}\*/\s+[@A-Z]", sass))
+
+
 def compile_int4_mma(case):
     """The Gluon int4 kernel as the launcher builds it: compiling proves its register layouts are
     the MMA fragments (``convert_layout(..., assert_trivial=True)``), ptxas must not spill, and
     the kernel (unrolled steps, prologue and epilogue included) must issue about 3 instructions per
     weight value or fewer at group 128 (the point of the kernel)."""
     from tilefuse.ops import quant
-    from tilefuse.ops._quant_gluon import int4_mma_kernel
     dtype, g, m, warps_k, warps_n, reps, gps, _ = INT4_MMA_CASES[case]
     n, k = 256, 8 * g * warps_k * gps                  # unsplit: 8 steps
     cfg = (("GROUPS_PER_STEP", gps), ("PATH", "mma"), ("REPS", reps), ("SPLITS", 1), ("WARPS_K", warps_k),
            ("WARPS_N", warps_n))
     plan = quant.launch_plan(4, g, m, n, k, dtype, 132, cfg, True)
-    meta = dict(plan.meta)
-    num_warps = meta.pop("num_warps")
-    args = dict(x_ptr=torch.empty(m, k, dtype=dtype), qw_ptr=torch.empty(n, k // 2, dtype=torch.uint8),
-                scales_ptr=torch.empty(n, k // g, dtype=dtype), zeros_ptr=torch.empty(n, k // g, dtype=torch.uint8),
-                bias_ptr=torch.empty(n, dtype=dtype), y_ptr=torch.empty(m, n, dtype=dtype),
-                partial_ptr=torch.empty(1), M=m, N=n, n_groups=k // g,
-                stride_xm=k, stride_qw=k // 8, stride_sn=k // g, stride_ym=n)
-    names = [p.name for p in int4_mma_kernel.params]
-    constexprs = dict(meta, HAS_BIAS=True, SPLIT=plan.splits > 1)
-    signature = {name: "constexpr" if name in constexprs else mangle_type(args[name]) for name in names}
-    # what Triton specializes at a launch on LLM shapes: 16-byte aligned pointers, strides divisible by 16
-    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names)
-               if name.endswith("_ptr") or (name.startswith("stride") and args[name] % 16 == 0)}
-    src = gluon_runtime.GluonASTSource(fn=int4_mma_kernel, signature=signature, attrs=aligned,
-                                       constexprs={(names.index(k),): v for k, v in constexprs.items()})
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
-    report, sass = _ptxas_and_sass(compiled)
-    assert _spill_bytes(report) == 0, report
+    _, sass = _compile_int4_plan(plan, dtype, g, m, n, k)
     # a thread's values: 2·REPS rows x GROUP/4 columns per group, GROUPS_PER_STEP groups a step
-    per_value = len(re.findall(r"/\*[0-9a-f]{4}\*/\s+[@A-Z]", sass)) / (2 * reps * gps * g // 4 * meta["STEPS"])
+    per_value = _sass_count(sass) / (2 * reps * gps * g // 4 * plan.meta["STEPS"])
     print(f"{per_value:.2f} instructions per value")
     assert "HMMA" in sass and per_value < INT4_MMA_CASES[case][-1], per_value
+
+
+INT4_WGMMA_CASES = {   # name: (x dtype, rows of x, config, bound on the kernel's SASS instructions per
+    # weight value of its unrolled loop body, prologue and epilogue included: ~10 % over 2026-11-25's count)
+    "bf16-m16-default": (torch.bfloat16, 16, (), 5.2),                                      # 4.72
+    "fp16-m1-reps2": (torch.float16, 1, (("REPS", 2),), 4.15),                               # 3.75
+    "bf16-m64-w8-chunk8": (torch.bfloat16, 64, (("CHUNK", 8), ("STAGES", 8), ("num_warps", 8)), 5.3),   # 4.80
+}
+
+
+@pytest.mark.parametrize("case", list(INT4_WGMMA_CASES))
+def test_int4_wgmma_compiles_for_sm90(case):
+    _in_child("int4-wgmma", case)
+
+
+def compile_int4_wgmma(case):
+    """The Hopper int4 kernel as the launcher builds it: the dequantized words are wgmma's A
+    fragment (``assert_trivial``), no spills, no wgmma serialized by ptxas (its accumulator read
+    while one is in flight), and a bound on instructions per weight value."""
+    from tilefuse.ops import quant
+    dtype, m, cfg, bound = INT4_WGMMA_CASES[case]
+    n, k = 256, 8 * 128                                  # one program's 8 groups, unsplit
+    plan = quant.launch_plan(4, 128, m, n, k, dtype, 132, (("PATH", "wgmma"), ("SPLITS", 1)) + cfg, True, True)
+    report, sass = _compile_int4_plan(plan, dtype, 128, m, n, k)
+    assert "serialized" not in report, report
+    reps = plan.meta["BLOCK_N"] // (16 * plan.meta["num_warps"])
+    # static count over the unrolled loop body (CHUNK steps; a thread: 2·REPS rows x 32 columns a step)
+    per_value = _sass_count(sass) / (2 * reps * 32 * plan.meta["CHUNK"])
+    print(f"{per_value:.2f} instructions per value")
+    assert "HGMMA" in sass and "LDGSTS" in sass and per_value < bound, per_value
 
 
 if __name__ == "__main__":
     kind, name = sys.argv[1:]
     {"attention": compile_attention, "attention-bwd": compile_attention_bwd, "attention-dq": compile_attention_dq,
      "fp8": compile_fp8,
-     "int4-mma": compile_int4_mma, "gemm": compile_gemm}[kind](name)
+     "int4-mma": compile_int4_mma, "int4-wgmma": compile_int4_wgmma, "gemm": compile_gemm}[kind](name)
     print("OK")
 
 

@@ -371,24 +371,27 @@ def test_mma_plans():
 
 def test_wgmma_plans():
     """Where the Hopper int4 kernel can run (``PATH="wgmma"`` on an sm_90 GPU: ``wgmma_ok``): int4
-    group 128 with fp16 / bf16 x and up to 64 rows. A program takes a whole number of CHUNKs of
-    groups and keeps x for all of them in shared memory, so K is split until that fits; the
-    split also fills the GPU (about one program per SM); asking for it where it cannot run is an
-    error naming the path."""
+    group 128 with fp16 / bf16 x and up to 64 rows; the default for 2..16 rows there. A program
+    takes a whole number of CHUNKs of groups, about 8, and keeps x for all of them in shared
+    memory (so K is split further where that would not fit); asking for it where it cannot run
+    is an error naming the path."""
     wg = (("PATH", "wgmma"),)
-    cases = [(1, 4096, 4096, 4, 32), (16, 14336, 4096, 1, 112), (16, 4096, 14336, 4, 32), (64, 4096, 14336, 14, 32),
-             (33, 4097, 1024, 2, 33), (5, 256, 128, 1, 2)]
+    # (m, n, k, splits, blocks): 64 rows per program by default
+    cases = [(1, 4096, 4096, 4, 64), (16, 14336, 4096, 4, 224), (16, 4096, 14336, 14, 64),
+             (64, 4096, 14336, 14, 64), (33, 4097, 1024, 1, 65), (5, 256, 128, 1, 4)]
     for m, n, k, splits, blocks in cases:
         plan = quant.launch_plan(4, 128, m, n, k, torch.bfloat16, 132, wg, True, True)
         meta = plan.meta
-        assert meta["MMA_N"] == max(8, 1 << (m - 1).bit_length()) and meta["BLOCK_N"] == 128
+        assert meta["MMA_N"] == max(8, 1 << (m - 1).bit_length()) and meta["BLOCK_N"] == 64
         assert plan.grid == (blocks, plan.splits) and plan.splits == splits, (m, n, k, plan.grid)
         assert plan.chunks_per_split % meta["CHUNK"] == 0 and meta["X_STEPS"] == plan.chunks_per_split
         assert (plan.splits - 1) * plan.chunks_per_split < plan.n_chunks == k // 128 <= plan.splits * plan.chunks_per_split
         x_bytes = meta["X_STEPS"] * meta["MMA_N"] * 128 * 2
-        assert x_bytes + meta["STAGES"] * 128 * 64 <= quant.WGMMA_SMEM
+        assert x_bytes + meta["STAGES"] * meta["BLOCK_N"] * 64 <= quant.WGMMA_SMEM
     plan = quant.launch_plan(4, 128, 16, 4096, 4096, torch.float16, 132, wg + (("SPLITS", 3),), True, True)
     assert plan.splits == 3 and plan.chunks_per_split == 12                  # 32 groups: 12 + 12 + 8
+    plan = quant.launch_plan(4, 128, 64, 4096, 4096, torch.bfloat16, 132, wg + (("SPLITS", 1),), True, True)
+    assert plan.splits == 4 and plan.meta["X_STEPS"] == 8     # x of 32 groups would be 512 KB: 8 fit (128 KB)
     plan = quant.launch_plan(4, 128, 9, 4096, 4096, torch.bfloat16, 132,
                              (("CHUNK", 8), ("PATH", "wgmma"), ("REPS", 1), ("STAGES", 8), ("num_warps", 8)), True, True)
     assert plan.meta["BLOCK_N"] == 128 and plan.meta["num_warps"] == 8 and plan.chunks_per_split % 8 == 0
@@ -400,6 +403,15 @@ def test_wgmma_plans():
             quant.launch_plan(bits, g, m, 4096, 4096, dtype, 132, wg, True, True)
     with pytest.raises(ValueError, match="sm_90"):
         quant.launch_plan(4, 128, 16, 4096, 4096, torch.bfloat16, 132, wg, True, False)
+    # the default: 2..16 rows of int4 group 128 (fp16 / bf16) on sm_90; the GEMV at 1 row, the tl
+    # kernel elsewhere (17+ rows, other groups, int8, fp32 x, no sm_90)
+    for m in (2, 5, 16):
+        assert "ACC_LAYOUT" in quant.launch_plan(4, 128, m, 4096, 4096, torch.float16, 132, (), True, True).meta
+    assert quant.launch_plan(4, 128, 1, 4096, 4096, torch.bfloat16, 132, (), True, True).kernel is quant.quant_gemv_kernel
+    for args in [(4, 128, 17, torch.bfloat16, True), (4, 64, 16, torch.bfloat16, True), (8, 0, 16, torch.bfloat16, True),
+                 (4, 128, 16, torch.float32, True), (4, 128, 16, torch.bfloat16, False)]:
+        bits, g, m, dtype, ok = args
+        assert quant.launch_plan(bits, g, m, 4096, 4096, dtype, 132, (), ok, ok).kernel is quant.quant_dot_kernel, args
 
 
 # ------------------------------------------------------------------------------------------------
@@ -592,7 +604,8 @@ def test_gpu_int4_mma_llm_shapes(m, nk, g, preload):
 
 
 WGMMA_CONFIGS = [{}, dict(SPLITS=3), dict(REPS=1), dict(num_warps=8, REPS=1), dict(STAGES=2),
-                 dict(CHUNK=8, STAGES=8, SPLITS=1), dict(CHUNK=8, STAGES=4, num_warps=8, REPS=1)]
+                 dict(CHUNK=8, STAGES=8, SPLITS=1), dict(CHUNK=8, STAGES=4, num_warps=8, REPS=1),
+                 dict(SPLITS=3, REPS=1)]
 
 
 def _hopper():

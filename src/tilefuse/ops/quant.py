@@ -160,6 +160,8 @@ SKINNY_MAX_ROWS = 64       # up to here the dot kernel pads M to a 16..64-row ti
 REDUCE_BLOCK_N = 256       # columns per program of the split-K reduction
 MMA_MAX_ROWS = 32         # the Gluon int4 kernel pads x to an MMA N of 8, 16 or 32 rows
 WGMMA_MAX_ROWS = 64        # the Hopper int4 kernel pads x to a wgmma N of 8..64 rows
+WGMMA_DEFAULT_MAX_ROWS = 16  # ... and is the default up to here (at 32 rows it was level with the tl kernel)
+WGMMA_GROUPS_PER_PROGRAM = 8   # groups of K per program (split-K beyond): more programs hide more latency
 WGMMA_SMEM = 200 * 1024    # its shared memory: x for the program's groups + the weight ring (sm_90: 227 KB)
 CONFIG_KEYS = ("PATH", "SWAP_AB", "BLOCK_M", "BLOCK_N", "BLOCK_K", "NUM_STAGES", "num_warps", "SPLITS", "PACKED",
                "X_PAIRS", "WARPS_K", "WARPS_N", "REPS", "GROUPS_PER_STEP", "PRELOAD", "CHUNK", "STAGES")
@@ -251,9 +253,11 @@ def _use_wgmma(bits: int, group_size: int, m: int, dtype: torch.dtype, wgmma_ok:
 
 
 def _wgmma_config(m: int, n: int) -> dict:
-    """4 warps (one warp group) on 128 weight rows (REPS = 2 row blocks of 64), z / s for 4 steps
-    per loop body, 4 steps of weight in the cp.async ring."""
-    return dict(PATH="wgmma", num_warps=4, REPS=2, CHUNK=4, STAGES=4)
+    """One warp group on 64 weight rows (REPS = 1), z / s for 4 steps per loop body, 4 steps of
+    weight in the cp.async ring, about WGMMA_GROUPS_PER_PROGRAM groups of K per program. The
+    best of the H200 sweep at M = 4 and 16 (``-s23-quant-sweep-wgmma-*.log``): 128 rows per
+    program (REPS = 2 or 8 warps) and 16-32 groups per program were slower."""
+    return dict(PATH="wgmma", num_warps=4, REPS=1, CHUNK=4, STAGES=4)
 
 
 def _mma_config(m: int, n: int) -> dict:
@@ -276,11 +280,17 @@ def _mma_steps(blocks: int, n_groups: int, slots: int, sms: int) -> int:
     return steps
 
 
-def _default_config(bits: int, m: int, n: int, dtype: torch.dtype, sms: int) -> dict:
-    """M = 1: the GEMV kernel; more rows: the tensor-core kernel (see the functions above). The
-    Gluon kernel (``PATH="mma"``) is not a default: on the H200 it was level with them or slower
-    at every shape but one (benchmarks/NOTES.md, session 18)."""
-    return _gemv_config(bits, n, sms) if _use_gemv(m) else _dot_config(m, dtype)
+def _default_config(bits: int, group_size: int, m: int, n: int, dtype: torch.dtype, sms: int,
+                    wgmma_ok: bool = False) -> dict:
+    """M = 1: the GEMV kernel; 2..WGMMA_DEFAULT_MAX_ROWS rows of int4 group 128 on sm_90: the Hopper
+    kernel; more rows: the tensor-core kernel (see the functions above). The Gluon ``mma.sync``
+    kernel (``PATH="mma"``) is not a default: on the H200 it was level with them or slower at
+    every shape but one (benchmarks/NOTES.md, session 18)."""
+    if _use_gemv(m):
+        return _gemv_config(bits, n, sms)
+    if m <= WGMMA_DEFAULT_MAX_ROWS and _use_wgmma(bits, group_size, m, dtype, wgmma_ok):
+        return _wgmma_config(m, n)
+    return _dot_config(m, dtype)
 
 
 def _packed_dequant(bits: int, dtype: torch.dtype, group_size: int, swap_ab: bool) -> bool:
@@ -329,7 +339,7 @@ def launch_plan(bits: int, group_size: int, m: int, n: int, k: int, dtype: torch
     :data:`CONFIG_KEYS`) replace the defaults (sweeps), those of the overriding PATH when it names
     another kernel. int4 BLOCK_K is rounded to whole groups. ``mma_ok``: the Gluon kernel can run
     (an sm_80+ GPU, not the interpreter)."""
-    cfg = _default_config(bits, m, n, dtype, sms)
+    cfg = _default_config(bits, group_size, m, n, dtype, sms, wgmma_ok)
     path = dict(overrides).get("PATH", cfg["PATH"])
     if path != cfg["PATH"]:
         cfg = {"gemv": lambda: _gemv_config(bits, n, sms), "dot": lambda: _dot_config(m, dtype),
@@ -404,8 +414,9 @@ def _x_unroll(x_steps: int, mma_n: int, threads: int) -> int:
 
 def _wgmma_plan(cfg: dict, m: int, n: int, k: int, sms: int) -> LaunchPlan:
     """The Hopper kernel's plan: ``n_chunks`` counts groups, ``chunks_per_split`` groups per
-    program (a multiple of CHUNK). Splits: enough programs for about one per SM, and few enough
-    groups per program that x for all of them fits in shared memory beside the weight ring."""
+    program (a multiple of CHUNK). Splits: about WGMMA_GROUPS_PER_PROGRAM groups per program
+    (several programs per SM: each one's steps are a chain of waits the others hide), and few
+    enough that x for all of them fits in shared memory beside the weight ring."""
     from ._quant_wgmma import GROUP, int4_wgmma_kernel, wgmma_layouts   # Gluon: imported when first used
     num_warps, reps, chunk, stages = cfg["num_warps"], cfg["REPS"], cfg["CHUNK"], cfg["STAGES"]
     if chunk % stages:
@@ -416,7 +427,7 @@ def _wgmma_plan(cfg: dict, m: int, n: int, k: int, sms: int) -> LaunchPlan:
     n_groups = k // group
     blocks = cdiv(n, block_n)
     x_steps_max = (WGMMA_SMEM - stages * block_n * group // 2) // (mma_n * group * 2) // chunk * chunk
-    splits = cfg.get("SPLITS") or max(1, round(sms / blocks))
+    splits = cfg.get("SPLITS") or cdiv(n_groups, WGMMA_GROUPS_PER_PROGRAM)
     splits = max(splits, cdiv(n_groups, x_steps_max))
     per_split = cdiv(cdiv(n_groups, splits), chunk) * chunk
     splits = cdiv(n_groups, per_split)
@@ -425,6 +436,22 @@ def _wgmma_plan(cfg: dict, m: int, n: int, k: int, sms: int) -> LaunchPlan:
                 X_UNROLL=_x_unroll(per_split, mma_n, 32 * num_warps),
                 CHUNK=chunk, STAGES=stages, BLOCK_N=block_n, num_warps=num_warps)
     return LaunchPlan(int4_wgmma_kernel, (blocks, splits), splits, n_groups, per_split, meta)
+
+
+_PREPARED: dict = {}      # (id(plan), integers, HAS_BIAS, SPLIT) -> (plan, PreparedArgs)
+
+
+def _prepared(plan: LaunchPlan, ints: tuple, has_bias: bool, split: bool):
+    """The prepared arguments of a Gluon launch of ``plan`` (its layouts make the constexprs slow
+    to key per call), built once per plan, strides and flags; the plan is kept beside them so a
+    recycled ``id`` cannot hit."""
+    key = (id(plan), ints, has_bias, split)
+    hit = _PREPARED.get(key)
+    if hit is None or hit[0] is not plan:
+        if len(_PREPARED) > 4096:
+            _PREPARED.clear()
+        hit = _PREPARED[key] = (plan, plan.kernel.prepare(ints, dict(plan.meta, HAS_BIAS=has_bias, SPLIT=split)))
+    return hit[1]
 
 
 def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, bits: int, group_size: int,
@@ -450,12 +477,11 @@ def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, bits: int, group_siz
     zeros_arg = zeros if zeros is not None else qweight   # never read for int8
     bias_arg = bias if bias is not None else y            # never read without HAS_BIAS
     meta = plan.meta
-    if "ACC_LAYOUT" in meta:                              # the Hopper kernel
-        plan.kernel[plan.grid](
-            x2, qweight, scales, zeros, bias_arg, y, partial, m, n, plan.n_chunks, plan.chunks_per_split,
-            x2.stride(0), qweight.stride(0) // 4, scales.stride(0), y.stride(0),
-            **meta, HAS_BIAS=bias is not None and not split, SPLIT=split,
-        )
+    if "ACC_LAYOUT" in meta:                              # the Hopper kernel: a prepared launch
+        ints = (m, n, plan.n_chunks, plan.chunks_per_split, x2.stride(0), qweight.stride(0) // 4, scales.stride(0),
+                y.stride(0))
+        plan.kernel.launch_prepared(plan.grid, (x2, qweight, scales, zeros, bias_arg, y, partial),
+                                    _prepared(plan, ints, bias is not None and not split, split))
     elif plan.kernel is not quant_gemv_kernel and plan.kernel is not quant_dot_kernel:
         plan.kernel[plan.grid](
             x2, qweight, scales, zeros, bias_arg, y, partial, m, n, plan.n_chunks,
