@@ -26,7 +26,10 @@ against the stored scale: every element then obeys ``|W - dequant(q)| <= s / 2``
 ``_quant_kernels`` on CUDA or under the interpreter (M = 1: the FMA GEMV; more rows: the
 tensor-core kernel; either splits K when its tiles alone cannot fill the GPU; launch configs in
 :func:`launch_plan`, cached per shape), and ``F.linear(x, dequantize_weight(qw), bias)`` on CPU
-otherwise. For int4 with up to 32 rows of fp16 / bf16 x the launcher can also run the Gluon
+otherwise. On sm_90, 2..16 rows of fp16 / bf16 x against an int4 group-128 weight take the Hopper
+kernel of ``_quant_wgmma`` instead (warp-group MMA, the weight dequantized into its register
+operand, x relabeled in shared memory: 1.40-1.53× bf16 cuBLAS at M = 16 on the H200, against
+1.17-1.29× for the tensor-core kernel; benchmarks/NOTES.md, session 23). For int4 with up to 32 rows of fp16 / bf16 x the launcher can also run the Gluon
 kernel of ``_quant_gluon`` (config ``PATH="mma"``, sm_80+; sweeps and tests): the weight dequantized straight into
 ``mma.sync``'s registers, 2.5 SASS instructions per value instead of 4.4; not a default, since
 on the H200 it was faster at only one of the sweep's shapes (benchmarks/NOTES.md, session 18).
