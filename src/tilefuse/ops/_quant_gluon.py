@@ -274,7 +274,18 @@ def int4_mma_kernel(
             xp = xp_next
 
     out = gl.sum(acc, axis=0)                             # the slots' groups: [BLOCK_N, MMA_N]
-    SO: gl.constexpr = gl.SliceLayout(0, MMA_LAYOUT)
+    store_yt(out, n0, pid_s, M, N, bias_ptr, y_ptr, partial_ptr, stride_ym, HAS_BIAS, SPLIT)
+
+
+@gluon.jit
+def store_yt(out, n0, pid_s, M, N, bias_ptr, y_ptr, partial_ptr, stride_ym, HAS_BIAS: gl.constexpr,
+             SPLIT: gl.constexpr):
+    """Store ``out`` = yᵀ ``[BLOCK_N, MMA_N]`` (fp32, any layout) for weight rows ``n0 ..``: as
+    split ``pid_s``'s fp32 partials (SPLIT), else plus the bias, as y in y's dtype; rows past N and
+    columns past M are not stored."""
+    BLOCK_N: gl.constexpr = out.shape[0]
+    MMA_N: gl.constexpr = out.shape[1]
+    SO: gl.constexpr = out.type.layout
     o_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, SO))[:, None]
     o_m = gl.arange(0, MMA_N, layout=gl.SliceLayout(0, SO))[None, :]
     mask = (o_n < N) & (o_m < M)
@@ -283,4 +294,4 @@ def int4_mma_kernel(
     else:
         if HAS_BIAS:
             out += gl.load(bias_ptr + o_n, mask=o_n < N, other=0.0).to(gl.float32)
-        gl.store(y_ptr + o_m.to(gl.int64) * stride_ym + o_n, out.to(DTYPE), mask=mask)
+        gl.store(y_ptr + o_m.to(gl.int64) * stride_ym + o_n, out.to(y_ptr.dtype.element_ty), mask=mask)

@@ -42,7 +42,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 from .._launch import fast_launch
-from ._quant_gluon import _log2, _pack2
+from ._quant_gluon import _log2, _pack2, store_yt
 from ._quant_kernels import DEQUANT_ARGS, _dequant_int4_asm
 
 GROUP = gl.constexpr(128)   # int4 group along K served here (one group per step)
@@ -223,13 +223,4 @@ def int4_wgmma_kernel(
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     async_copy.wait_group(0)
 
-    SO: gl.constexpr = ACC_LAYOUT
-    o_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, SO))[:, None]
-    o_m = gl.arange(0, MMA_N, layout=gl.SliceLayout(0, SO))[None, :]
-    mask = (o_n < N) & (o_m < M)
-    if SPLIT:
-        gl.store(partial_ptr + (pid_s * M + o_m).to(gl.int64) * N + o_n, acc, mask=mask)
-    else:
-        if HAS_BIAS:
-            acc += gl.load(bias_ptr + o_n, mask=o_n < N, other=0.0).to(gl.float32)
-        gl.store(y_ptr + o_m.to(gl.int64) * stride_ym + o_n, acc.to(DTYPE), mask=mask)
+    store_yt(acc, n0, pid_s, M, N, bias_ptr, y_ptr, partial_ptr, stride_ym, HAS_BIAS, SPLIT)
