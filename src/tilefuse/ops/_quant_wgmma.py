@@ -10,8 +10,9 @@ stored into shared memory, and read by the tensor core from there (``wgmma``'s B
 shared by the warp group's four warps); only the weight goes through the registers.
 
 **Counted per weight value** (int4, group 128, M rows of x): HBM 0.5 bytes of weight + 3/128 of
-zero point and scale; x is M·K·2 bytes per program from L2 (K·M·2·programs in all: at
-N×K = 14336×4096, M = 16, 112 programs, 14.7 MB of L2 reads against 29.4 MB of weight from HBM).
+zero point and scale; x is M·(its K range)·2 bytes per program from L2: M·K·2 per row block of
+BLOCK_N in all (at N×K = 14336×4096, M = 16 and the default 64 rows per program, 224 row blocks:
+29 MB of L2 reads beside 29.4 MB of weight from HBM; 128 rows per program halve it, but ran slower).
 FLOPs 2·M per value. Instructions per value: PRMT + LOP3 + 2 HFMA2 per two values (the scaled
 dequantization of ``_quant_kernels._dequant_int4_asm``: ``(q − z)·s`` rounded once to x's dtype,
 the weight ``dequantize_weight`` gives, so y is the PyTorch peer's product with fp32 sums).
