@@ -29,7 +29,8 @@ tensor-core kernel; either splits K when its tiles alone cannot fill the GPU; la
 otherwise. On sm_90, 2..16 rows of fp16 / bf16 x against an int4 group-128 weight take the Hopper
 kernel of ``_quant_wgmma`` instead (warp-group MMA, the weight dequantized into its register
 operand, x relabeled in shared memory: 1.40-1.53× bf16 cuBLAS at M = 16 on the H200, against
-1.17-1.29× for the tensor-core kernel; benchmarks/NOTES.md, session 23). For int4 with up to 32 rows of fp16 / bf16 x the launcher can also run the Gluon
+1.17-1.29× for the tensor-core kernel; benchmarks/NOTES.md, session 23). For int4 with up to 32
+rows of fp16 / bf16 x the launcher can also run the Gluon
 kernel of ``_quant_gluon`` (config ``PATH="mma"``, sm_80+; sweeps and tests): the weight dequantized straight into
 ``mma.sync``'s registers, 2.5 SASS instructions per value instead of 4.4; not a default, since
 on the H200 it was faster at only one of the sweep's shapes (benchmarks/NOTES.md, session 18).
@@ -354,13 +355,13 @@ def launch_plan(bits: int, group_size: int, m: int, n: int, k: int, dtype: torch
     if (cfg["PATH"] not in ("gemv", "dot", "mma", "wgmma") or (cfg["PATH"] == "gemv" and m > GEMV_MAX_ROWS)
             or (cfg["PATH"] == "mma" and not _use_mma(bits, m, dtype, mma_ok))
             or (cfg["PATH"] == "wgmma" and not _use_wgmma(bits, group_size, m, dtype, wgmma_ok))):
+        needs = {"mma": (mma_ok, "an sm_80+ GPU"), "wgmma": (wgmma_ok, "an sm_90 GPU")}.get(cfg["PATH"], (True, ""))
         raise ValueError(f"config: PATH {cfg['PATH']!r} cannot serve M = {m}, {bits} bits, group {group_size}, {dtype}"
-                         + ("" if mma_ok else " here (the mma path needs an sm_80+ GPU)")
-                         + ("" if wgmma_ok else " here (the wgmma path needs an sm_90 GPU)"))
+                         + ("" if needs[0] else f" here (the {cfg['PATH']} path needs {needs[1]})"))
     if cfg["PATH"] == "mma":
         return _mma_plan(cfg, group_size, m, n, k, sms)
     if cfg["PATH"] == "wgmma":
-        return _wgmma_plan(cfg, m, n, k, sms)
+        return _wgmma_plan(cfg, m, n, k)
     block_k = _int4_block_k(cfg["BLOCK_K"], group_size, k // group_size) if bits == 4 else cfg["BLOCK_K"]
     n_chunks = cdiv(k, block_k)
     block_n = cfg["BLOCK_N"]
@@ -415,7 +416,7 @@ def _x_unroll(x_steps: int, mma_n: int, threads: int) -> int:
     return unroll
 
 
-def _wgmma_plan(cfg: dict, m: int, n: int, k: int, sms: int) -> LaunchPlan:
+def _wgmma_plan(cfg: dict, m: int, n: int, k: int) -> LaunchPlan:
     """The Hopper kernel's plan: ``n_chunks`` counts groups, ``chunks_per_split`` groups per
     program (a multiple of CHUNK). Splits: about WGMMA_GROUPS_PER_PROGRAM groups per program
     (several programs per SM: each one's steps are a chain of waits the others hide), and few
