@@ -162,10 +162,9 @@ def int4_wgmma_kernel(
     # rows past N, groups past the range and rows of x past M are clamped to the last valid one
     # (valid addresses, no masks); a clamped group's scale is 0, clamped rows are not stored
 
-    # x [MMA_N, 128 per step] into shared memory, relabeled, for all of this program's groups,
-    # X_UNROLL steps per load (their 16-byte loads all in flight before the stores)
-    # halves of 64 columns (128-byte rows: one 128-byte swizzle span, so the 2-D tiles and the 3-D
-    # fill view below lay out the same bytes)
+    # x, relabeled, for all of this program's groups: per step two [MMA_N, 64] halves (128-byte
+    # rows, one 128-byte swizzle span, so the 2-D tiles and the 3-D fill view lay out the same
+    # bytes), filled X_UNROLL steps per load (their 16-byte loads all in flight before the stores)
     x_smem = gl.allocate_shared_memory(DTYPE, [2 * X_STEPS, MMA_N, GROUP // 2],
                                        gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
     x_fill = x_smem._reinterpret(DTYPE, [X_STEPS // X_UNROLL, 2 * X_UNROLL, MMA_N, GROUP // 2],
