@@ -139,8 +139,7 @@ def _plan_text(x, bits, n, cfg) -> str:
                              tuple(sorted(cfg.items())), True, torch.cuda.get_device_capability()[0] == 9)
     meta = plan.meta
     if "ACC_LAYOUT" in meta:
-        tma = f" tma regs{meta['maxnreg']}" if "maxnreg" in meta else ""
-        return (f"wgmma{tma} n{meta['BLOCK_N']} w{meta['num_warps']} chunk{meta['CHUNK']} stages{meta['STAGES']} "
+        return (f"wgmma n{meta['BLOCK_N']} w{meta['num_warps']} chunk{meta['CHUNK']} stages{meta['STAGES']} "
                 f"mma_n{meta['MMA_N']} groups/split {plan.chunks_per_split} splits{plan.splits} grid{plan.grid}")
     if "MMA_N" in meta:
         return (f"mma n{meta['BLOCK_N']} slots{meta['SLOTS']} steps{meta['STEPS']} w{meta['num_warps']} mma_n{meta['MMA_N']} "

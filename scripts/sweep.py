@@ -142,7 +142,8 @@ def norm_configs(n_cols, pass_, dtype_bytes=2, bwd_inputs=2):
         if not (2048 <= elems <= 32768 and 8 <= per_thread <= 32):
             continue
         if pass_ == "fwd":
-            out.append({"max_fused_n": 65536, "BLOCK_M": bm, "num_warps": w})
+            out += [{"max_fused_n": 65536, "BLOCK_M": bm, "num_warps": w, "X_EVICT": ev}
+                    for ev in ("", "evict_last", "evict_first")]
         else:
             for pps, pf, stages in itertools.product(sorted({max(1, 16 // w), max(1, 32 // w)}), (False, True),
                                                      (1, 2, 3)):

@@ -395,11 +395,6 @@ def test_wgmma_plans():
     plan = quant.launch_plan(4, 128, 9, 4096, 4096, torch.bfloat16, 132,
                              (("CHUNK", 8), ("PATH", "wgmma"), ("REPS", 1), ("STAGES", 8), ("num_warps", 8)), True, True)
     assert plan.meta["BLOCK_N"] == 128 and plan.meta["num_warps"] == 8 and plan.chunks_per_split % 8 == 0
-    # TMA: the loader-warp variant, any ring depth, registers for CTAS programs an SM (8 warps each)
-    plan = quant.launch_plan(4, 128, 16, 4096, 4096, torch.bfloat16, 132, wg + (("STAGES", 3), ("TMA", 1)), True, True)
-    assert plan.kernel.__name__ == "int4_wgmma_tma_kernel" and plan.meta["maxnreg"] == 80 and plan.meta["STAGES"] == 3
-    with pytest.raises(ValueError, match="num_warps=4"):
-        quant.launch_plan(4, 128, 16, 4096, 4096, torch.bfloat16, 132, wg + (("TMA", 1), ("num_warps", 8)), True, True)
     with pytest.raises(ValueError, match="STAGES"):
         quant.launch_plan(4, 128, 9, 4096, 4096, torch.bfloat16, 132, wg + (("CHUNK", 4), ("STAGES", 8)), True, True)
     for bits, g, m, dtype in [(8, 0, 1, torch.bfloat16), (4, 64, 16, torch.bfloat16), (4, 128, 65, torch.bfloat16),
@@ -610,8 +605,7 @@ def test_gpu_int4_mma_llm_shapes(m, nk, g, preload):
 
 WGMMA_CONFIGS = [{}, dict(SPLITS=3), dict(REPS=1), dict(num_warps=8, REPS=1), dict(STAGES=2),
                  dict(CHUNK=8, STAGES=8, SPLITS=1), dict(CHUNK=8, STAGES=4, num_warps=8, REPS=1),
-                 dict(SPLITS=3, REPS=1), dict(TMA=1), dict(TMA=1, STAGES=8, SPLITS=3),
-                 dict(TMA=1, CHUNK=8, STAGES=3, SPLITS=1, CTAS=2)]
+                 dict(SPLITS=3, REPS=1)]
 
 
 def _hopper():

@@ -178,6 +178,11 @@ def _bwd_block_loads(x_ptr, dy_ptr, mean_ptr, rstd_ptr, blk, cols, n_rows, n_col
     return x, dy, mean, rstd
 
 
+@triton.jit
+def _add_pair(a1, b1, a2, b2):
+    return a1 + a2, b1 + b2
+
+
 @fast_launch
 @triton.jit
 def norm_bwd_kernel(
@@ -243,9 +248,14 @@ def norm_bwd_kernel(
         if STATS_IN:
             c1 = tl.load(dot_ptr + rows, mask=row_mask, other=0.0)
             c2 = tl.load(dot_ptr + n_rows + rows, mask=row_mask, other=0.0)
-        else:
+        elif IS_RMS:
             c1 = tl.sum(xhat * wdy, axis=1) * (1.0 / n_cols)
-            c2 = tl.sum(wdy, axis=1) * (1.0 / n_cols)
+            c2 = c1                     # unused
+        else:
+            # both row sums in one reduction: one exchange through shared memory, not two
+            c1, c2 = tl.reduce((xhat * wdy, wdy), 1, _add_pair)
+            c1 *= 1.0 / n_cols
+            c2 *= 1.0 / n_cols
         if IS_RMS:
             dx = (wdy - xhat * c1[:, None]) * rstd[:, None]
         else:

@@ -37,15 +37,12 @@ from __future__ import annotations
 
 import functools
 
-import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 from .._launch import fast_launch
-from ._gluon_common import LOADER_REGS_KERNEL, host_descriptor, release_stage
 from ._quant_gluon import _log2, _pack2, store_yt
 from ._quant_kernels import DEQUANT_ARGS, _dequant_int4_asm
 
@@ -255,135 +252,3 @@ def int4_wgmma_kernel(
     async_copy.wait_group(0)
 
     store_yt(acc, n0, gl.program_id(1), M, N, bias_ptr, y_ptr, partial_ptr, stride_ym, HAS_BIAS, SPLIT)
-
-
-# ----------------------------------------------------------------------------------------------
-# the warp-specialized variant: a TMA loader warp feeds the weight ring
-# ----------------------------------------------------------------------------------------------
-
-
-@functools.lru_cache(maxsize=None)
-def tma_weight_layout() -> gl.NVMMASharedLayout:
-    """The weight ring's shared layout: a TMA box ``[1, BLOCK_N, 16]`` int32 (one group of BLOCK_N
-    rows) unswizzled, one 64-byte row per weight row: the words layout's 16-byte reads hit 32
-    different banks per 8 lanes (rows g and g + 1 are adjacent), so no swizzle is needed."""
-    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3)
-
-
-def tma_weight_descriptor(qweight, block_n: int):
-    """The TMA descriptor of a packed int4 weight (uint8 ``[N, K / 2]``, 16-byte aligned, rows a
-    multiple of 16 bytes) as int32 words ``[K / GROUP, N, 16]`` (group, row, word: the group's 64
-    bytes of each row), boxes of one group of ``block_n`` rows; cached per address and view."""
-    words = qweight.view(torch.int32)
-    n, row_words = words.shape
-    return host_descriptor(words, (row_words // WORDS.value, n, WORDS.value), (WORDS.value, words.stride(0), 1),
-                           (1, block_n, WORDS.value), tma_weight_layout())
-
-
-def tma_regs(ctas_per_sm: int) -> int:
-    """Registers per thread at launch for ``ctas_per_sm`` programs an SM: a program is the consumer
-    warp group and the loader warp padded to a group (8 warps); the loader keeps
-    ``_gluon_common.LOADER_REGS`` and the consumers take the rest (3 programs: 80 at launch, 120)."""
-    return 65536 // (256 * ctas_per_sm) // 8 * 8
-
-
-@gluon.jit
-def _tma_weight_loader(w_desc, w_ring, ready, empty, n0, g_begin, groups_per_split, STAGES: gl.constexpr):
-    """The loader warp: step i's words (group ``g_begin + i`` of rows ``n0 ..``; past N or past the
-    last group the TMA unit writes zeros) into slot ``i % STAGES`` once the consumers freed it."""
-    for i in range(groups_per_split):
-        s = i % STAGES
-        # a fresh mbarrier counts as phase 1 complete: the first lap does not wait
-        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
-        mbarrier.expect(ready.index(s), w_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(w_desc, [g_begin + i, n0, 0], ready.index(s), w_ring.index(s))
-
-
-@gluon.jit
-def _tma_consumer(x_ptr, scales_ptr, zeros_ptr, bias_ptr, y_ptr, partial_ptr, x_smem, w_ring, ready, empty,
-                  M, N, n_groups, groups_per_split, stride_xm, stride_sn, stride_ym,
-                  MMA_N: gl.constexpr, WORDS_LAYOUT: gl.constexpr, ROW_LAYOUT: gl.constexpr,
-                  ACC_LAYOUT: gl.constexpr, X_LAYOUT: gl.constexpr, X_STEPS: gl.constexpr, X_UNROLL: gl.constexpr,
-                  CHUNK: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, HAS_BIAS: gl.constexpr,
-                  SPLIT: gl.constexpr):
-    """The consumer warp group: x into shared memory (while the loader's first steps are in
-    flight), then per step wait for the words, read them into registers, free the slot, and MMA."""
-    DTYPE: gl.constexpr = x_ptr.dtype.element_ty
-    A_LAYOUT: gl.constexpr = gl.DotOperandLayout(0, ACC_LAYOUT, 2)
-    SW: gl.constexpr = gl.SliceLayout(1, WORDS_LAYOUT)
-    SR: gl.constexpr = gl.SliceLayout(1, ROW_LAYOUT)
-    n0 = gl.program_id(0) * BLOCK_N
-    g_begin, g_count, g_last = _program_groups(n_groups, groups_per_split)
-    _fill_x(x_ptr, x_smem, M, stride_xm, g_begin, g_last, MMA_N, X_LAYOUT, X_STEPS, X_UNROLL)
-    r_rows = (gl.minimum(n0 + gl.arange(0, BLOCK_N, layout=SR), N - 1).to(gl.int64) * stride_sn)[:, None]
-    r_step = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, ROW_LAYOUT))[None, :]
-    # the ring's [1, BLOCK_N, 16] boxes as [BLOCK_N, 16] tiles (unswizzled: the same bytes)
-    w_tiles = w_ring._reinterpret(gl.int32, [STAGES, BLOCK_N, WORDS],
-                                  gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
-    acc = gl.zeros([BLOCK_N, MMA_N], gl.float32, ACC_LAYOUT)
-    for c in range(0, groups_per_split, CHUNK):
-        nz_all, s2_all = _chunk_params(scales_ptr, zeros_ptr, r_rows, r_step, g_begin + c, g_last, DTYPE)
-        for j in gl.static_range(CHUNK):
-            step = c + j
-            s = step % STAGES
-            mbarrier.wait(ready.index(s), (step // STAGES) & 1)
-            words = w_tiles.index(s).load(WORDS_LAYOUT)
-            release_stage(empty, s)                     # the words are in registers: the slot is free
-            xi = 2 * gl.minimum(step, g_count - 1)
-            acc = _step_mma(acc, words, nz_all, s2_all, j, r_step, x_smem, xi, SW, A_LAYOUT)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    store_yt(acc, n0, gl.program_id(1), M, N, bias_ptr, y_ptr, partial_ptr, stride_ym, HAS_BIAS, SPLIT)
-
-
-@fast_launch
-@gluon.jit
-def int4_wgmma_tma_kernel(
-    x_ptr,              # *x [M, K] bf16 / fp16, unit K stride
-    w_desc,             # TMA descriptor of the packed weight as int32 [K / GROUP, N, 16] (tma_weight_descriptor)
-    scales_ptr,         # *scales [N, K / GROUP], x's dtype
-    zeros_ptr,          # *zero points uint8 [N, K / GROUP]
-    bias_ptr,           # *bias [N] (read only when HAS_BIAS and not SPLIT)
-    y_ptr,              # *y [M, N], x's dtype (written when not SPLIT)
-    partial_ptr,        # *fp32 partials [splits, M, N] (written when SPLIT)
-    M,                  # rows of x (1 <= M <= MMA_N)
-    N,                  # output features
-    n_groups,           # K / GROUP (>= 1)
-    groups_per_split,   # groups per program along grid axis 1 (a multiple of CHUNK)
-    stride_xm,          # elements between rows of x
-    stride_qw,          # (unused: the descriptor holds the weight's strides; kept for one argument list)
-    stride_sn,          # elements between rows of scales / zeros
-    stride_ym,          # elements between rows of y
-    MMA_N: gl.constexpr,            # as int4_wgmma_kernel
-    WORDS_LAYOUT: gl.constexpr,
-    ROW_LAYOUT: gl.constexpr,
-    ACC_LAYOUT: gl.constexpr,
-    X_LAYOUT: gl.constexpr,
-    X_STEPS: gl.constexpr,
-    X_UNROLL: gl.constexpr,
-    CHUNK: gl.constexpr,
-    STAGES: gl.constexpr,           # weight steps in the TMA ring (any count)
-    BLOCK_N: gl.constexpr,          # weight rows per program: 16 x num_warps x REPS (the descriptor's box)
-    HAS_BIAS: gl.constexpr,
-    SPLIT: gl.constexpr,
-):
-    """:func:`int4_wgmma_kernel`'s product with the weight fed by a loader warp through TMA and
-    mbarriers: no ``cp.async`` issue, no fragment-shaped global loads (8 rows x 64 bytes per warp
-    instruction through L1) and no CTA-wide barrier per step in the consumer warp group."""
-    DTYPE: gl.constexpr = x_ptr.dtype.element_ty
-    x_smem = gl.allocate_shared_memory(DTYPE, [2 * X_STEPS, MMA_N, GROUP // 2],
-                                       gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
-    w_ring = gl.allocate_shared_memory(gl.int32, [STAGES] + w_desc.block_type.shape, w_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
-    n0 = gl.program_id(0) * BLOCK_N
-    g_begin = gl.program_id(1) * groups_per_split
-    gl.warp_specialize([
-        (_tma_consumer, (x_ptr, scales_ptr, zeros_ptr, bias_ptr, y_ptr, partial_ptr, x_smem, w_ring, ready, empty,
-                         M, N, n_groups, groups_per_split, stride_xm, stride_sn, stride_ym, MMA_N, WORDS_LAYOUT,
-                         ROW_LAYOUT, ACC_LAYOUT, X_LAYOUT, X_STEPS, X_UNROLL, CHUNK, STAGES, BLOCK_N, HAS_BIAS,
-                         SPLIT)),
-        (_tma_weight_loader, (w_desc, w_ring, ready, empty, n0, g_begin, groups_per_split, STAGES)),
-    ], [1], [LOADER_REGS_KERNEL])

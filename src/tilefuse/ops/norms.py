@@ -72,7 +72,7 @@ def _bwd_rows_per_step(block_n: int, n_rows: int) -> int:
 
 def _fwd_num_warps(tile_elems: int) -> int:
     """LayerNorm forward: ~32 values per thread, at most 16 warps (H200: 4 warps best at N=4096, 8 at
-    N=8192; RMSNorm's 16 warps with its evict_last x load cost 16384x8192 9 % here, session 9)."""
+    N=8192; 16 warps with the evict_last x load cost 16384x8192 9 %, session 9)."""
     return _num_warps(tile_elems, per_thread=32, max_warps=16)
 
 
@@ -83,12 +83,13 @@ def _rms_fwd_num_warps(tile_elems: int) -> int:
     return _num_warps(tile_elems, per_thread=16, max_warps=16)
 
 
-def _fwd_x_evict(is_rms: bool) -> str:
-    """L2 policy of the forward's x load: evict_last for RMSNorm (H200 rms_norm 16384x8192,
-    replayed: 127.4 vs 129.9 µs, flushed 130.0 vs 135.1; 16384x4096 65.3 vs 65.7; session 9,
-    `-s9-rms-fwd-evict.log`; what in L2 it protects is not known), the default for LayerNorm
-    (with it, and 16 warps, 16384x8192 lost 9 %)."""
-    return "evict_last" if is_rms else ""
+def _fwd_x_evict() -> str:
+    """L2 policy of the forward's x load: evict_last for both norms. RMSNorm (H200 session 9,
+    `-s9-rms-fwd-evict.log`, replayed): 16384x8192 127.4 vs 129.9 µs, 16384x4096 65.3 vs 65.7.
+    LayerNorm (H200 session 24, `-s24-sweep-layer-norm.log`, do_bench after an L2 flush, interleaved
+    medians): 16384x4096 69.6 vs 70.7 µs at its 4 warps, 16384x8192 134.4 vs 135.9 at 8 warps
+    (session 9's loss with the hint was at 16 warps). What in L2 it protects is not known."""
+    return "evict_last"
 
 
 def _num_warps(tile_elems: int, per_thread: int = 16, max_warps: int = 32) -> int:
@@ -172,7 +173,7 @@ def _fwd_plan(n_rows: int, n_cols: int, x_stride: int, r_stride: int, eps: float
     prepared = norm_fwd_kernel.prepare(
         (src_stride, r_stride, n_cols, n_cols, n_rows, n_cols, eps, offset),
         dict(IS_RMS=is_rms, HAS_RES=has_res and not stats_in, HAS_W=has_w, HAS_B=has_b, STATS_IN=stats_in,
-             BLOCK_M=block_m, BLOCK_N=block_n, X_EVICT=cfg.get("X_EVICT", _fwd_x_evict(is_rms)),
+             BLOCK_M=block_m, BLOCK_N=block_n, X_EVICT=cfg.get("X_EVICT", _fwd_x_evict()),
              num_warps=num_warps))
     return _FwdPlan(stats_in, block_n, (cdiv(n_rows, block_m), cdiv(n_cols, block_n)), prepared)
 

@@ -168,8 +168,7 @@ WGMMA_DEFAULT_MAX_ROWS = 16  # ... and is the default up to here (at 32 rows it 
 WGMMA_GROUPS_PER_PROGRAM = 8   # groups of K per program (split-K beyond): more programs hide more latency
 WGMMA_SMEM = 200 * 1024    # its shared memory: x for the program's groups + the weight ring (sm_90: 227 KB)
 CONFIG_KEYS = ("PATH", "SWAP_AB", "BLOCK_M", "BLOCK_N", "BLOCK_K", "NUM_STAGES", "num_warps", "SPLITS", "PACKED",
-               "X_PAIRS", "WARPS_K", "WARPS_N", "REPS", "GROUPS_PER_STEP", "PRELOAD", "CHUNK", "STAGES", "TMA",
-               "CTAS")
+               "X_PAIRS", "WARPS_K", "WARPS_N", "REPS", "GROUPS_PER_STEP", "PRELOAD", "CHUNK", "STAGES")
 
 
 class LaunchPlan(NamedTuple):
@@ -422,12 +421,9 @@ def _wgmma_plan(cfg: dict, m: int, n: int, k: int) -> LaunchPlan:
     program (a multiple of CHUNK). Splits: about WGMMA_GROUPS_PER_PROGRAM groups per program
     (several programs per SM: each one's steps are a chain of waits the others hide), and few
     enough that x for all of them fits in shared memory beside the weight ring."""
-    from ._quant_wgmma import GROUP, int4_wgmma_kernel, int4_wgmma_tma_kernel, tma_regs, wgmma_layouts
+    from ._quant_wgmma import GROUP, int4_wgmma_kernel, wgmma_layouts   # Gluon: imported when first used
     num_warps, reps, chunk, stages = cfg["num_warps"], cfg["REPS"], cfg["CHUNK"], cfg["STAGES"]
-    tma = bool(cfg.get("TMA", False))
-    if tma and num_warps != 4:
-        raise ValueError(f"config: TMA takes one consumer warp group (num_warps=4), got num_warps={num_warps}")
-    if chunk % stages and not tma:
+    if chunk % stages:
         raise ValueError(f"config: STAGES ({stages}) must divide CHUNK ({chunk})")
     group = GROUP.value
     mma_n = max(8, next_power_of_2(m))
@@ -443,10 +439,7 @@ def _wgmma_plan(cfg: dict, m: int, n: int, k: int) -> LaunchPlan:
     meta = dict(MMA_N=mma_n, WORDS_LAYOUT=words, ROW_LAYOUT=rows, ACC_LAYOUT=acc, X_LAYOUT=xl, X_STEPS=per_split,
                 X_UNROLL=_x_unroll(per_split, mma_n, 32 * num_warps),
                 CHUNK=chunk, STAGES=stages, BLOCK_N=block_n, num_warps=num_warps)
-    if tma:
-        meta["maxnreg"] = tma_regs(cfg.get("CTAS", 3))
-    return LaunchPlan(int4_wgmma_tma_kernel if tma else int4_wgmma_kernel, (blocks, splits), splits, n_groups,
-                      per_split, meta)
+    return LaunchPlan(int4_wgmma_kernel, (blocks, splits), splits, n_groups, per_split, meta)
 
 
 _PREPARED: dict = {}      # (id(plan), integers, HAS_BIAS, SPLIT) -> (plan, PreparedArgs)
@@ -483,8 +476,6 @@ def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, bits: int, group_siz
         plan = launch_plan(bits, group_size, m, n, k, x2.dtype, num_sms(x2))
     if qweight.data_ptr() % 4:
         qweight = qweight.clone()                         # the kernels read 4-byte words
-    if "maxnreg" in plan.meta and (qweight.data_ptr() % 16 or qweight.stride(0) % 16):
-        qweight = qweight.contiguous().clone()            # TMA: 16-byte aligned base and rows
     split = plan.splits > 1
     partial = empty((plan.splits, m, n), torch.float32, x2.device) if split else y
     zeros_arg = zeros if zeros is not None else qweight   # never read for int8
@@ -493,11 +484,7 @@ def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, bits: int, group_siz
     if "ACC_LAYOUT" in meta:                              # the Hopper kernel: a prepared launch
         ints = (m, n, plan.n_chunks, plan.chunks_per_split, x2.stride(0), qweight.stride(0) // 4, scales.stride(0),
                 y.stride(0))
-        w_arg = qweight
-        if "maxnreg" in meta:                             # the TMA variant reads the weight by descriptor
-            from ._quant_wgmma import tma_weight_descriptor
-            w_arg = tma_weight_descriptor(qweight, meta["BLOCK_N"])
-        plan.kernel.launch_prepared(plan.grid, (x2, w_arg, scales, zeros, bias_arg, y, partial),
+        plan.kernel.launch_prepared(plan.grid, (x2, qweight, scales, zeros, bias_arg, y, partial),
                                     _prepared(plan, ints, bias is not None and not split, split))
     elif plan.kernel is not quant_gemv_kernel and plan.kernel is not quant_dot_kernel:
         plan.kernel[plan.grid](
