@@ -180,6 +180,7 @@ def _bwd_block_loads(x_ptr, dy_ptr, mean_ptr, rstd_ptr, blk, cols, n_rows, n_col
 
 @triton.jit
 def _add_pair(a1, b1, a2, b2):
+    """Combine of a two-sum ``tl.reduce``: (Σa, Σb) in one reduction."""
     return a1 + a2, b1 + b2
 
 
