@@ -373,3 +373,58 @@ def test_gpu_default_dq_kernel(d, dq_kernel):
     dq_kernels = {"attention_bwd_dq_ws_kernel", "attention_bwd_dq_kernel"} & names
     assert dq_kernels == {dq_kernel}, names
     assert "attention_bwd_dkdv_ws_kernel" in names, names
+
+
+# ----------------------------------------------------------------------------------------------
+# program order (HEAD_GROUP): which program takes which (block, head) must never change a result
+# ----------------------------------------------------------------------------------------------
+
+
+def _order_inputs(b, s, hq, hkv, d, dtype):
+    q = torch.randn(b, s, hq, d, device=DEVICE, dtype=dtype)
+    k, v = (torch.randn(b, s, hkv, d, device=DEVICE, dtype=dtype) for _ in range(2))
+    out, lse = attention_reference(q, k, v, True, (-1, -1), 0.0, d ** -0.5, return_lse=True)
+    return torch.randn_like(out), q, k, v, out.to(dtype), lse.float()
+
+
+@pytest.mark.parametrize("window", [(None, 0), (9, None)], ids=["causal", "left_window"])
+def test_head_group_orders_programs_only(window):
+    """B·H_kv = 6, H_q = 12: every HEAD_GROUP dividing them gives the same gradients, bitwise, and
+    they match the fp64 reference; one that divides neither is a ValueError before any launch."""
+    left, right = window
+    do, q, k, v, out, lse = _order_inputs(2, 45, 6, 3, 16, torch.float32)
+    run = lambda cfg: launch_attention_backward(do, q, k, v, out, lse, scale=0.25, window_left=left,  # noqa: E731
+                                                window_right=right, config=dict(SMALL, **cfg))
+    first = run({"HEAD_GROUP": 1})
+    for g in (2, 3, 6):
+        assert all(torch.equal(a, b) for a, b in zip(run({"HEAD_GROUP": g}), first)), g
+    assert all(torch.equal(a, b) for a, b in zip(run({}), first))
+    with pytest.raises(ValueError, match="HEAD_GROUP"):
+        run({"HEAD_GROUP": 4})
+    _check(2, 45, 45, 6, 3, 16, torch.float32, window=(-1 if left is None else left, -1 if right is None else right),
+           config=dict(SMALL, HEAD_GROUP=3), scale=0.25)
+
+
+def test_heads_per_group_heuristic():
+    from tilefuse.ops._attention_common import heads_per_group, schedule_grid
+    assert heads_per_group(8, 256, True, 132) == 16          # 8 blocks x 16 heads: one wave
+    assert heads_per_group(32, 64, True, 132) == 4
+    assert heads_per_group(8, 256, False, 132) == 1          # even work: head order
+    assert heads_per_group(256, 16, True, 132) == 1          # a head fills the GPU on its own
+    assert heads_per_group(8, 19, True, 132) == 1            # prime B·H above the target: head order
+    assert heads_per_group(8, 12, True, 132) == 12
+    assert schedule_grid(8, 256, True, 132) == (16, 8, 16)
+    assert schedule_grid(8, 256, True, 132, head_group=1) == (1, 8, 256)
+    assert schedule_grid(0, 6, True, 132) == (1, 0, 6)       # no block: an empty grid
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_head_group_bitwise(d):
+    """The default kernels (Gluon dk/dv and dq on sm_90) in every program order: bitwise equal."""
+    do, q, k, v, out, lse = _order_inputs(4, 1000, 6, 2, d, torch.bfloat16)
+    run = lambda g: launch_attention_backward(do, q, k, v, out, lse, scale=d ** -0.5,   # noqa: E731
+                                              window_right=0, config={"HEAD_GROUP": g})
+    first = run(1)
+    for g in (2, 4, 8):
+        assert all(torch.equal(a, b) for a, b in zip(run(g), first)), g

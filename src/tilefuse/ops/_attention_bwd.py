@@ -47,8 +47,8 @@ from typing import NamedTuple
 import torch
 
 from .._launch import PreparedArgs, config_key, use_device_descriptors
-from .._dispatch import cdiv, contiguous_strides, device_major, empty
-from ._attention_common import config_wants_gluon
+from .._dispatch import cdiv, contiguous_strides, device_major, empty, num_sms
+from ._attention_common import config_wants_gluon, schedule_grid
 from ._attention_bwd_kernels import attention_bwd_dkdv_kernel, attention_bwd_dq_kernel, attention_bwd_preprocess_kernel
 from ._attention_fwd_kernels import head_block
 
@@ -228,8 +228,10 @@ class _BackwardPlan(NamedTuple):
 @functools.lru_cache(maxsize=512)
 def _backward_plan(q_shape: tuple, k_shape: tuple, strides: tuple, lse_strides: tuple, dtype: torch.dtype,
                    major: int, aligned: bool, varlen: bool, batch: int, max_seqlen_q: int, max_seqlen_k: int,
-                   scale: float, softcap: float, window_left, window_right, config: tuple) -> _BackwardPlan:
-    """The launch plan of :func:`launch_attention_backward` (``strides``: q, k, v, do, out)."""
+                   scale: float, softcap: float, window_left, window_right, config: tuple,
+                   sms: int) -> _BackwardPlan:
+    """The launch plan of :func:`launch_attention_backward` (``strides``: q, k, v, do, out;
+    ``sms``: the device's multiprocessors, for the program order)."""
     config = dict(config)
     head_dim, h_q, h_kv = q_shape[-1], q_shape[-2], k_shape[-2]
     elem = dtype.itemsize
@@ -272,23 +274,27 @@ def _backward_plan(q_shape: tuple, k_shape: tuple, strides: tuple, lse_strides: 
     dkdv_grid = dq_grid = ()
     if gluon:
         gluon_dkdv = {key: cfg["GLUON_" + key] for key in ("BLOCK_M", "STAGES") if "GLUON_" + key in cfg}
+        if "HEAD_GROUP" in cfg:
+            gluon_dkdv["HEAD_GROUP"] = cfg["HEAD_GROUP"]
     else:
         k_out = _bsh_strides(contiguous_strides(k_shape), varlen)     # dk, dv: contiguous, k's shape
-        dkdv_grid = (cdiv(max_seqlen_k, cfg["BLOCK_N1"]), h_kv, batch)
+        dkdv_grid = schedule_grid(cdiv(max_seqlen_k, cfg["BLOCK_N1"]), batch * h_kv, masked, sms,
+                                  cfg.get("HEAD_GROUP"))
         dkdv = attention_bwd_dkdv_kernel.prepare(
             (*bsh[0], *bsh[1], *bsh[2], *bsh[3], *k_out, *k_out,
-             seqlen_q, seqlen_k, stat_stride, stat_seq, h_q // h_kv, *common),
+             seqlen_q, seqlen_k, stat_stride, stat_seq, h_kv, h_q // h_kv, *common),
             dict(BLOCK_M=cfg["BLOCK_M1"], BLOCK_N=cfg["BLOCK_N1"], SPLIT_LOOPS=split_dkdv,
                  DV_LATE=bool(cfg.get("dv_late", False)), **flags,
                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
     if gluon and cfg.get("GLUON_DQ", gluon_dq_default(head_dim)):
         gluon_dq = {key: cfg["GLUON_DQ_" + key] for key in ("BLOCK_N", "STAGES") if "GLUON_DQ_" + key in cfg}
+        if "HEAD_GROUP" in cfg:
+            gluon_dq["HEAD_GROUP"] = cfg["HEAD_GROUP"]
     else:
-        n_q_blocks = cdiv(max_seqlen_q, cfg["BLOCK_M2"])
-        dq_grid = (n_q_blocks, h_q, batch)
+        dq_grid = schedule_grid(cdiv(max_seqlen_q, cfg["BLOCK_M2"]), batch * h_q, masked, sms, cfg.get("HEAD_GROUP"))
         dq = attention_bwd_dq_kernel.prepare(
             (*bsh[0], *bsh[1], *bsh[2], *bsh[3], *_bsh_strides(contiguous_strides(q_shape), varlen),
-             seqlen_q, seqlen_k, stat_stride, stat_seq, n_q_blocks, h_q // h_kv, *common),
+             seqlen_q, seqlen_k, stat_stride, stat_seq, h_q, h_q // h_kv, *common),
             dict(BLOCK_M=cfg["BLOCK_M2"], BLOCK_N=cfg["BLOCK_N2"], SPLIT_LOOPS=split_dq, **flags,
                  num_warps=cfg["num_warps_dq"], num_stages=cfg["num_stages_dq"]))
     window = (None if window_left is None else wl, None if window_right is None else wr)
@@ -330,7 +336,7 @@ def launch_attention_backward(
         raise ValueError(f"batch must be <= 65535 (a grid axis), got {batch}")
     plan = _backward_plan(tuple(q.shape), tuple(k.shape), (q.stride(), k.stride(), v.stride(), do.stride(), out.stride()),
                           lse_strides, q.dtype, device_major(q), _aligned(q, k, v, do), varlen, batch, max_seqlen_q,
-                          max_seqlen_k, scale, softcap, window_left, window_right, config_key(config))
+                          max_seqlen_k, scale, softcap, window_left, window_right, config_key(config), num_sms(q))
     if plan.use_tma:
         use_device_descriptors()
     delta, lse2 = empty(plan.stat_shape, torch.float32, q.device)   # one allocation: ~5-9 µs of host each

@@ -50,10 +50,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .._dispatch import cdiv
+from .._dispatch import cdiv, num_sms
 from .._launch import cached_by_view, config_key, fast_launch
 from ._attention_bwd_kernels import LOG2E, free_query_blocks
-from ._attention_common import apply_softcap, query_range, visible
+from ._attention_common import apply_softcap, query_range, schedule_grid, scheduled_block, visible
 from ._attention_fwd_gluon import _descriptor
 from ._gluon_common import consumer_regs, host_descriptor, resident_and_ring_barriers
 
@@ -67,10 +67,10 @@ LOADER_REGS_KERNEL = gl.constexpr(LOADER_REGS)
 
 @gluon.jit
 def _key_block_of_program(n_heads_kv, BLOCK_N: gl.constexpr):
-    """(start_n, b, hk): grid (key blocks, B·H_kv); under a causal mask the first key blocks see
-    the most queries, so the heavy programs start first."""
-    pid_bh = gl.program_id(1)
-    return gl.program_id(0) * BLOCK_N, pid_bh // n_heads_kv, pid_bh % n_heads_kv
+    """(start_n, b, hk): a :func:`schedule_grid` grid over (key blocks, B·H_kv); under a causal
+    mask the first key blocks see the most queries, so the heavy programs start first."""
+    block, pid_bh = scheduled_block(False)
+    return block * BLOCK_N, pid_bh // n_heads_kv, pid_bh % n_heads_kv
 
 
 @gluon.jit
@@ -322,14 +322,16 @@ def use_gluon_backward(dtype: torch.dtype, head_dim: int, varlen: bool, use_tma:
 
 @functools.lru_cache(maxsize=256)
 def _dkdv_ws_plan(q_shape: tuple, k_shape: tuple, stat_seq: int, scale: float, softcap: float,
-                  window_left, window_right, config: tuple) -> tuple:
+                  window_left, window_right, config: tuple, sms: int) -> tuple:
     """(grid, queries per step, prepared arguments after the 8 descriptors) of one launch, from
-    shapes and options only (cached: ~40 µs of host time per backward on the H200 host)."""
+    shapes and options only (cached: ~40 µs of host time per backward on the H200 host; ``sms``:
+    the device's, for the program order)."""
     cfg = {**WS_CONFIG, "BLOCK_M": ws_block_m(q_shape[-1]), **dict(config)}
     batch, seqlen_q, n_heads_q, _ = q_shape
     seqlen_k, n_heads_kv = k_shape[1], k_shape[2]
     launch_regs, worker_regs = consumer_regs(CONSUMER_GROUPS, LOADER_REGS, cap=240)
-    grid = (cdiv(seqlen_k, KEYS_PER_GROUP * CONSUMER_GROUPS), batch * n_heads_kv)
+    grid = schedule_grid(cdiv(seqlen_k, KEYS_PER_GROUP * CONSUMER_GROUPS), batch * n_heads_kv,
+                         window_left is not None or window_right is not None, sms, cfg.get("HEAD_GROUP"))
     prepared = attention_bwd_dkdv_ws_kernel.prepare(
         (seqlen_q, seqlen_k, stat_seq, n_heads_kv, n_heads_q // n_heads_kv, scale, scale * 1.4426950408889634,
          softcap, window_left if window_left is not None else 0, window_right if window_right is not None else 0),
@@ -344,7 +346,7 @@ def launch_attention_bwd_dkdv_ws(q, k, v, do, dk, dv, lse2, delta, stat_seq, *, 
     """Fills dk and dv ([B, S_k, H_kv, D], preallocated) from the preprocess kernel's lse2 and
     delta (``[H_q, stride]``, sequence b's columns from b·stat_seq, stat_seq a multiple of 4)."""
     grid, block_m, prepared = _dkdv_ws_plan(tuple(q.shape), tuple(k.shape), stat_seq, scale, softcap,
-                                            window_left, window_right, config_key(config))
+                                            window_left, window_right, config_key(config), num_sms(q))
     n_stat = q.shape[0] * stat_seq
     attention_bwd_dkdv_ws_kernel.launch_prepared(grid, (
         _descriptor(q, block_m), _descriptor(do, block_m), _descriptor(k, KEYS_PER_GROUP),

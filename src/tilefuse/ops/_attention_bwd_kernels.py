@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from .._launch import fast_launch, unit_value_fallback
-from ._attention_common import apply_softcap, key_range, query_range, visible
+from ._attention_common import apply_softcap, key_range, query_range, scheduled_block, visible
 
 LOG2E = tl.constexpr(1.4426950408889634)   # exp(x) = exp2(x · log2(e))
 
@@ -251,6 +251,7 @@ def attention_bwd_dkdv_kernel(
     seqlen_q, seqlen_k,                      # S_q, S_k (dense)
     stat_stride,                             # head stride of lse2 / delta
     stat_seq,                                # columns per sequence (dense)
+    n_heads_kv,                              # H_kv
     group,                                   # H_q // H_kv: query heads per kv head
     scale,                                   # softmax scale
     softcap,                                 # logit cap (HAS_SOFTCAP)
@@ -265,9 +266,9 @@ def attention_bwd_dkdv_kernel(
     SPLIT_LOOPS: tl.constexpr,               # mask-free and masked blocks in separate loops
     DV_LATE: tl.constexpr,                   # dv's GEMM after dpᵀ's in the mask-free loop (_dkdv_block)
 ):
-    pid_n = tl.program_id(0)
-    h_kv = tl.program_id(1)
-    b = tl.program_id(2)
+    pid_n, pid_bh = scheduled_block(False)     # a schedule_grid grid over (key blocks, B·H_kv)
+    b = pid_bh // n_heads_kv
+    h_kv = pid_bh % n_heads_kv
     q_row0, k_row0, seqlen_q, seqlen_k, stat_row0 = _sequence(
         b, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, stat_seq, IS_VARLEN)
     start_n = pid_n * BLOCK_N
@@ -373,7 +374,7 @@ def attention_bwd_dq_kernel(
     seqlen_q, seqlen_k,                      # S_q, S_k (dense)
     stat_stride,                             # head stride of lse2 / delta
     stat_seq,                                # columns per sequence (dense)
-    n_q_blocks,                              # cdiv(max S_q, BLOCK_M): grid axis 0
+    n_heads_q,                               # H_q
     group,                                   # H_q // H_kv
     scale, softcap, window_left, window_right,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
@@ -385,10 +386,11 @@ def attention_bwd_dq_kernel(
     USE_TMA: tl.constexpr,
     SPLIT_LOOPS: tl.constexpr,               # as in the dk/dv kernel
 ):
-    # last query blocks first: under a causal mask they walk the most key blocks
-    pid_m = n_q_blocks - 1 - tl.program_id(0)
-    h = tl.program_id(1)
-    b = tl.program_id(2)
+    # a schedule_grid grid over (query blocks, B·H_q), the last query blocks first: under a
+    # causal mask they walk the most key blocks
+    pid_m, pid_bh = scheduled_block(True)
+    b = pid_bh // n_heads_q
+    h = pid_bh % n_heads_q
     q_row0, k_row0, seqlen_q, seqlen_k, stat_row0 = _sequence(
         b, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, stat_seq, IS_VARLEN)
     start_m = pid_m * BLOCK_M

@@ -222,6 +222,45 @@ def query_range(start_n, BLOCK_N: tl.constexpr, seqlen_q, shift, window_left, wi
 
 
 # ----------------------------------------------------------------------------------------------
+# program order: which (block, head) each program of a grid takes
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def scheduled_block(REVERSE: tl.constexpr):
+    """(block, bh) of this program in a :func:`schedule_grid` grid ``(G, blocks, B·H / G)``.
+    The hardware starts programs in x, then y, then z order, so within each group of G heads
+    every head's block 0 starts before any head's block 1. REVERSE counts blocks from the last
+    (the heavy ones under a causal mask when blocks are query blocks)."""
+    block = tl.program_id(1)
+    if REVERSE:
+        block = tl.num_programs(1) - 1 - block
+    return block, tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
+
+
+def heads_per_group(n_blocks: int, n_bh: int, uneven: bool, sms: int) -> int:
+    """G of :func:`schedule_grid`. When blocks differ in work (a causal or windowed mask) and a
+    head has fewer blocks than there are SMs, about one wave of programs per group (G·n_blocks
+    ≥ SMs): each group runs its heavy blocks before its light ones, so the grid ends on light
+    programs rather than on a heavy block of the last head, while no more heads are in flight
+    than in plain head order (their K/V and Q/dO stay shared through L2). G divides B·H (the
+    grid has no ragged group); G = 1 is plain head order."""
+    if not uneven or not 0 < n_blocks < sms or n_bh <= 1:
+        return 1
+    target = min(n_bh, -(-sms // n_blocks))
+    return max(d for d in range(1, target + 1) if n_bh % d == 0)
+
+
+def schedule_grid(n_blocks: int, n_bh: int, uneven: bool, sms: int, head_group: int | None = None) -> tuple:
+    """The grid ``(G, n_blocks, n_bh / G)`` that :func:`scheduled_block` reads; ``head_group``
+    forces G (a launch config's "HEAD_GROUP"; it must divide ``n_bh``)."""
+    g = heads_per_group(n_blocks, n_bh, uneven, sms) if head_group is None else int(head_group)
+    if g < 1 or n_bh % max(g, 1):
+        raise ValueError(f"HEAD_GROUP={head_group} must be a positive divisor of B·H = {n_bh}")
+    return (g, n_blocks, n_bh // g)
+
+
+# ----------------------------------------------------------------------------------------------
 # references (fp64 for tests; fp32 math otherwise); also the CPU path
 # ----------------------------------------------------------------------------------------------
 

@@ -45,10 +45,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
-from .._dispatch import cdiv
+from .._dispatch import cdiv, num_sms
 from .._launch import config_key, fast_launch
 from ._attention_bwd_kernels import LOG2E
-from ._attention_common import apply_softcap, key_range, visible
+from ._attention_common import apply_softcap, key_range, schedule_grid, visible
 from ._attention_fwd_gluon import _descriptor, _tile_2d, _tile_of_program, attn_load_partition
 from ._attention_fwd_kernels import _unmasked_key_blocks
 from ._gluon_common import LOADER_REGS_KERNEL, consumer_regs, release_stage, resident_and_ring_barriers
@@ -258,14 +258,15 @@ def dq_ws_config(head_dim: int, softcap: bool) -> dict:
 
 @functools.lru_cache(maxsize=256)
 def _dq_ws_plan(q_shape: tuple, k_shape: tuple, stat_stride: int, stat_seq: int, scale: float, softcap: float,
-                window_left, window_right, config: tuple) -> tuple:
+                window_left, window_right, config: tuple, sms: int) -> tuple:
     """(grid, keys per step, prepared arguments after the 7 leading descriptors and tensors) of
     one launch, from shapes and options only (cached, as the dk/dv kernel's)."""
     cfg = {**dq_ws_config(q_shape[-1], softcap > 0), **dict(config)}
     batch, seqlen_q, n_heads_q, _ = q_shape
     seqlen_k, n_heads_kv = k_shape[1], k_shape[2]
     launch_regs, worker_regs = consumer_regs(CONSUMER_GROUPS)
-    grid = (cdiv(seqlen_q, ROWS_PER_GROUP * CONSUMER_GROUPS), batch * n_heads_q)
+    grid = schedule_grid(cdiv(seqlen_q, ROWS_PER_GROUP * CONSUMER_GROUPS), batch * n_heads_q,
+                         window_left is not None or window_right is not None, sms, cfg.get("HEAD_GROUP"))
     prepared = attention_bwd_dq_ws_kernel.prepare(
         (stat_stride, stat_seq, seqlen_q, seqlen_k, n_heads_q, n_heads_q // n_heads_kv, scale,
          scale * 1.4426950408889634, softcap, window_left if window_left is not None else 0,
@@ -281,7 +282,7 @@ def launch_attention_bwd_dq_ws(q, k, v, do, dq, lse2, delta, stat_seq, *, scale:
     """Fills dq ([B, S_q, H_q, D], preallocated) from the preprocess kernel's lse2 and delta
     (``[H_q, stride]``, sequence b's columns from b·stat_seq)."""
     grid, block_n, prepared = _dq_ws_plan(tuple(q.shape), tuple(k.shape), lse2.stride(0), stat_seq, scale, softcap,
-                                          window_left, window_right, config_key(config))
+                                          window_left, window_right, config_key(config), num_sms(q))
     attention_bwd_dq_ws_kernel.launch_prepared(grid, (
         _descriptor(q, ROWS_PER_GROUP), _descriptor(do, ROWS_PER_GROUP), _descriptor(k, block_n),
         _descriptor(v, block_n), _descriptor(dq, ROWS_PER_GROUP), lse2, delta), prepared)

@@ -40,9 +40,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .._dispatch import cdiv
+from .._dispatch import cdiv, num_sms
 from .._launch import cached_by_view, config_key, fast_launch
-from ._attention_common import key_range
+from ._attention_common import key_range, schedule_grid
 from ._gluon_common import (
     LOADER_REGS_KERNEL, consumer_regs, host_descriptor, release_stage, resident_and_ring_barriers, smem_layout)
 from ._attention_fwd_kernels import LN2, _block_probs, _desc_strides, _unmasked_key_blocks, program_block
@@ -301,15 +301,16 @@ def use_gluon_forward(dtype: torch.dtype, head_dim: int, varlen: bool, load: str
 
 @functools.lru_cache(maxsize=256)
 def _fwd_ws_plan(q_shape: tuple, k_shape: tuple, scale_arg: float, softcap_log2: float, window_left, window_right,
-                 has_softcap: bool, exp2_fma_parts: int, config: tuple) -> tuple:
+                 has_softcap: bool, exp2_fma_parts: int, config: tuple, sms: int) -> tuple:
     """(grid, keys per step, prepared arguments after the 4 descriptors and lse) of one launch,
-    from shapes and options only (cached)."""
+    from shapes and options only (cached; ``sms``: the device's, for the program order)."""
     cfg = dict(WS_CONFIG, **dict(config))
     batch, seqlen_q, n_heads_q, _ = q_shape
     seqlen_k, n_heads_kv = k_shape[1], k_shape[2]
     block_m = ROWS_PER_GROUP * CONSUMER_GROUPS
     launch_regs, worker_regs = consumer_regs(CONSUMER_GROUPS)
-    grid = (cdiv(seqlen_q, block_m), batch * n_heads_q)
+    grid = schedule_grid(cdiv(seqlen_q, block_m), batch * n_heads_q,
+                         window_left is not None or window_right is not None, sms, cfg.get("HEAD_GROUP"))
     prepared = attention_fwd_ws_kernel.prepare(
         (n_heads_q * seqlen_q, seqlen_q,                # lse [B, H_q, S_q] contiguous: batch, head strides
          seqlen_q, seqlen_k, n_heads_q, n_heads_q // n_heads_kv, scale_arg, softcap_log2,
@@ -326,7 +327,8 @@ def launch_attention_fwd_ws(q, k, v, out, lse, *, scale_arg: float, softcap_log2
                             config: dict | None = None) -> None:
     """Fills out [B, S_q, H_q, D] and lse [B, H_q, S_q] (both preallocated, contiguous)."""
     grid, block_n, prepared = _fwd_ws_plan(tuple(q.shape), tuple(k.shape), scale_arg, softcap_log2, window_left,
-                                           window_right, has_softcap, exp2_fma_parts, config_key(config))
+                                           window_right, has_softcap, exp2_fma_parts, config_key(config),
+                                           num_sms(q))
     attention_fwd_ws_kernel.launch_prepared(grid, (
         _descriptor(q, ROWS_PER_GROUP), _descriptor(k, block_n), _descriptor(v, block_n),
         _descriptor(out, ROWS_PER_GROUP), lse), prepared)

@@ -48,9 +48,10 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .._dispatch import cdiv, device_major, empty, next_power_of_2
+from .._dispatch import cdiv, device_major, empty, next_power_of_2, num_sms
 from .._launch import PreparedArgs, cached_by_view, cached_descriptor, config_key, fast_launch, use_device_descriptors
-from ._attention_common import config_wants_gluon, exp2_mixed, key_range, tanh_via_exp2, visible
+from ._attention_common import (config_wants_gluon, exp2_mixed, key_range, schedule_grid, scheduled_block,
+                                tanh_via_exp2, visible)
 
 LOG2E = 1.4426950408889634
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
@@ -206,13 +207,10 @@ def _attend_key_blocks(acc, l_i, m_i, q_tile, k, v, start, end, b, hk, k_base, v
 
 @triton.jit
 def program_block(n_heads_q, group_size, REVERSE_M: tl.constexpr):
-    """(query block index, batch, query head, key/value head) of this program: grid (query
-    blocks, B·H_q), heavy (late, causal) query blocks first with REVERSE_M. Shared with the
-    Gluon forward."""
-    pid_m = tl.program_id(0)
-    if REVERSE_M:
-        pid_m = tl.num_programs(0) - 1 - pid_m
-    pid_bh = tl.program_id(1)
+    """(query block index, batch, query head, key/value head) of this program: a
+    :func:`schedule_grid` grid over (query blocks, B·H_q), heavy (late, causal) query blocks first
+    with REVERSE_M. Shared with the Gluon forward and dq kernels."""
+    pid_m, pid_bh = scheduled_block(REVERSE_M)
     b = pid_bh // n_heads_q
     h = pid_bh % n_heads_q
     return pid_m, b, h, h // group_size
@@ -501,8 +499,9 @@ class _ForwardPlan(NamedTuple):
 @functools.lru_cache(maxsize=512)
 def _forward_plan(q_shape: tuple, k_shape: tuple, strides: tuple, dtype: torch.dtype, major: int, aligned: bool,
                   varlen: bool, batch: int, max_seqlen_q: int, max_seqlen_k: int, scale: float, window_left,
-                  window_right, softcap: float, config: tuple) -> _ForwardPlan:
-    """The launch plan of :func:`attention_forward` (``strides``: q, k, v)."""
+                  window_right, softcap: float, config: tuple, sms: int) -> _ForwardPlan:
+    """The launch plan of :func:`attention_forward` (``strides``: q, k, v; ``sms``: the device's
+    multiprocessors, for the program order)."""
     config = dict(config) or None
     head_dim = q_shape[-1]
     block_d = head_block(head_dim)
@@ -545,13 +544,14 @@ def _forward_plan(q_shape: tuple, k_shape: tuple, strides: tuple, dtype: torch.d
     score_scale = scale / softcap if has_softcap else scale * LOG2E
     if _use_gluon(major, dtype, head_dim, varlen, load, config, masked, k_shape[1]):
         from ._attention_fwd_gluon import WS_CONFIG   # Gluon imports on first use
-        ws_cfg = dict(WS_CONFIG, **{key: config[key] for key in WS_CONFIG if config and key in config})
+        ws_keys = (*WS_CONFIG, "HEAD_GROUP")
+        ws_cfg = dict(WS_CONFIG, **{key: config[key] for key in ws_keys if config and key in config})
         parts = (config or {}).get("EXP2_FMA_PARTS", gluon_exp2_fma_parts(head_dim, masked))
         gluon = dict(scale_arg=score_scale, softcap_log2=softcap * LOG2E, window_left=window_left,
                      window_right=window_right, has_softcap=has_softcap, exp2_fma_parts=parts, config=ws_cfg)
         return _ForwardPlan(lse_shape, keys_exist, gluon, load, (), (), None)
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    grid = (cdiv(seqlen_q, block_m), batch * n_heads_q)
+    grid = schedule_grid(cdiv(seqlen_q, block_m), batch * n_heads_q, masked, sms, cfg.get("HEAD_GROUP"))
     prepared = attention_fwd_kernel.prepare(
         (*strides[0][:3], *strides[1][:3], *strides[2][:3], *out_strides, *lse_strides,
          seqlen_q, seqlen_k, n_heads_q, n_heads_q // n_heads_kv, score_scale, softcap * LOG2E,
@@ -586,7 +586,7 @@ def attention_forward(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_
     plan = _forward_plan(tuple(q.shape), tuple(k.shape), (q.stride(), k.stride(), v.stride()), q.dtype,
                          device_major(q), (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 == 0, varlen, batch,
                          max_seqlen_q or 0, max_seqlen_k or 0, scale, window_left, window_right, softcap,
-                         config_key(config))
+                         config_key(config), num_sms(q))
     out = empty(q.shape, q.dtype, q.device)
     lse = empty(plan.lse_shape, torch.float32, q.device)
     if out.numel() == 0 and lse.numel() == 0:
@@ -597,7 +597,7 @@ def attention_forward(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_
         from ._attention_fwd_gluon import launch_attention_fwd_ws
         launch_attention_fwd_ws(q, k, v, out, lse, **plan.gluon)
         return out, lse
-    if plan.grid[0] == 0 or plan.grid[1] == 0:
+    if 0 in plan.grid:
         return out, lse
     load = plan.load
     if load in ("ptr", "desc_device"):
