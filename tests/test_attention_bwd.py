@@ -342,15 +342,18 @@ def test_gpu_warp_specialized_dq(d, dtype, cfg):
 def test_gpu_default_dkdv_is_warp_specialized():
     """On sm_90 the backward reaches the Gluon dk/dv kernel for dense 16-bit D = 64 / 128 that TMA
     can read, and the tl kernel otherwise."""
-    from tilefuse.ops._attention_bwd import _use_gluon
-    from tilefuse._dispatch import is_hopper
+    from tilefuse.ops import _attention_bwd
+    from tilefuse._dispatch import device_major, is_hopper
     x = torch.randn(1, 64, 2, 128, device=DEVICE, dtype=torch.bfloat16)
     hopper = is_hopper(x)
+
+    def _use_gluon(t, varlen, use_tma, config):
+        return _attention_bwd._use_gluon(device_major(t), t.dtype, t.shape[-1], varlen, use_tma, config)
     assert _use_gluon(x, False, True, None) == hopper
     assert not _use_gluon(x, True, True, None)                              # varlen
     assert not _use_gluon(x, False, False, None)                            # pointer loads
     assert not _use_gluon(x.float(), False, True, None)                     # fp32
-    assert not _use_gluon(x[..., :96].contiguous(), False, True, None)      # D = 96
+    assert not _use_gluon(x[..., :96], False, True, None)                   # D = 96
     assert not _use_gluon(x, False, True, {"BLOCK_M1": 32})                 # a tl tile config
     assert _use_gluon(x, False, True, {"BLOCK_M1": 32, "GLUON": True}) == hopper
 
