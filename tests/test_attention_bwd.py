@@ -419,6 +419,9 @@ def test_heads_per_group_heuristic():
     assert schedule_grid(8, 256, True, 132) == (16, 8, 16)
     assert schedule_grid(8, 256, True, 132, head_group=1) == (1, 8, 256)
     assert schedule_grid(0, 6, True, 132) == (1, 0, 6)       # no block: an empty grid
+    assert schedule_grid(4, 120000, False, 132) == (2, 4, 60000)   # z <= 65535: wider groups
+    with pytest.raises(ValueError, match="<= 65535"):
+        schedule_grid(70000, 4, True, 132)
 
 
 @pytest.mark.gpu

@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 NO_WINDOW = -1
+MAX_GRID_YZ = 65535   # CUDA's limit on grid axes y and z (x takes 2**31 - 1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -257,6 +258,10 @@ def schedule_grid(n_blocks: int, n_bh: int, uneven: bool, sms: int, head_group: 
     g = heads_per_group(n_blocks, n_bh, uneven, sms) if head_group is None else int(head_group)
     if g < 1 or n_bh % max(g, 1):
         raise ValueError(f"HEAD_GROUP={head_group} must be a positive divisor of B·H = {n_bh}")
+    if head_group is None and n_bh // g > MAX_GRID_YZ:     # more groups than grid axis z takes: wider ones
+        g = next((d for d in range(g, n_bh + 1) if n_bh % d == 0 and n_bh // d <= MAX_GRID_YZ), g)
+    if n_blocks > MAX_GRID_YZ or n_bh // g > MAX_GRID_YZ:
+        raise ValueError(f"{n_blocks} blocks per head x {n_bh // g} head groups: each must be <= {MAX_GRID_YZ}")
     return (g, n_blocks, n_bh // g)
 
 
