@@ -274,10 +274,13 @@ def check_impl(
 
     Exceptions from ``fn`` are caught and reported in ``error`` (the result is then not ok).
     ``inputs`` are used as given (pass fresh ones if ``fn`` may modify them in place).
-    With ``torch_baseline`` (and a "torch" peer in the spec, and a dtype below fp32), the spec's
+    With ``torch_baseline`` (and a "torch" peer in the spec, and a dtype below fp64), the spec's
     PyTorch peer runs on a copy of the same inputs and its error sets the flash-attn bound
     (``CheckResult.fwd_tol``/``bwd_tol``): a low-precision backward that consumes a rounded saved
-    output cannot beat what that rounding costs PyTorch itself.
+    output cannot beat what that rounding costs PyTorch itself. fp32 is included because a
+    one-element case can land where the result cancels (gelu'(z) crosses 0 at z = -0.7518:
+    measured, PyTorch's own fp32 backward there is 1.3e-5 off, as is ours); the bound only ever
+    widens past the spec's tolerance when PyTorch itself misses it on those very inputs.
     """
     tol = spec.tolerance.get(dtype, max(spec.tolerance.values(), default=1e-2))
     if backward is None:
@@ -288,7 +291,7 @@ def check_impl(
         ref = reference if reference is not None else ReferenceCache(spec, inputs)
     except Exception as exc:  # noqa: BLE001
         return CheckResult(math.inf, None, tol, error=f"reference: {type(exc).__name__}: {exc}".strip()[:500])
-    if torch_baseline and dtype not in (torch.float32, torch.float64) and "torch" in spec.peers:
+    if torch_baseline and dtype != torch.float64 and "torch" in spec.peers:
         baseline = _torch_errors(spec, inputs, ref, backward, seed)
     try:
         fwd_err, bwd_err = _errors(fn, inputs, ref, backward, seed)
