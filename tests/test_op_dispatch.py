@@ -66,3 +66,34 @@ def test_compiled_matches_eager():
     x = torch.randn(6, 33, device=DEVICE, requires_grad=True)
     f = torch.compile(lambda t: tilefuse.softmax(t) * 2, fullgraph=True, backend="aot_eager")
     assert rel_err(f(x), tilefuse.softmax(x) * 2) == 0.0
+
+
+def _zero_fills(step) -> list:
+    """(op, shapes) of every zero fill ``step`` runs, from the profiler's CPU events."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        step()
+    return [(e.name, e.input_shapes) for e in prof.events() if e.name in ("aten::zero_", "aten::zeros")]
+
+
+def _side_output_cases():
+    dt = torch.float32
+    q, k, v = (torch.randn(2, 33, 4, 16, device=DEVICE, dtype=dt, requires_grad=True) for _ in range(3))
+    yield "attention lse [B, H, S]", [2, 4, 33], lambda: tilefuse.attention(q, k, v, causal=True)
+    a = torch.randn(17, 24, device=DEVICE, dtype=dt, requires_grad=True)
+    w = torch.randn(40, 24, device=DEVICE, dtype=dt, requires_grad=True)
+    yield "matmul preact [M, N]", [17, 40], lambda: tilefuse.matmul(a, w.t(), activation="gelu")
+    wg = torch.randn(2 * 40, 24, device=DEVICE, dtype=dt, requires_grad=True)
+    yield "gate_up g | u [T, 2I]", [17, 80], lambda: tilefuse.swiglu_linear(a, wg)
+
+
+def test_backward_zero_fills_no_side_output():
+    """A side output that never gets a gradient (attention's lse, a saved preact, the gate-up
+    GEMM's g | u) must not cost a zero-filled tensor of its shape per eager backward: autograd
+    materializes one unless the op registers ``materialize_grads=False``. Measured before the
+    fix: an [M, N] zero fill in every backward of a matmul with an activation."""
+    for what, shape, forward in _side_output_cases():
+        out = forward()
+        fills = _zero_fills(lambda: out.sum().backward())
+        assert not [f for f in fills if f[1] and f[1][0] == shape], f"{what}: {fills}"

@@ -139,13 +139,15 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, dout, dlse):
-    """dlse is ignored: lse is returned as a non-differentiable output (module docstring)."""
+    """dlse is ignored: lse is returned as a non-differentiable output (module docstring). Eager
+    autograd passes None for it (materialize_grads=False): autograd would otherwise allocate and
+    zero-fill a [B, H, S] fp32 tensor on every backward, a launch and an allocation of host time."""
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
     dq, dk, dv = _attention_bwd_op(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.options)
     return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
-_attention_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+_attention_fwd_op.register_autograd(_backward, setup_context=_setup_context, materialize_grads=False)
 
 
 # ----------------------------------------------------------------------------------------------

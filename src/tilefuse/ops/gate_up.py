@@ -94,9 +94,12 @@ def _setup_context(ctx, inputs, output):
     x, w, activation, save_gate_up = inputs
     ctx.activation = activation
     ctx.save_for_backward(x, w, output[1] if save_gate_up else None)
+    ctx.mark_non_differentiable(output[1])    # a saved intermediate, never a result
 
 
 def _backward(ctx, dy, _dgate_up):
+    """_dgate_up is ignored (g | u is non-differentiable). Eager autograd passes None for it
+    (materialize_grads=False), where it would zero-fill a [T, 2I] tensor per backward."""
     x, w, gate_up = ctx.saved_tensors
     need_dx, need_dw = ctx.needs_input_grad[:2]
     if not (need_dx or need_dw):
@@ -109,7 +112,7 @@ def _backward(ctx, dy, _dgate_up):
     return dx, dw, None, None
 
 
-_gate_up_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+_gate_up_fwd_op.register_autograd(_backward, setup_context=_setup_context, materialize_grads=False)
 
 
 # ----------------------------------------------------------------------------------------------

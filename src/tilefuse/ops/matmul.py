@@ -113,9 +113,12 @@ def _setup_context(ctx, inputs, output):
     ctx.residual_dtype = residual.dtype if residual is not None else None
     pre = output[1] if save_preact else None
     ctx.save_for_backward(a, b, bias, pre)
+    ctx.mark_non_differentiable(output[1])    # a saved intermediate, never a result
 
 
 def _backward(ctx, dy, _dpre):
+    """_dpre is ignored (preact is non-differentiable). Eager autograd passes None for it
+    (materialize_grads=False), where it would zero-fill an [M, N] tensor per backward."""
     a, b, bias, pre = ctx.saved_tensors
     need_da, need_db, need_dbias, need_dres = ctx.needs_input_grad[:4]
     dz = None
@@ -138,7 +141,7 @@ def _backward(ctx, dy, _dpre):
     return da, db, dbias, dres, None, None, None
 
 
-_matmul_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+_matmul_fwd_op.register_autograd(_backward, setup_context=_setup_context, materialize_grads=False)
 
 
 # ----------------------------------------------------------------------------------------------
