@@ -325,3 +325,27 @@ def test_cuda_graph_capture(paged):
         torch.testing.assert_close(static_out, expected, rtol=0, atol=0)
         ref = attention_decode_reference(**_f64(fresh))
         assert rel_err(static_out, ref) <= 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_split_partials_reuse_a_workspace(monkeypatch):
+    """Split-KV partials come from a buffer reused per (stream, thread, shapes) when outputs are not
+    poisoned (the default): back-to-back calls on new values, without a sync between them, on the
+    default and on a side stream, give bitwise the answers of fresh (NaN-poisoned) buffers."""
+    from tilefuse import _dispatch
+
+    batch, s_q, h_q, h_kv, length, d = 2, 1, 32, 8, 32768, 128
+    cases = [_case(batch, s_q, h_q, h_kv, length, d, torch.bfloat16, lens, append=False)
+             for lens in ([length, 5], [17, length], [length // 2, 3])]
+    fresh = [attention_decode(**_clone(c), num_splits=16) for c in cases]       # poisoned: fresh buffers
+    monkeypatch.setattr(_dispatch, "POISON_OUTPUTS", False)
+    _dispatch.clear_workspaces()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    for stream in (torch.cuda.current_stream(), side):
+        with torch.cuda.stream(stream):
+            outs = [attention_decode(**_clone(c), num_splits=16) for c in cases]   # no sync between
+        torch.cuda.synchronize()
+        for out, expected in zip(outs, fresh):
+            torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    assert len(_dispatch._WORKSPACES) == 2          # one buffer per stream, reused by the calls

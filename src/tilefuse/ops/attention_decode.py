@@ -42,7 +42,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .._checks import check_same_device, check_same_dtype, check_shape, check_tensor
-from .._dispatch import cdiv, contiguous_strides, empty, next_power_of_2, num_sms, use_triton
+from .._dispatch import cdiv, contiguous_strides, empty, next_power_of_2, num_sms, use_triton, workspace
 from .._launch import PreparedArgs, config_key
 from .._op import custom_op
 from ..registry import Inputs, OpSpec, register, tensor_bytes
@@ -210,8 +210,7 @@ def _launch_decode(q, k_cache, v_cache, cache_seqlens, block_table, n_new: int, 
     if plan.part_shapes is None:
         part_out, part_lse = out, lse
     else:
-        part_out = torch.empty(plan.part_shapes[0], dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(plan.part_shapes[1], dtype=torch.float32, device=q.device)
+        part_out, part_lse = workspace(plan.part_shapes, torch.float32, q.device)   # reused: no allocation
     decode_split_kernel.launch_prepared(
         plan.grid, (q, k_cache, v_cache, cache_seqlens.contiguous(), bt, part_out, part_lse), plan.split_args)
     if plan.combine_args is not None:
