@@ -36,8 +36,8 @@ def _torch_eager(a, b, bias, act, residual, out_dtype):
 
 
 def _check(a, b, bias=None, act=None, residual=None, out_dtype=None, fn=matmul):
-    """fn's output and the gradients of every grad-requiring input vs the fp64 reference; below
-    fp32 the bound is max(TOL, 2 x PyTorch's own error in that dtype)."""
+    """fn's output and the gradients of every grad-requiring input vs the fp64 reference, each
+    within max(TOL, 2 x PyTorch's own error in that dtype on the same inputs)."""
     args = (a, b, bias, act, residual, out_dtype)
     leaves = [t for t in (a, b, bias, residual) if t is not None and t.requires_grad]
     wide = [t.detach().double().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t for t in args]
@@ -49,17 +49,19 @@ def _check(a, b, bias=None, act=None, residual=None, out_dtype=None, fn=matmul):
     wide_leaves = [w for w, t in zip(wide[:2] + wide[2:3] + wide[4:5], (a, b, bias, residual))
                    if t is not None and t.requires_grad]
     ref_grads = torch.autograd.grad(y_ref, wide_leaves, dy.double()) if leaves else ()
-    tol = TOL[a.dtype]
-    if a.dtype != torch.float32:
-        base = [t.detach().clone().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t for t in args]
-        y_t = _torch_eager(*base)
-        base_leaves = [t for t in (base[0], base[1], base[2], base[4]) if t is not None and t.requires_grad]
-        t_grads = torch.autograd.grad(y_t, base_leaves, dy.to(y_t.dtype)) if leaves else ()
-        tol = max([tol, 2 * rel_err(y_t, y_ref)] + [2 * rel_err(g, r) for g, r in zip(t_grads, ref_grads)])
+    # flash-attn's rule per tensor: max(TOL, 2 x PyTorch's own error on the same inputs in the same
+    # dtype). fp32 too: a gradient that is a short sum with cancellation is ill-conditioned in fp32
+    # itself (on the GPU: a grad 1.16e-5 off at M = 29, N = 1, K = 2, gelu_tanh, with a bias)
+    base = [t.detach().clone().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t for t in args]
+    y_t = _torch_eager(*base)
+    base_leaves = [t for t in (base[0], base[1], base[2], base[4]) if t is not None and t.requires_grad]
+    t_grads = torch.autograd.grad(y_t, base_leaves, dy.to(y_t.dtype)) if leaves else ()
+    tol = max(TOL[a.dtype], 2 * rel_err(y_t, y_ref))
     assert rel_err(y, y_ref) <= tol, f"forward {rel_err(y, y_ref):.3g} > {tol:.3g}"
-    for name, g, r, leaf in zip("a b bias residual".split(), grads, ref_grads, leaves):
+    for g, r, t_g, leaf in zip(grads, ref_grads, t_grads, leaves):
         assert g.shape == leaf.shape and g.dtype == leaf.dtype
-        assert rel_err(g, r) <= tol, f"grad: {rel_err(g, r):.3g} > {tol:.3g}"
+        tol = max(TOL[a.dtype], 2 * rel_err(t_g, r))
+        assert rel_err(g, r) <= tol, f"grad of a {tuple(leaf.shape)} input: {rel_err(g, r):.3g} > {tol:.3g}"
     return y
 
 
