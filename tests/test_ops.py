@@ -15,7 +15,7 @@ from conftest import DEVICE
 
 from tilefuse import registry
 from tilefuse.registry import as_tuple
-from tilefuse.testing import check_impl
+from tilefuse.testing import backward_grads, check_impl, make_grad_outputs
 
 
 def _dtype_name(dt):
@@ -125,3 +125,44 @@ def test_registry_is_complete():
         for shape in spec.bench_shapes:
             for pass_ in ("fwd", "bwd") if spec.has_backward else ("fwd",):
                 assert spec.bytes_fn(tuple(shape), torch.bfloat16, pass_) > 0, spec.name
+
+
+# ops whose launchers take internal buffers from tilefuse._dispatch.workspace, and a shape each
+# (the GPU rows reach the Gluon attention backward and the split-KV decode)
+_WORKSPACE_CASES = [
+    ("bias_act", (33, 64), ()), ("rms_norm", (7, 4097), ()), ("layer_norm", (5, 1000), ()),
+    ("attention_causal", (2, 19, 27, 4, 2, 24), ()), ("attention_decode", (1, 1, 4, 1, 300, 16), ()),
+    ("attention_causal", (2, 300, 300, 4, 2, 64), (pytest.mark.gpu,)),
+    ("attention_decode", (1, 1, 32, 8, 32768, 128), (pytest.mark.gpu,)),
+    ("layer_norm", (4096, 4096), (pytest.mark.gpu,)),
+]
+
+
+def _outputs_and_grads(spec, inp):
+    outs = as_tuple(spec.fn(*inp.args, **inp.kwargs))
+    if not (spec.has_backward and inp.grad_args):
+        return tuple(o.detach().clone() for o in outs)
+    grads = backward_grads(outs, inp, make_grad_outputs(outs))
+    return tuple(o.detach().clone() for o in outs) + tuple(grads)
+
+
+@pytest.mark.parametrize("name,shape", [pytest.param(n, s, marks=m, id=f"{n}-{'x'.join(map(str, s))}")
+                                        for n, s, m in _WORKSPACE_CASES])
+def test_reused_workspaces_give_fresh_buffer_results(name, shape, monkeypatch):
+    """Internal buffers (partials, row stats, decode's split partials) come from reused workspaces
+    unless outputs are poisoned (every other test): here two calls on new inputs each, back to back,
+    twice over, give bitwise what fresh NaN-filled buffers give."""
+    from tilefuse import _dispatch
+
+    spec = registry.get(name)
+    dtype = torch.bfloat16 if DEVICE != "cpu" else torch.float32
+    cases = [spec.make_inputs(shape, dtype, DEVICE) for _ in range(2)]
+    fresh = [_outputs_and_grads(spec, inp) for inp in cases]          # poisoned: fresh buffers
+    monkeypatch.setattr(_dispatch, "POISON_OUTPUTS", False)
+    _dispatch.clear_workspaces()
+    for _ in range(2):
+        reused = [_outputs_and_grads(spec, inp) for inp in cases]
+        for got, expected in zip(reused, fresh):
+            for g, e in zip(got, expected):
+                assert torch.equal(g, e) or (g.isnan() == e.isnan()).all() and torch.equal(g.nan_to_num(), e.nan_to_num())
+    assert _dispatch._WORKSPACES, "no workspace was used"

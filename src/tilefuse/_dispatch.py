@@ -122,13 +122,19 @@ def workspace(shapes: tuple, dtype: torch.dtype, device: torch.device) -> tuple:
     On CUDA they are reused across calls, per (device, stream, host thread, dtype, shapes): a
     ``torch.empty`` costs 5-8 µs of host time on the H200 host, a lookup well under one. That is
     safe because the next call from the same thread on the same stream runs after this call's
-    last read of them; another stream or thread gets its own. Fresh memory instead under CUDA-graph
-    capture (a replay may run beside eager work on this stream), while tests poison outputs (NaN:
-    an element a kernel forgets to write must not read a previous call's value), and off CUDA."""
-    if device.type != "cuda" or POISON_OUTPUTS or torch.cuda.is_current_stream_capturing():
+    last read of them; another stream or thread gets its own. (CPU tensors reach the kernels only
+    under the interpreter, which runs each launch to completion: reused the same way, so CI tests
+    this path.) Fresh memory instead under CUDA-graph capture (a replay may run beside eager work
+    on this stream) and while tests poison outputs (NaN: an element a kernel forgets to write
+    must not read a previous call's value)."""
+    cuda = device.type == "cuda"
+    if POISON_OUTPUTS or (cuda and torch.cuda.is_current_stream_capturing()):
         return tuple(empty(s, dtype, device) for s in shapes)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (index, torch._C._cuda_getCurrentRawStream(index), threading.get_ident(), dtype, shapes)
+    if cuda:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        key = (index, torch._C._cuda_getCurrentRawStream(index), threading.get_ident(), dtype, shapes)
+    else:
+        key = (str(device), None, threading.get_ident(), dtype, shapes)
     views = _WORKSPACES.get(key)
     if views is None:
         if len(_WORKSPACES) >= WORKSPACE_ENTRIES:

@@ -47,7 +47,7 @@ from typing import NamedTuple
 import torch
 
 from .._launch import PreparedArgs, config_key, use_device_descriptors
-from .._dispatch import cdiv, contiguous_strides, device_major, empty, num_sms
+from .._dispatch import cdiv, contiguous_strides, device_major, empty, num_sms, workspace
 from ._attention_common import config_wants_gluon, schedule_grid
 from ._attention_bwd_kernels import attention_bwd_dkdv_kernel, attention_bwd_dq_kernel, attention_bwd_preprocess_kernel
 from ._attention_fwd_kernels import head_block
@@ -212,7 +212,7 @@ class _BackwardPlan(NamedTuple):
     """Everything of one backward call that shapes, strides and options fix (cached: building it
     cost ~100 µs of host time a call on the H200 host, session 22)."""
     use_tma: bool
-    stat_shape: tuple               # (2, H_q, stat_stride): delta and lse2 in one allocation
+    stat_shape: tuple               # (2, H_q, stat_stride): delta and lse2 (workspace views)
     stat_seq: int
     pre_grid: tuple
     pre: PreparedArgs               # the preprocess kernel's arguments after its 6 tensors
@@ -339,7 +339,9 @@ def launch_attention_backward(
                           max_seqlen_k, scale, softcap, window_left, window_right, config_key(config), num_sms(q))
     if plan.use_tma:
         use_device_descriptors()
-    delta, lse2 = empty(plan.stat_shape, torch.float32, q.device)   # one allocation: ~5-9 µs of host each
+    # internal to this call (written by the preprocess, read by the dk/dv and dq kernels): a
+    # reused workspace, not an allocation (~5-9 µs of host time each on the H200 host)
+    delta, lse2 = workspace((plan.stat_shape[1:], plan.stat_shape[1:]), torch.float32, q.device)
     attention_bwd_preprocess_kernel.launch_prepared(plan.pre_grid, (out, do, lse, delta, lse2, cu_q), plan.pre)
     dq = empty(q.shape, q.dtype, q.device)
     dk = empty(k.shape, k.dtype, k.device)

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from .._checks import check_same_device, check_same_dtype, check_shape, check_tensor
-from .._dispatch import cdiv, empty, empty_like, num_sms, rows_view, use_triton
+from .._dispatch import cdiv, empty, empty_like, num_sms, rows_view, use_triton, workspace
 from .._launch import PreparedArgs, config_key, fast_launch
 from .._op import custom_op
 from ..registry import Inputs, OpSpec, register, tensor_bytes
@@ -289,7 +289,8 @@ def _launch_bwd(dy, x, bias, activation: str, p: float, seed: int, want_dx: bool
     dx = empty_like(dy) if want_dx else dy2                 # contiguous: row stride n_cols
     plan = _bwd_plan(n_rows, n_cols, num_sms(dy), dy2.stride(0), x2.stride(0), n_cols if want_dx else dy2.stride(0),
                      activation, p, bias is not None, want_dx, want_dbias, config_key(config))
-    partials = empty((plan.n_chunks, n_cols), torch.float32, dy.device) if want_dbias else dy2
+    # dbias partials: internal to this call, from a reused workspace (no allocation)
+    partials = workspace(((plan.n_chunks, n_cols),), torch.float32, dy.device)[0] if want_dbias else dy2
     bias_arg = bias.contiguous() if bias is not None else dy2
     bias_act_bwd_kernel.launch_prepared(plan.grid, (dy2, x2, bias_arg, dx, partials), _seeded(plan.prepared, seed))
     if want_dbias:

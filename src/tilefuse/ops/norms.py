@@ -34,7 +34,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .._checks import check_same_device, check_same_dtype, check_shape, check_tensor
-from .._dispatch import cdiv, empty, empty_like, next_power_of_2, num_sms, rows_view, use_triton
+from .._dispatch import cdiv, empty, empty_like, next_power_of_2, num_sms, rows_view, use_triton, workspace
 from .._launch import PreparedArgs, config_key
 from .._op import custom_op
 from ..registry import Inputs, OpSpec, register, tensor_bytes
@@ -269,14 +269,16 @@ def _launch_bwd(dy, x, weight, mean, rstd, dres, offset: float, is_rms: bool, ne
                      offset, is_rms, weight is not None, dres is not None, need_dw, need_db, config_key(config))
     dots = dx                           # dummy unless stats_in
     if plan.stats_in:
-        dots = empty((2, n_rows), torch.float32, dev)
+        dots = workspace(((2, n_rows),), torch.float32, dev)[0]     # internal: a reused workspace
         norm_bwd_stats_kernel[(n_rows,)](
             x2, w, dy2, mean1, rstd1, dots, x2.stride(0), dy2.stride(0), n_rows, n_cols, offset,
             IS_RMS=is_rms, HAS_W=weight is not None, BLOCK_N=plan.block_n, num_warps=_bwd_num_warps(plan.block_n),
         )
     n_prog = plan.grid[0]
-    dw_part = empty((n_prog, n_cols), torch.float32, dev) if need_dw else dx
-    db_part = empty((n_prog, n_cols), torch.float32, dev) if need_db else dx
+    # dw / db partials, internal to this call: reused workspace views, not allocations
+    parts = list(workspace(((n_prog, n_cols),) * (need_dw + need_db), torch.float32, dev))
+    dw_part = parts.pop(0) if need_dw else dx
+    db_part = parts.pop(0) if need_db else dx
     norm_bwd_kernel.launch_prepared(plan.grid, (x2, w, dy2, dr2, mean1, rstd1, dots, dx, dw_part, db_part),
                                     plan.prepared)
     if need_dw or need_db:
