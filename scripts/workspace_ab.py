@@ -29,7 +29,7 @@ CASES = [("bias_act", (16384, 4096)), ("rms_norm", (16384, 4096)), ("layer_norm"
          ("attention_causal", (16, 1024, 1024, 16, 16, 64)), ("attention_decode", (1, 1, 32, 8, 32768, 128))]
 
 
-def _fresh(shapes, dtype, device):
+def _fresh(purpose, shapes, dtype, device):
     return tuple(_dispatch.empty(s, dtype, device) for s in shapes)
 
 

@@ -97,3 +97,23 @@ def test_backward_zero_fills_no_side_output():
         out = forward()
         fills = _zero_fills(lambda: out.sum().backward())
         assert not [f for f in fills if f[1] and f[1][0] == shape], f"{what}: {fills}"
+
+
+def test_workspace_roles_never_share_memory(monkeypatch):
+    """Two roles of one call with equal shapes get distinct buffers; a role's second call gets its
+    first call's views back (reuse); tests' poisoning gets fresh NaN buffers instead."""
+    from tilefuse import _dispatch
+
+    monkeypatch.setattr(_dispatch, "POISON_OUTPUTS", False)
+    _dispatch.clear_workspaces()
+    a = _dispatch.workspace("role_a", ((3, 5), (3, 5)), torch.float32, torch.device(DEVICE))
+    b = _dispatch.workspace("role_b", ((3, 5),), torch.float32, torch.device(DEVICE))
+    ptrs = [t.data_ptr() for t in (*a, *b)]
+    assert len(set(ptrs)) == 3 and all(t.shape == (3, 5) and t.is_contiguous() for t in (*a, *b))
+    assert a[1].data_ptr() - a[0].data_ptr() >= 15 * 4                 # the two views do not overlap
+    again = _dispatch.workspace("role_a", ((3, 5), (3, 5)), torch.float32, torch.device(DEVICE))
+    assert [t.data_ptr() for t in again] == ptrs[:2]
+    monkeypatch.setattr(_dispatch, "POISON_OUTPUTS", True)
+    fresh = _dispatch.workspace("role_a", ((3, 5),), torch.float32, torch.device(DEVICE))
+    assert fresh[0].isnan().all()
+    _dispatch.clear_workspaces()

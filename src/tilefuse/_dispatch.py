@@ -115,11 +115,13 @@ _WORKSPACES: dict = {}
 WORKSPACE_ENTRIES = 32      # kept before the cache starts over (distinct shapes, streams, threads)
 
 
-def workspace(shapes: tuple, dtype: torch.dtype, device: torch.device) -> tuple:
+def workspace(purpose: str, shapes: tuple, dtype: torch.dtype, device: torch.device) -> tuple:
     """Contiguous tensors of ``shapes`` (one buffer) for intermediates an op writes and reads
     back within one call, in stream order (decode's split-KV partials).
 
-    On CUDA they are reused across calls, per (device, stream, host thread, dtype, shapes): a
+    ``purpose`` names the buffer's role (one per buffer an op holds at once: two roles of
+    one call with equal shapes must not share memory). On CUDA they are reused across calls, per
+    (purpose, device, stream, host thread, dtype, shapes): a
     ``torch.empty`` costs 5-8 µs of host time on the H200 host, a lookup well under one. That is
     safe because the next call from the same thread on the same stream runs after this call's
     last read of them; another stream or thread gets its own. (CPU tensors reach the kernels only
@@ -132,9 +134,9 @@ def workspace(shapes: tuple, dtype: torch.dtype, device: torch.device) -> tuple:
         return tuple(empty(s, dtype, device) for s in shapes)
     if cuda:
         index = device.index if device.index is not None else torch.cuda.current_device()
-        key = (index, torch._C._cuda_getCurrentRawStream(index), threading.get_ident(), dtype, shapes)
+        key = (purpose, index, torch._C._cuda_getCurrentRawStream(index), threading.get_ident(), dtype, shapes)
     else:
-        key = (str(device), None, threading.get_ident(), dtype, shapes)
+        key = (purpose, str(device), None, threading.get_ident(), dtype, shapes)
     views = _WORKSPACES.get(key)
     if views is None:
         if len(_WORKSPACES) >= WORKSPACE_ENTRIES:

@@ -341,7 +341,7 @@ def launch_attention_backward(
         use_device_descriptors()
     # internal to this call (written by the preprocess, read by the dk/dv and dq kernels): a
     # reused workspace, not an allocation (~5-9 µs of host time each on the H200 host)
-    delta, lse2 = workspace((plan.stat_shape[1:], plan.stat_shape[1:]), torch.float32, q.device)
+    delta, lse2 = workspace("attention_bwd_stats", (plan.stat_shape[1:],) * 2, torch.float32, q.device)
     attention_bwd_preprocess_kernel.launch_prepared(plan.pre_grid, (out, do, lse, delta, lse2, cu_q), plan.pre)
     dq = empty(q.shape, q.dtype, q.device)
     dk = empty(k.shape, k.dtype, k.device)

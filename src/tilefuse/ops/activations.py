@@ -290,7 +290,9 @@ def _launch_bwd(dy, x, bias, activation: str, p: float, seed: int, want_dx: bool
     plan = _bwd_plan(n_rows, n_cols, num_sms(dy), dy2.stride(0), x2.stride(0), n_cols if want_dx else dy2.stride(0),
                      activation, p, bias is not None, want_dx, want_dbias, config_key(config))
     # dbias partials: internal to this call, from a reused workspace (no allocation)
-    partials = workspace(((plan.n_chunks, n_cols),), torch.float32, dy.device)[0] if want_dbias else dy2
+    partials = dy2
+    if want_dbias:
+        partials = workspace("bias_act_dbias", ((plan.n_chunks, n_cols),), torch.float32, dy.device)[0]
     bias_arg = bias.contiguous() if bias is not None else dy2
     bias_act_bwd_kernel.launch_prepared(plan.grid, (dy2, x2, bias_arg, dx, partials), _seeded(plan.prepared, seed))
     if want_dbias:

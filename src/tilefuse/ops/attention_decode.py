@@ -210,7 +210,7 @@ def _launch_decode(q, k_cache, v_cache, cache_seqlens, block_table, n_new: int, 
     if plan.part_shapes is None:
         part_out, part_lse = out, lse
     else:
-        part_out, part_lse = workspace(plan.part_shapes, torch.float32, q.device)   # reused: no allocation
+        part_out, part_lse = workspace("decode_partials", plan.part_shapes, torch.float32, q.device)
     decode_split_kernel.launch_prepared(
         plan.grid, (q, k_cache, v_cache, cache_seqlens.contiguous(), bt, part_out, part_lse), plan.split_args)
     if plan.combine_args is not None:

@@ -269,14 +269,14 @@ def _launch_bwd(dy, x, weight, mean, rstd, dres, offset: float, is_rms: bool, ne
                      offset, is_rms, weight is not None, dres is not None, need_dw, need_db, config_key(config))
     dots = dx                           # dummy unless stats_in
     if plan.stats_in:
-        dots = workspace(((2, n_rows),), torch.float32, dev)[0]     # internal: a reused workspace
+        dots = workspace("norm_bwd_dots", ((2, n_rows),), torch.float32, dev)[0]     # internal: a reused workspace
         norm_bwd_stats_kernel[(n_rows,)](
             x2, w, dy2, mean1, rstd1, dots, x2.stride(0), dy2.stride(0), n_rows, n_cols, offset,
             IS_RMS=is_rms, HAS_W=weight is not None, BLOCK_N=plan.block_n, num_warps=_bwd_num_warps(plan.block_n),
         )
     n_prog = plan.grid[0]
     # dw / db partials, internal to this call: reused workspace views, not allocations
-    parts = list(workspace(((n_prog, n_cols),) * (need_dw + need_db), torch.float32, dev))
+    parts = list(workspace("norm_bwd_partials", ((n_prog, n_cols),) * (need_dw + need_db), torch.float32, dev))
     dw_part = parts.pop(0) if need_dw else dx
     db_part = parts.pop(0) if need_db else dx
     norm_bwd_kernel.launch_prepared(plan.grid, (x2, w, dy2, dr2, mean1, rstd1, dots, dx, dw_part, db_part),
