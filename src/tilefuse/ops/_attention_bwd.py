@@ -314,7 +314,8 @@ def launch_attention_backward(
     dk/dv kernel's DV_LATE; GLUON: the warp-specialized dk/dv and dq kernels on or off, GLUON_BLOCK_M /
     GLUON_STAGES the dk/dv kernel's tiles; GLUON_DQ: the warp-specialized dq kernel on or off (with
     GLUON; default :func:`gluon_dq_default`), GLUON_DQ_BLOCK_N / GLUON_DQ_STAGES its tiles) -- tests
-    and the sweep. Per call: a cached plan (:func:`_backward_plan`), three allocations (dq, dk, dv) and a reused workspace, three launches."""
+    and the sweep. Per call: a cached plan (:func:`_backward_plan`), three allocations (dq, dk,
+    dv), a reused workspace (delta, lse2), three launches."""
     varlen = cu_seqlens_q is not None
     q, k, v, do, out = (_unit_last_dim(t) for t in (q, k, v, do, out))
     if varlen:
