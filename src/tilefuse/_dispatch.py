@@ -117,12 +117,12 @@ WORKSPACE_ENTRIES = 32      # kept before the cache starts over (distinct shapes
 
 def workspace(purpose: str, shapes: tuple, dtype: torch.dtype, device: torch.device) -> tuple:
     """Contiguous tensors of ``shapes`` (one buffer) for intermediates an op writes and reads
-    back within one call, in stream order (decode's split-KV partials).
+    back within one call, in stream order (split-KV partials, dw / db partials, row statistics).
 
-    ``purpose`` names the buffer's role (one per buffer an op holds at once: two roles of
-    one call with equal shapes must not share memory). On CUDA they are reused across calls, per
-    (purpose, device, stream, host thread, dtype, shapes): a
-    ``torch.empty`` costs 5-8 µs of host time on the H200 host, a lookup well under one. That is
+    ``purpose`` names the buffer's role (one per buffer an op holds at once: two roles of one
+    call with equal shapes must not share memory). The tensors are reused across calls, per
+    (purpose, device, stream, host thread, dtype, shapes): a ``torch.empty`` costs 5-8 µs of
+    host time on the H200 host, a lookup well under one. That is
     safe because the next call from the same thread on the same stream runs after this call's
     last read of them; another stream or thread gets its own. (CPU tensors reach the kernels only
     under the interpreter, which runs each launch to completion: reused the same way, so CI tests
