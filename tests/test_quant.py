@@ -478,6 +478,94 @@ def test_x_pairs_config_rules():
     assert "X_PAIRS" not in quant.launch_plan(4, 128, 16, 4096, 4096, torch.bfloat16, 132).meta  # dot kernel
 
 
+# ------------------------------------------------------------------------------------------------
+# FOLD: the int4 GEMV with 16-bit x takes each value as C + q (C = 16 or 256) and subtracts
+# sum_k C_k x_k once per group; fp32 sums of (C + q) x carry C's magnitude
+# ------------------------------------------------------------------------------------------------
+
+
+def _gptq_zero_groups(qw, every):
+    """qw with every ``every``-th group of each row made zero the way GPTQ stores one: scale
+    2/15 and q = z = 8 (dequant exactly 0, but the fp32 sums still see C + 8 per value)."""
+    n, k = qw.shape
+    groups = k // qw.group_size
+    q = unpack_int4(qw.qweight).view(n, groups, qw.group_size).clone()
+    scales, zeros = qw.scales.clone(), qw.zeros.clone()
+    q[:, ::every] = 8
+    zeros[:, ::every] = 8
+    scales[:, ::every] = 2 / 15
+    q = q.view(n, k)
+    return quant.QuantizedWeight((q[:, 0::2] | (q[:, 1::2] << 4)).contiguous(), scales, zeros, 4, qw.group_size, (n, k))
+
+
+FOLD_DTYPES = [torch.float16] + ([torch.bfloat16] if HAS_CUDA else [])   # bf16 loads/stores: GPU only
+
+
+@pytest.mark.parametrize("dtype", FOLD_DTYPES, ids=str)
+@pytest.mark.parametrize("case", ["normal", "biased-x", "outlier-x", "zero-groups", "gptq-zero-groups"])
+def test_fold_accuracy(dtype, case):
+    """FOLD's y against the fp64 reference: within the fp16 / bf16 bound, or twice PyTorch's own
+    error on the same inputs (flash-attn's rule), and within twice the error of the same kernel
+    with exact q (FOLD=False). The cases push what C costs: x with a large mean (sum C x far
+    above the dot product), outliers of 900, and zero groups whose scale dwarfs the others' (ours:
+    scale 1, q = z = 0; GPTQ's: scale 2/15, q = z = 8), where any error is all C's."""
+    n, k, g = 96, 4096, 128
+    w = _weight(n, k, torch.float32, 0.02)
+    if case == "zero-groups":
+        w.view(n, k // g, g)[:, ::2] = 0
+    qw = quantize_weight(w.to(dtype), 4, g)
+    if case == "gptq-zero-groups":
+        qw = _gptq_zero_groups(qw, 2)
+    x = torch.randn(1, k, device=DEVICE)
+    if case == "biased-x":
+        x += 3
+    elif case == "outlier-x":
+        x[0, ::97] = 900
+    x = x.to(dtype)
+    assert _plan(x, qw).meta["FOLD"]
+    ref = _reference(x, qw)
+    err_fold = rel_err(_launch(x, qw), ref)
+    err_exact = rel_err(_launch(x, qw, config=dict(FOLD=False)), ref)
+    err_torch = rel_err(F.linear(x, dequantize_weight(qw, dtype)), ref)
+    assert err_fold <= max(TOL[dtype], 2 * err_torch), (err_fold, err_torch)
+    assert err_fold <= 2 * err_exact + 1e-6, (err_fold, err_exact)
+
+
+def test_fold_config_rules():
+    """FOLD is on in the int4 GEMV for fp16 / bf16 x unless ``FOLD=False``; fp32 x (whose 1e-5
+    bound C's rounding could eat into), int8 and the dot kernel never take it."""
+    for dtype in (torch.float16, torch.bfloat16):
+        assert quant.launch_plan(4, 128, 1, 4096, 4096, dtype, 132).meta["FOLD"]
+        assert not quant.launch_plan(4, 128, 1, 4096, 4096, dtype, 132, (("FOLD", False),)).meta["FOLD"]
+    assert not quant.launch_plan(4, 128, 1, 4096, 4096, torch.float32, 132).meta["FOLD"]
+    assert not quant.launch_plan(8, 0, 1, 4096, 4096, torch.bfloat16, 132).meta["FOLD"]
+    assert "FOLD" not in quant.launch_plan(4, 128, 16, 4096, 4096, torch.bfloat16, 132).meta
+
+
+def test_folded_nibbles_are_c_plus_q():
+    """Every word's 8 planes from _folded_nibbles, unpacked in k order, are exactly ``C_k + q`` for
+    all 16 values in every nibble position (a word per (position, value) pair, plus random words)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def planes_kernel(w_ptr, out_ptr, magic, N: tl.constexpr):
+        words = tl.load(w_ptr + tl.arange(0, N))
+        vals = tl.reshape(quant_kernels._folded_nibbles(words, magic), (N * 8,))
+        tl.store(out_ptr + tl.arange(0, N * 8), vals)
+
+    nib = torch.arange(16).repeat_interleave(8)                              # value v in position i
+    pos = torch.arange(8).repeat(16)
+    words = (nib << (4 * pos)).to(torch.int64)
+    words = torch.cat([words, torch.randint(0, 2 ** 32, (128,))])          # 256 words in all
+    w32 = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32).to(DEVICE)
+    out = torch.full((w32.numel() * 8,), float("nan"), device=DEVICE)
+    planes_kernel[(1,)](w32, out, quant_kernels.MAGIC_BITS, N=w32.numel())
+    q = ((words[:, None] >> (4 * torch.arange(8))) & 0xF).double()           # [words, 8] in k order
+    c = torch.tensor([16.0, 256.0] * 4, dtype=torch.float64)
+    assert torch.equal(out.cpu().double().view(-1, 8), q + c)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 4, 16, 64])
 @pytest.mark.parametrize("nk", [(4096, 4096), (14336, 4096), (4096, 14336)])
