@@ -98,35 +98,6 @@ def _join_nibbles(words, magic, offset, scale, SCALED: tl.constexpr):
     return tl.join(tl.join(tl.join(p0, p4), tl.join(p2, p6)), tl.join(tl.join(p1, p5), tl.join(p3, p7)))
 
 
-@triton.jit
-def _folded_nibbles(words, magic):
-    """``[*words.shape, 8]`` fp32 ``C_k + q`` in k order (GEMV, 16-bit x; FOLD): nibble ``i`` moved
-    to bit 15 (odd i) or 19 (even i) and ORed onto 2^8 or 2^4, whose mantissa unit is then 1:
-    ``C = 256`` for odd k, ``16`` for even k, exactly. The caller subtracts ``sum_k C_k x_k``
-    once per group (row-independent), so a value costs one LOP3 and its FFMA, and a word four
-    moves: nibbles 3, 4 from ``<< 3``, 1, 2 from ``<< 11``, 5, 6 from ``>> 5``, 7, 0 from the
-    rotate by 19 (the left shifts run as IMAD on the FMA pipe). High bits keep C small against q
-    (bits 12 / 16 would take one move fewer but C = 2048: fp16 x error 1.8x PyTorch's own on a
-    biased x, interpreter, 2026-11-25); with C <= 256 the fp32 sums lose ~6 bits at most.
-    ``magic`` is MAGIC_BITS (2^23), a run-time value: 2^4 and 2^8 are derived from it."""
-    w = words.to(tl.uint32, bitcast=True)
-    m19 = magic.to(tl.uint32) - 0x09800000          # 2^4: bits 19..22 are the units
-    m15 = magic.to(tl.uint32) - 0x07800000          # 2^8: bits 15..18 are the units
-    s3 = w << 3
-    s11 = w << 11
-    r5 = w >> 5
-    rot = (w << 19) | (w >> 13)
-    p0 = ((rot & 0x780000) | m19).to(tl.float32, bitcast=True)
-    p1 = ((s11 & 0x78000) | m15).to(tl.float32, bitcast=True)
-    p2 = ((s11 & 0x780000) | m19).to(tl.float32, bitcast=True)
-    p3 = ((s3 & 0x78000) | m15).to(tl.float32, bitcast=True)
-    p4 = ((s3 & 0x780000) | m19).to(tl.float32, bitcast=True)
-    p5 = ((r5 & 0x78000) | m15).to(tl.float32, bitcast=True)
-    p6 = ((r5 & 0x780000) | m19).to(tl.float32, bitcast=True)
-    p7 = ((rot & 0x78000) | m15).to(tl.float32, bitcast=True)
-    return tl.join(tl.join(tl.join(p0, p4), tl.join(p2, p6)), tl.join(tl.join(p1, p5), tl.join(p3, p7)))
-
-
 def _dequant_int4_asm(fma: str, one: int, magic: int, scaled: bool = True) -> str:
     """PTX for :func:`_int4_dequant_x16`: operands ``$0..$7`` the 8 values of a word (16-bit, k
     order), ``$8`` the word, ``$9`` ``-(magic + z)`` twice, ``$10`` the scale twice (packed
@@ -248,12 +219,6 @@ def _x_chunk(x_row, chunk, valid, GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr
 
 
 @triton.jit
-def _fold_constants(GROUP_SIZE: tl.constexpr):
-    """``C_k`` of :func:`_folded_nibbles` for the k of a group: 16 even, 256 odd."""
-    return tl.where(tl.arange(0, GROUP_SIZE) % 2 == 0, 16.0, 256.0)
-
-
-@triton.jit
 def _write_out(acc, offs_n, offs_m, pid_s, M, N, bias_ptr, y_ptr, partial_ptr, stride_ym,
                HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
     """Store ``acc[BLOCK_N, R]`` (fp32, y transposed) for output rows ``offs_m[R]``: as split
@@ -295,7 +260,6 @@ def quant_gemv_kernel(
     HAS_BIAS: tl.constexpr,
     SPLIT: tl.constexpr,          # write fp32 partials (more than one split) instead of y
     X_PAIRS: tl.constexpr,        # int4, bf16 x: read x as int32 pairs (see _x_chunk)
-    FOLD: tl.constexpr,           # int4, 16-bit x: C + q per value, C folded into one sum (_folded_nibbles)
     BLOCK_N: tl.constexpr,        # weight rows per program
     BLOCK_K: tl.constexpr,        # K columns per loop step
     NUM_STAGES: tl.constexpr,     # software-pipeline depth of the K loop
@@ -324,15 +288,9 @@ def quant_gemv_kernel(
             z_next, s_next = _group_params(scales_ptr, zeros_ptr, sz_rows, row_mask, chunk + 1, n_chunks, GROUPS)
             words = tl.load(qw_ptr.to(tl.pointer_type(tl.int32)) + (rows // 4)[:, None]
                             + (chunk * WORDS + tl.arange(0, WORDS))[None, :], mask=row_mask[:, None] & valid, other=0)
+            q = tl.reshape(_join_nibbles(words, magic_bits, 0.0, 1.0, False), (BLOCK_N, GROUPS, GROUP_SIZE))
             xg = _x_chunk(x_row, chunk, valid, GROUPS, GROUP_SIZE, X_PAIRS)                # [GROUPS, GROUP_SIZE]
-            if FOLD:        # sum (C + q) x - sum C x - z sum x, the C sum shared by the rows
-                q = tl.reshape(_folded_nibbles(words, magic_bits), (BLOCK_N, GROUPS, GROUP_SIZE))
-                offset = tl.sum(xg * _fold_constants(GROUP_SIZE)[None, :], axis=1)[None, :] \
-                    + z * tl.sum(xg, axis=1)[None, :]
-            else:
-                q = tl.reshape(_join_nibbles(words, magic_bits, 0.0, 1.0, False), (BLOCK_N, GROUPS, GROUP_SIZE))
-                offset = z * tl.sum(xg, axis=1)[None, :]
-            group_dot = tl.sum(q * xg[None, :, :], axis=2) - offset                                  # [BLOCK_N, GROUPS]
+            group_dot = tl.sum(q * xg[None, :, :], axis=2) - z * tl.sum(xg, axis=1)[None, :]     # [BLOCK_N, GROUPS]
             acc += tl.sum(group_dot * s, axis=1)
         else:
             k0 = chunk * BLOCK_K

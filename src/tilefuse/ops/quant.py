@@ -168,7 +168,7 @@ WGMMA_DEFAULT_MAX_ROWS = 16  # ... and is the default up to here (at 32 rows it 
 WGMMA_GROUPS_PER_PROGRAM = 8   # groups of K per program (split-K beyond): more programs hide more latency
 WGMMA_SMEM = 200 * 1024    # its shared memory: x for the program's groups + the weight ring (sm_90: 227 KB)
 CONFIG_KEYS = ("PATH", "SWAP_AB", "BLOCK_M", "BLOCK_N", "BLOCK_K", "NUM_STAGES", "num_warps", "SPLITS", "PACKED",
-               "X_PAIRS", "FOLD", "WARPS_K", "WARPS_N", "REPS", "GROUPS_PER_STEP", "PRELOAD", "CHUNK", "STAGES")
+               "X_PAIRS", "WARPS_K", "WARPS_N", "REPS", "GROUPS_PER_STEP", "PRELOAD", "CHUNK", "STAGES")
 
 
 class LaunchPlan(NamedTuple):
@@ -217,15 +217,6 @@ def _x_pairs(cfg: dict, bits: int, dtype: torch.dtype) -> bool:
     has the layout; other dtypes ignore the key. An x whose rows are off 4-byte boundaries is read
     as bf16 instead (:func:`_pairs_aligned`)."""
     return bool(cfg.get("X_PAIRS")) and bits == 4 and dtype == torch.bfloat16
-
-
-def _fold(cfg: dict, bits: int, dtype: torch.dtype) -> bool:
-    """FOLD (int4 GEMV with fp16 / bf16 x, on unless ``FOLD=False``): each weight value is
-    ``C + q`` with C a power of two (``_folded_nibbles``) and ``sum_k C_k x_k`` is subtracted
-    once per group for all rows, which drops the per-value subtraction (one FFMA or FADD of the
-    loop's ~4.4 instructions a value). fp32 x keeps the exact ``q`` (C costs up to ~11 bits of
-    the fp32 sums: ~1e-4 relative, under 16-bit rounding but not under fp32's 1e-5)."""
-    return bool(cfg.get("FOLD", True)) and bits == 4 and dtype in (torch.float16, torch.bfloat16)
 
 
 def _pairs_aligned(x2: torch.Tensor) -> bool:
@@ -378,7 +369,7 @@ def launch_plan(bits: int, group_size: int, m: int, n: int, k: int, dtype: torch
     swap_ab = False
     if cfg["PATH"] == "gemv":
         kernel, tiles = quant_gemv_kernel, m * cdiv(n, block_n)
-        meta.update(X_PAIRS=_x_pairs(cfg, bits, dtype), FOLD=_fold(cfg, bits, dtype))
+        meta.update(X_PAIRS=_x_pairs(cfg, bits, dtype))
     else:
         block_m = cfg.get("BLOCK_M") or max(16, next_power_of_2(m))
         kernel, tiles = quant_dot_kernel, cdiv(m, block_m) * cdiv(n, block_n)
