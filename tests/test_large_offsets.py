@@ -91,7 +91,7 @@ def test_cross_entropy(defer_grad):
     xf = logits.detach()[ends].double().requires_grad_()
     ref = F.cross_entropy(xf, target[ends], reduction="none")
     ref.backward(g[ends].double())
-    assert rel_err(loss.detach()[ends], ref) <= 1e-5
+    assert rel_err(loss.detach()[ends], ref) <= TOL          # the loss comes back in bf16, as torch's does
     assert rel_err(logits.grad[ends], xf.grad) <= TOL
 
 
