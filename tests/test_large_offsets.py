@@ -46,16 +46,29 @@ def _free_memory():
     torch.cuda.empty_cache()
 
 
-@pytest.mark.parametrize("norm", ["rms_norm", "layer_norm"])
+@pytest.mark.parametrize("norm", ["rms_norm", "layer_norm", "add_rms_norm"])
 def test_norms(norm):
+    """add_rms_norm: x is the sum ``h + residual``, also returned (the fused residual add); its
+    gradient reaches both h and residual."""
     rows, cols = BIG // 4096 + 5, 4096
-    x = _randn(rows, cols).requires_grad_()
     w = (1 + 0.1 * _randn(cols)).requires_grad_()
     b = (0.1 * _randn(cols)).requires_grad_() if norm == "layer_norm" else None
-    y = tilefuse.rms_norm(x, weight=w) if b is None else tilefuse.layer_norm(x, weight=w, bias=b)
-    assert x.numel() > BIG
     dy = _randn(rows, cols)
-    y.backward(dy)
+    if norm == "add_rms_norm":
+        h, res = _randn(rows, cols).requires_grad_(), _randn(rows, cols).requires_grad_()
+        y, x = tilefuse.rms_norm(h, weight=w, residual=res)
+        ds = _randn(rows, cols)                          # gradient arriving on the sum
+        torch.autograd.backward([y, x], [dy, ds])
+        e = _ends(rows)
+        assert rel_err(x.detach()[e], h.detach()[e].float() + res.detach()[e].float()) <= TOL
+        assert torch.equal(h.grad, res.grad)
+        dx, dx_extra = h.grad, ds[e].float()             # the sum's gradient plus the normalization's
+    else:
+        x = _randn(rows, cols).requires_grad_()
+        y = tilefuse.rms_norm(x, weight=w) if b is None else tilefuse.layer_norm(x, weight=w, bias=b)
+        y.backward(dy)
+        dx, dx_extra = x.grad, 0.0
+    assert x.numel() > BIG
 
     def x_hat(r):
         xf = x.detach()[r].float()
@@ -71,7 +84,7 @@ def test_norms(norm):
     ref = (F.rms_norm(xf, (cols,), w.detach().float(), 1e-6) if b is None
            else F.layer_norm(xf, (cols,), w.detach().float(), b.detach().float(), 1e-5))
     ref.backward(dy[ends].float())
-    assert rel_err(x.grad[ends], xf.grad) <= TOL
+    assert rel_err(dx[ends], xf.grad + dx_extra) <= TOL
     assert rel_err(w.grad, _col_sum(lambda r: dy[r].float() * x_hat(r), rows)) <= TOL
     if b is not None:
         assert rel_err(b.grad, _col_sum(lambda r: dy[r].float(), rows)) <= TOL
@@ -192,6 +205,37 @@ def test_attention_decode(paged):
     for b, n in enumerate(seqlens):                                     # the appended slot
         assert torch.equal(k_rows[b][n - 1], k_new[b, 0]) and torch.equal(v_rows[b][n - 1], v_new[b, 0])
     assert rel_err(out, _decode_reference(q, k_rows, v_rows, seqlens)) <= TOL
+
+
+def test_swiglu_linear():
+    """The fused gate-up GEMM's [tokens, I] output and its saved [tokens, 2I] g | u past 2^31
+    elements (the backward's d of that size too)."""
+    t, h, i = BIG // 14336 + 3, 4096, 14336
+    x = (_randn(t, h) / 8).requires_grad_()
+    w = (_randn(2 * i, h) / 8).requires_grad_()
+    y = tilefuse.swiglu_linear(x, w)
+    assert y.numel() > BIG
+    dy = _randn(t, i)
+    y.backward(dy)
+    ends = _ends(t)
+    xf = x.detach()[ends].float().requires_grad_()
+    wf = w.detach().float()
+    ref = F.silu(xf @ wf[:i].t()) * (xf @ wf[i:].t())
+    ref.backward(dy[ends].float())
+    assert rel_err(y.detach()[ends], ref.detach()) <= TOL
+    assert rel_err(x.grad[ends], xf.grad) <= TOL
+    rows = _ends(i)                                     # dw rows of gate and up, summed over all tokens
+
+    def dw_rows(r):
+        xr = x.detach()[r].float()
+        g, u = xr @ wf[:i].t(), xr @ wf[i:].t()
+        dyr = dy[r].float()
+        sig = torch.sigmoid(g)
+        dg = dyr * u * sig * (1 + g * (1 - sig))
+        du = dyr * g * sig
+        return torch.cat([dg[:, rows], du[:, rows]], 1)[:, :, None] * xr[:, None, :]
+    ref_dw = _col_sum(dw_rows, t, chunk=1 << 12)
+    assert rel_err(torch.cat([w.grad[rows], w.grad[i + rows]]), ref_dw) <= TOL
 
 
 def test_lm_head_matmul():
