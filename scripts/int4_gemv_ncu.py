@@ -1,0 +1,22 @@
+"""The int4 GEMV (M = 1) under Nsight Compute: what its warps wait on (GPU machine).
+
+    ncu --kernel-name regex:quant_gemv --launch-skip 2 --launch-count 1 \\
+        --section SpeedOfLight --section SchedulerStats --section WarpStateStats \\
+        --section MemoryWorkloadAnalysis python scripts/int4_gemv_ncu.py [N K]
+
+Runs the default launch (``quant_linear``, bf16 x, group 128) three times on an [N, K] weight
+(14336×4096 unless given).
+"""
+
+import sys
+
+import torch
+
+from tilefuse.ops.quant import quant_linear, quantize_weight
+
+n, k = (int(a) for a in sys.argv[1:3]) if len(sys.argv) > 2 else (14336, 4096)
+qw = quantize_weight((torch.randn(n, k, device="cuda") / k ** 0.5).bfloat16(), 4, 128)
+x = torch.randn(1, k, device="cuda").bfloat16()
+for _ in range(3):
+    quant_linear(x, qw)
+torch.cuda.synchronize()
