@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import tilefuse
+from tilefuse.ops.attention_decode import attention_decode_reference
 from tilefuse.testing import rel_err
 
 BIG = 2**31
@@ -158,19 +159,6 @@ def test_attention(varlen):
         assert rel_err(t.grad[ends], tf.grad.transpose(1, 2)) <= TOL
 
 
-def _decode_reference(q, k_rows, v_rows, seqlens):
-    """fp32 attention of each batch row's one query over its first ``seqlens[b]`` keys
-    (``k_rows[b]`` [L, H_kv, D]), GQA by repeating k / v."""
-    outs = []
-    for b, n in enumerate(seqlens):
-        qb = q[b].float().transpose(0, 1)                              # [H, 1, D]
-        kb, vb = (t[b][:n].float().transpose(0, 1) for t in (k_rows, v_rows))
-        group = qb.shape[0] // kb.shape[0]
-        kb, vb = kb.repeat_interleave(group, 0), vb.repeat_interleave(group, 0)
-        outs.append(F.scaled_dot_product_attention(qb, kb, vb).transpose(0, 1))
-    return torch.stack(outs)
-
-
 @pytest.mark.parametrize("paged", [False, True])
 def test_attention_decode(paged):
     """A KV cache past 2^31 elements: a contiguous [3, 2^20, 8, 128] cache (batch row 2 starts
@@ -204,7 +192,9 @@ def test_attention_decode(paged):
     k_rows, v_rows = rows(k_cache), rows(v_cache)
     for b, n in enumerate(seqlens):                                     # the appended slot
         assert torch.equal(k_rows[b][n - 1], k_new[b, 0]) and torch.equal(v_rows[b][n - 1], v_new[b, 0])
-    assert rel_err(out, _decode_reference(q, k_rows, v_rows, seqlens)) <= TOL
+    # the op's own reference, on the cache as the append left it
+    ref = attention_decode_reference(q, k_cache, v_cache, cache_seqlens + 1, block_table)
+    assert rel_err(out, ref) <= TOL
 
 
 def test_swiglu_linear():
