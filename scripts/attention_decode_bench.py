@@ -170,6 +170,50 @@ def graph_ab(dtype, rounds: int) -> None:
         torch.cuda.empty_cache()
 
 
+def graph_parts(dtype, rounds: int) -> None:
+    """CUDA-graph replay time of the decode with the splits merged inside the split kernel
+    (MERGE), with the combine kernel (a second launch), and of the split kernel alone (the
+    combine launch skipped): what the merge costs either way."""
+    import statistics
+
+    from tilefuse.bench.ceilings import graph_time_ms
+
+    class _Skip:
+        launch_prepared = staticmethod(lambda *args, **kwargs: None)
+
+    for shape in SHAPES:
+        batch, s_q, h_q, h_kv, length, d = shape
+        q, k, v, seqlens = make_inputs(shape, dtype)
+        kv_bytes = 2 * k.numel() * k.element_size()
+        ref = attention_decode_reference(q.float(), k.float(), v.float(), seqlens)
+
+        def run(merge: bool):
+            return ad._launch_decode(q, k, v, seqlens, None, 0, -1, 0, 0.0, d ** -0.5, 0, {"MERGE": merge})[0]
+
+        def split_only(combine=ad.decode_combine_kernel):
+            ad.decode_combine_kernel = _Skip
+            try:
+                return run(False)
+            finally:
+                ad.decode_combine_kernel = combine
+
+        for merge in (True, False):
+            err = rel_err(run(merge), ref)
+            assert err <= 1e-2, (merge, err)
+        variants = {"merge in split kernel": lambda: run(True), "split + combine": lambda: run(False),
+                    "split only": split_only}
+        times = {name: [] for name in variants}
+        for _ in range(rounds):
+            for name, fn in variants.items():
+                times[name].append(1e3 * graph_time_ms(fn))
+        print(f"\n== graph parts B={batch} H_q={h_q} H_kv={h_kv} L={length} D={d}: KV {kv_bytes / 1e6:.0f} MB, "
+              f"splits {ad._launch_config(q, length, h_kv, 0)['splits']}")
+        for name, ts in times.items():
+            us = statistics.median(ts)
+            print(f"  {name:22s} {us:8.1f} us  {kv_bytes / us / 1e3:7.0f} GB/s  rounds {' '.join(f'{t:.1f}' for t in ts)}")
+        torch.cuda.empty_cache()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="bf16", choices=list(DTYPES))
@@ -179,12 +223,17 @@ def main() -> int:
                         help="caches the config sweep covers")
     parser.add_argument("--graph-ab", type=int, default=0, metavar="ROUNDS",
                         help="only the graph-replay A/B of split counts and configs, ROUNDS rounds")
+    parser.add_argument("--graph-parts", type=int, default=0, metavar="ROUNDS",
+                        help="only the merge variants against the split kernel alone, as graphs, ROUNDS rounds")
     args = parser.parse_args()
     start = time.time()
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(0)
     ceiling = copy_gbps()
     print(f"{props.name}, {props.multi_processor_count} SMs; copy {ceiling:.0f} GB/s (1 GiB copy_, read + write)")
+    if args.graph_parts:
+        graph_parts(DTYPES[args.dtype], args.graph_parts)
+        return 0
     if args.graph_ab:
         graph_ab(DTYPES[args.dtype], args.graph_ab)
         return 0

@@ -1,0 +1,98 @@
+"""Where one linear_cross_entropy fwd+bwd step spends its time, kernel by kernel (GPU; PYTHONPATH=src).
+
+    python scripts/lce_profile.py [T H V] [--iters 3]
+
+Runs the bench's ``fwd+bwd`` pass (forward with grad-requiring hidden and weight, then
+``torch.autograd.grad`` with a random scalar grad_output) for tilefuse and for eager
+``F.cross_entropy(h @ W.T)``, each timed with CUDA events around whole steps (after warm-up),
+then under ``torch.profiler``: the GPU time summed per kernel name, the kernels' total against the
+step's wall time (the rest is GPU idle: host waits, syncs, allocator), and the largest idle gaps
+between consecutive kernels with the kernel that follows each.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+
+import torch
+import torch.nn.functional as F
+
+from tilefuse.ops.cross_entropy import random_targets
+from tilefuse.ops.linear_cross_entropy import linear_cross_entropy
+
+
+def make(t: int, hdim: int, vocab: int):
+    h = torch.randn(t, hdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(vocab, hdim, device="cuda") * hdim ** -0.5).to(torch.bfloat16).requires_grad_()
+    return h, w, random_targets(t, vocab, "cuda")
+
+
+def step_fn(impl: str, h, w, target):
+    g = torch.rand((), device="cuda", dtype=torch.bfloat16) + 0.5
+
+    def step():
+        if impl == "tilefuse":
+            loss = linear_cross_entropy(h, w, target)
+        else:
+            loss = F.cross_entropy((h @ w.t()).float(), target) if impl == "eager-fp32" else \
+                F.cross_entropy(h @ w.t(), target)
+        return torch.autograd.grad(loss, (h, w), g)
+    return step
+
+
+def wall_ms(step, iters: int) -> list[float]:
+    out = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        a.record()
+        step()
+        b.record()
+        torch.cuda.synchronize()
+        out.append(a.elapsed_time(b))
+    return out
+
+
+def profile(name: str, step, iters: int) -> None:
+    step()
+    torch.cuda.synchronize()
+    walls = wall_ms(step, iters)
+    print(f"\n== {name}: step wall (CUDA events) {', '.join(f'{x:.2f}' for x in walls)} ms")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
+    events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                    key=lambda e: e.time_range.start)
+    per_name: dict = defaultdict(lambda: [0, 0.0])
+    busy = 0.0
+    for e in events:
+        per_name[e.name][0] += 1
+        per_name[e.name][1] += e.time_range.elapsed_us()
+        busy += e.time_range.elapsed_us()
+    span = (events[-1].time_range.end - events[0].time_range.start) if events else 0
+    print(f"kernels {busy / iters / 1e3:.2f} ms per step; first-to-last span {span / iters / 1e3:.2f} ms per step")
+    for nm, (cnt, us) in sorted(per_name.items(), key=lambda kv: -kv[1][1])[:12]:
+        print(f"  {us / iters / 1e3:8.3f} ms  {cnt // iters:4d}x  {nm[:110]}")
+    gaps = sorted(((b.time_range.start - a.time_range.end, b.name) for a, b in zip(events, events[1:])),
+                  reverse=True)
+    print("largest idle gaps (us, next kernel):", ", ".join(f"{g:.0f} {n[:40]}" for g, n in gaps[:8]))
+    print(f"idle between kernels {sum(max(0, g) for g, _ in gaps) / iters / 1e3:.2f} ms per step")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("shape", nargs="*", type=int, default=[8192, 4096, 128256])
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--impls", nargs="+", default=["tilefuse", "eager"])
+    args = ap.parse_args()
+    t, hdim, vocab = args.shape
+    print(torch.cuda.get_device_name(), f"T={t} H={hdim} V={vocab} bf16")
+    h, w, target = make(t, hdim, vocab)
+    for impl in args.impls:
+        profile(impl, step_fn(impl, h, w, target), args.iters)
+
+
+if __name__ == "__main__":
+    main()
