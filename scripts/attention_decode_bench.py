@@ -171,9 +171,8 @@ def graph_ab(dtype, rounds: int) -> None:
 
 
 def graph_parts(dtype, rounds: int) -> None:
-    """CUDA-graph replay time of the decode with the splits merged inside the split kernel
-    (MERGE), with the combine kernel (a second launch), and of the split kernel alone (the
-    combine launch skipped): what the merge costs either way."""
+    """CUDA-graph replay time of the decode (split + combine kernels) against the split kernel
+    alone (the combine launch skipped): what merging the splits costs inside a graph."""
     import statistics
 
     from tilefuse.bench.ceilings import graph_time_ms
@@ -185,32 +184,28 @@ def graph_parts(dtype, rounds: int) -> None:
         batch, s_q, h_q, h_kv, length, d = shape
         q, k, v, seqlens = make_inputs(shape, dtype)
         kv_bytes = 2 * k.numel() * k.element_size()
-        ref = attention_decode_reference(q.float(), k.float(), v.float(), seqlens)
 
-        def run(merge: bool):
-            return ad._launch_decode(q, k, v, seqlens, None, 0, -1, 0, 0.0, d ** -0.5, 0, {"MERGE": merge})[0]
+        def full():
+            return ad._launch_decode(q, k, v, seqlens, None, 0, -1, 0, 0.0, d ** -0.5, 0)[0]
 
         def split_only(combine=ad.decode_combine_kernel):
             ad.decode_combine_kernel = _Skip
             try:
-                return run(False)
+                return full()
             finally:
                 ad.decode_combine_kernel = combine
 
-        for merge in (True, False):
-            err = rel_err(run(merge), ref)
-            assert err <= 1e-2, (merge, err)
-        variants = {"merge in split kernel": lambda: run(True), "split + combine": lambda: run(False),
-                    "split only": split_only}
-        times = {name: [] for name in variants}
+        err = rel_err(full(), attention_decode_reference(q.float(), k.float(), v.float(), seqlens))
+        assert err <= 1e-2, err
+        times = {"split + combine": [], "split only": []}
         for _ in range(rounds):
-            for name, fn in variants.items():
-                times[name].append(1e3 * graph_time_ms(fn))
+            times["split + combine"].append(1e3 * graph_time_ms(full))
+            times["split only"].append(1e3 * graph_time_ms(split_only))
         print(f"\n== graph parts B={batch} H_q={h_q} H_kv={h_kv} L={length} D={d}: KV {kv_bytes / 1e6:.0f} MB, "
               f"splits {ad._launch_config(q, length, h_kv, 0)['splits']}")
         for name, ts in times.items():
             us = statistics.median(ts)
-            print(f"  {name:22s} {us:8.1f} us  {kv_bytes / us / 1e3:7.0f} GB/s  rounds {' '.join(f'{t:.1f}' for t in ts)}")
+            print(f"  {name:20s} {us:8.1f} us  {kv_bytes / us / 1e3:7.0f} GB/s  rounds {' '.join(f'{t:.1f}' for t in ts)}")
         torch.cuda.empty_cache()
 
 
@@ -224,7 +219,7 @@ def main() -> int:
     parser.add_argument("--graph-ab", type=int, default=0, metavar="ROUNDS",
                         help="only the graph-replay A/B of split counts and configs, ROUNDS rounds")
     parser.add_argument("--graph-parts", type=int, default=0, metavar="ROUNDS",
-                        help="only the merge variants against the split kernel alone, as graphs, ROUNDS rounds")
+                        help="only split + combine against the split kernel alone, as graphs, ROUNDS rounds")
     args = parser.parse_args()
     start = time.time()
     torch.manual_seed(0)

@@ -153,26 +153,6 @@ def workspace(purpose: str, shapes: tuple, dtype: torch.dtype, device: torch.dev
 def clear_workspaces() -> None:
     """Release the buffers :func:`workspace` keeps (to the caching allocator)."""
     _WORKSPACES.clear()
-    _ARRIVALS.clear()
-
-
-_ARRIVALS: dict = {}        # (device, stream) -> zeroed int32 arrival counters
-
-
-def arrival_counters(device: torch.device, count: int) -> torch.Tensor:
-    """At least ``count`` zeroed int32 counters for a kernel whose programs count their arrival
-    and whose last arrival re-zeroes the counter (split-K fix-ups, the decode merge). Every
-    launch on a stream runs after the previous one, so one buffer per (device, stream) serves all
-    of them with no per-call allocation or fill. Under CUDA-graph capture a fresh zeroed buffer
-    (its fill captured with it): a replay may run beside eager work on the stream."""
-    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
-        return torch.zeros(count, dtype=torch.int32, device=device)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (index, torch._C._cuda_getCurrentRawStream(index))
-    counters = _ARRIVALS.get(key)
-    if counters is None or counters.numel() < count:
-        counters = _ARRIVALS[key] = torch.zeros(max(count, 1024), dtype=torch.int32, device=device)
-    return counters
 
 
 def empty_like(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:

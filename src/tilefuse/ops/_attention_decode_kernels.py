@@ -4,9 +4,7 @@
   when paged), one program per new token;
 * ``decode_split_kernel``: one (kv head, query block, split) per program, GQA-packed rows, an
   exp2 online softmax over the split's share of the visible keys, fp32 partial out + lse;
-* ``decode_combine_kernel``: the splits merged by their lse (a second launch), unless the split
-  kernel merges them itself (``MERGE``: the last split of a row group to finish, counted on an
-  arrival counter, merges all of them; :func:`_merge_splits`).
+* ``decode_combine_kernel``: the splits merged by their lse.
 """
 
 from __future__ import annotations
@@ -126,9 +124,6 @@ def decode_split_kernel(
     block_table_ptr,    # *int32 [B, max_pages] (paged; any valid pointer otherwise)
     out_ptr,            # *out: final [B, S_q, H_q, D] (one split) or fp32 partials [B, splits, S_q, H_q, D]
     lse_ptr,            # *fp32 lse: final [B, H_q, S_q] or partials [B, splits, H_q, S_q]
-    final_out_ptr,      # *out [B, S_q, H_q, D], contiguous (MERGE: the merged result)
-    final_lse_ptr,      # *fp32 lse [B, H_q, S_q], contiguous (MERGE)
-    arrivals_ptr,       # *int32 [grid axis 0] zeroed arrival counters, left zero (MERGE)
     stride_qb, stride_qs, stride_qh,         # q strides: batch, query, head
     stride_kb, stride_kn, stride_kh,         # k_cache strides: batch row or page, slot, head
     stride_vb, stride_vn, stride_vh,         # v_cache strides
@@ -156,9 +151,6 @@ def decode_split_kernel(
     BLOCK_M: tl.constexpr,      # packed (query head, query) rows per tile, >= 16
     BLOCK_N: tl.constexpr,      # keys per tile
     BLOCK_D: tl.constexpr,      # next power of two >= D
-    MERGE: tl.constexpr,        # splits > 1 and the last one to finish merges them (no combine launch)
-    MERGE_ROWS: tl.constexpr,   # next power of two >= the rows of a query block (<= BLOCK_M)
-    CHUNK_S: tl.constexpr,      # splits per step of the merge (a [CHUNK_S, MERGE_ROWS, BLOCK_D] tile)
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -230,61 +222,6 @@ def decode_split_kernel(
     tl.store(out_ptr + o_offs + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
     l_offs = b64 * stride_lb + split * stride_lsplit + head * stride_lh + query * stride_ls
     tl.store(lse_ptr + l_offs, lse, mask=row_ok)
-    if MERGE:
-        # every thread's partial stored before the counter's release (the semaphore pattern of
-        # _matmul_kernels._split_k_fixup); the last split to arrive merges, then re-zeroes the counter
-        tl.debug_barrier()
-        arrived = tl.atomic_add(arrivals_ptr + pid, 1, sem="acq_rel", scope="gpu")
-        if arrived == n_splits - 1:
-            _merge_splits(out_ptr + b64 * stride_ob, lse_ptr + b64 * stride_lb, final_out_ptr, final_lse_ptr, b64, m_block * BLOCK_M, kv_head,
-                          n_kv_heads, n_splits, head_dim, stride_osplit, stride_os, stride_oh, stride_lsplit,
-                          stride_lh, stride_ls, S_Q, GROUP, MERGE_ROWS, CHUNK_S, BLOCK_D)
-            tl.store(arrivals_ptr + pid, 0)
-
-
-@triton.jit
-def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, b64, row0, kv_head, n_kv_heads, n_splits, head_dim,
-                  stride_psplit, stride_ps, stride_ph, stride_plsplit, stride_plh, stride_pls,
-                  S_Q: tl.constexpr, GROUP: tl.constexpr, MERGE_ROWS: tl.constexpr, CHUNK_S: tl.constexpr,
-                  BLOCK_D: tl.constexpr):
-    """``out = Σ_s e^{lse_s - m} out_s / Σ_s e^{lse_s - m}``, ``lse = m + log Σ_s e^{lse_s - m}``
-    (m the largest lse; -inf where no split saw a key) for the packed rows ``row0 ..`` of batch
-    row ``b64``: the partials of all splits, ``CHUNK_S`` at a time in split order (online: the
-    running sums rescaled when m grows). The partial base pointers already include the batch row. Loads bypass L1 (.cg): other SMs wrote them."""
-    rows = row0 + tl.arange(0, MERGE_ROWS)
-    row_ok = rows < GROUP * S_Q
-    query = rows // GROUP
-    head = kv_head * GROUP + rows % GROUP
-    dims = tl.arange(0, BLOCK_D)
-    dim_ok = dims < head_dim
-    part_lse = part_lse_ptr + (head * stride_plh + query * stride_pls)[None, :]
-    part_out = part_out_ptr + (query * stride_ps + head * stride_ph)[None, :, None] + dims[None, None, :]
-    m = tl.full([MERGE_ROWS], float("-inf"), tl.float32)
-    acc = tl.zeros([MERGE_ROWS, BLOCK_D], tl.float32)
-    total = tl.zeros([MERGE_ROWS], tl.float32)
-    for s0 in range(0, n_splits, CHUNK_S):      # one step when the splits fit a chunk (no rescale)
-        ss = s0 + tl.arange(0, CHUNK_S)
-        s_ok = (ss < n_splits)[:, None] & row_ok[None, :]
-        lse = tl.load(part_lse + ss[:, None] * stride_plsplit, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
-        o = tl.load(part_out + ss[:, None, None] * stride_psplit, mask=s_ok[:, :, None] & dim_ok[None, None, :],
-                    other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m, tl.max(lse, 0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2((m - m_safe) * LOG2E)                            # 0 while nothing was seen
-        w = tl.exp2((lse - m_safe[None, :]) * LOG2E)                      # [CHUNK_S, MERGE_ROWS]
-        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, 0)
-        total = total * alpha + tl.sum(w, 0)
-        m = m_new
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    seen = total > 0.0
-    out = acc / tl.where(seen, total, 1.0)[:, None]
-    # final out [B, S_q, H_q, D] and lse [B, H_q, S_q], contiguous
-    n_heads = n_kv_heads * GROUP
-    o_rows = (b64 * S_Q + query) * n_heads + head
-    tl.store(out_ptr + o_rows[:, None] * head_dim + dims[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & dim_ok[None, :])
-    tl.store(lse_ptr + (b64 * n_heads + head) * S_Q + query,
-             tl.where(seen, m_safe + tl.log2(tl.where(seen, total, 1.0)) * LN2, float("-inf")), mask=row_ok)
 
 
 @fast_launch
@@ -302,32 +239,39 @@ def decode_combine_kernel(
     n_heads,            # H_q
     head_dim,           # D
     S_Q: tl.constexpr,
-    BLOCK_S: tl.constexpr,      # next power of two >= n_splits (the lse pass)
-    CHUNK_S: tl.constexpr,      # splits per step of the output pass
+    CHUNK_S: tl.constexpr,      # splits per step (a power of two; all of them in one step when they fit)
     BLOCK_D: tl.constexpr,
 ):
+    """``out = Σ_s e^{lse_s - m} out_s / Σ_s e^{lse_s - m}``, ``lse = m + log Σ_s e^{lse_s - m}``
+    (m the largest lse; -inf where no split saw a key) for one (batch, query, head) row per
+    program. One pass: each step loads CHUNK_S splits' lse *and* partial outputs together and
+    rescales the running sums when m grows (flash's online softmax), so with all splits in one
+    step the merge waits on one round of loads, not two (lse first, then the partials)."""
     row = tl.program_id(0)                  # ((b · S_q) + i) · H_q + h
     h = row % n_heads
     query = (row // n_heads) % S_Q
     b64 = (row // (n_heads * S_Q)).to(tl.int64)
     lse_base = part_lse_ptr + b64 * stride_plb + h * stride_plh + query
-    splits = tl.arange(0, BLOCK_S)
-    lse = tl.load(lse_base + splits * stride_plsplit, mask=splits < n_splits, other=float("-inf"))
-    m = tl.max(lse, 0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    out_base = part_out_ptr + b64 * stride_pb + query * stride_ps + h * stride_ph
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < head_dim
+    m = float("-inf")
     acc = tl.zeros([BLOCK_D], tl.float32)
     total = 0.0
-    out_base = part_out_ptr + b64 * stride_pb + query * stride_ps + h * stride_ph
     for s0 in range(0, n_splits, CHUNK_S):
         ss = s0 + tl.arange(0, CHUNK_S)
         s_ok = ss < n_splits
-        w = tl.exp2((tl.load(lse_base + ss * stride_plsplit, mask=s_ok, other=float("-inf")) - m_safe) * LOG2E)
+        lse = tl.load(lse_base + ss * stride_plsplit, mask=s_ok, other=float("-inf"))
         o = tl.load(out_base + ss[:, None] * stride_psplit + dims[None, :], mask=s_ok[:, None] & dim_ok[None, :],
                     other=0.0)
-        acc += tl.sum(w[:, None] * o, 0)
-        total += tl.sum(w, 0)
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2((m - m_safe) * LOG2E)            # 0 while no split has seen a key
+        w = tl.exp2((lse - m_safe) * LOG2E)
+        acc = acc * alpha + tl.sum(w[:, None] * o, 0)
+        total = total * alpha + tl.sum(w, 0)
+        m = m_new
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
     seen = total > 0.0
     out = acc / tl.where(seen, total, 1.0)
     tl.store(out_ptr + b64 * stride_ob + query * stride_os + h * stride_oh + dims, out.to(out_ptr.dtype.element_ty),

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._dispatch import arrival_counters, cdiv, empty, is_hopper, is_hopper_or_newer, next_power_of_2, num_sms, rows_view
+from .._dispatch import cdiv, empty, is_hopper, is_hopper_or_newer, next_power_of_2, num_sms, rows_view
 from .._launch import PreparedArgs, config_key, fast_launch, use_device_descriptors
 from ._activation_math import BWD_TILE_ELEMS, activation_fwd, activation_fwd_bwd, tile_config, tile_rows_cols
 from ._common import row_tile_mask_offsets
@@ -496,22 +496,25 @@ def _ws_tile(m: int, n: int, k: int, dtype: torch.dtype, out_dtype: torch.dtype,
     return tuple(tile.items()) + (("B_K_MAJOR", layout.b_k_contiguous),) if tile else ()
 
 
-_SPLIT_K_PARTIALS: dict = {}     # (device, stream) -> fp32 partials
+_SPLIT_K_BUFFERS: dict = {}     # (device, stream) -> (int32 arrival counters, fp32 partials)
 
 
 def split_k_buffers(device: torch.device, tiles: int, workspace: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(zeroed per-tile arrival counters, fp32 partials of ``workspace`` elements) for a split-K
-    launch. The kernel leaves the counters zero (:func:`arrival_counters`) and every launch on a
-    stream runs after the previous one, so one partial buffer per (device, stream) serves them all
-    (as cuBLAS's workspace; no allocation on the host path). Under CUDA-graph capture a fresh pair
-    is made, so the cache never holds the graph pool's memory."""
-    locks = arrival_counters(device, tiles)
+    launch. The kernel leaves the counters zero and every launch on a stream runs after the
+    previous one, so one pair per (device, stream) serves them all (as cuBLAS's workspace; no
+    allocation on the host path). Under CUDA-graph capture a fresh pair is made (the counters'
+    zeroing captured with it), so the cache never holds the graph pool's memory."""
     if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
-        return locks, torch.empty(workspace, dtype=torch.float32, device=device)
+        return (torch.zeros(tiles, dtype=torch.int32, device=device),
+                torch.empty(workspace, dtype=torch.float32, device=device))
     key = (device.index, torch.cuda.current_stream(device).cuda_stream)
-    partials = _SPLIT_K_PARTIALS.get(key)
+    locks, partials = _SPLIT_K_BUFFERS.get(key, (None, None))
+    if locks is None or locks.numel() < tiles:
+        locks = torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device)
     if partials is None or partials.numel() < workspace:
-        partials = _SPLIT_K_PARTIALS[key] = torch.empty(workspace, dtype=torch.float32, device=device)
+        partials = torch.empty(workspace, dtype=torch.float32, device=device)
+    _SPLIT_K_BUFFERS[key] = (locks, partials)
     return locks, partials
 
 

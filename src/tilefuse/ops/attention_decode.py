@@ -42,9 +42,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .._checks import check_same_device, check_same_dtype, check_shape, check_tensor
-from .._dispatch import (
-    arrival_counters, cdiv, contiguous_strides, empty, next_power_of_2, num_sms, use_triton, workspace,
-)
+from .._dispatch import cdiv, contiguous_strides, empty, next_power_of_2, num_sms, use_triton, workspace
 from .._launch import PreparedArgs, config_key
 from .._op import custom_op
 from ..registry import Inputs, OpSpec, register, tensor_bytes
@@ -57,7 +55,6 @@ MAX_QUERIES = 16          # S_q limit: the new tokens of one decode step (specul
 MAX_HEAD_DIM = 256
 PAGE_MULTIPLE = 16
 MAX_SPLITS = 128
-MERGE_IN_SPLIT_KERNEL = True   # the last split merges (no combine launch): _merge_chunk's docstring
 
 # ----------------------------------------------------------------------------------------------
 # launch heuristics (shapes only: the op stays CUDA-graph capturable)
@@ -100,11 +97,11 @@ def _num_splits(programs: int, key_tiles: int, sms: int) -> int:
     return max(1, min(sms // programs, key_tiles, MAX_SPLITS))
 
 
-def _merge_chunk(splits: int, merge_rows: int, block_d: int) -> int:
-    """Splits per step of the in-kernel merge: a [chunk, rows, D] fp32 tile of <= 8192 values
-    (32 registers a thread at 8 warps), so the common decode (4 rows, 16 splits, D = 128) merges
-    in one step: all its partial loads in flight at once."""
-    return max(1, min(next_power_of_2(splits), 8192 // (merge_rows * block_d)))
+def _combine_chunk(splits: int, block_d: int) -> int:
+    """Splits per step of the combine kernel: all of them while the [chunk, D] fp32 tile stays
+    within 4096 values (32 registers a thread at 4 warps), so the usual 16 splits of D <= 256
+    merge after a single round of loads."""
+    return max(1, min(next_power_of_2(splits), 4096 // block_d))
 
 
 def _launch_config(q: torch.Tensor, capacity: int, n_kv_heads: int, num_splits: int,
@@ -121,7 +118,7 @@ def _config_from_shapes(q_shape: tuple, elem_size: int, capacity: int, n_kv_head
     block_d = max(16, next_power_of_2(d))
     block_n = _key_block(block_d, elem_size)
     cfg = {"BLOCK_D": block_d, "BLOCK_M": _query_block(rows, block_d), "BLOCK_N": block_n,
-           "num_warps": _decode_warps(block_n, block_d), "num_stages": 3, "MERGE": MERGE_IN_SPLIT_KERNEL}
+           "num_warps": _decode_warps(block_n, block_d), "num_stages": 3}
     cfg.update(config or {})
     cfg["M_BLOCKS"] = cdiv(rows, cfg["BLOCK_M"])
     programs = batch * n_kv_heads * cfg["M_BLOCKS"]
@@ -165,7 +162,6 @@ class _DecodePlan(NamedTuple):
     """One decode launch, from shapes and strides only (cached: the split kernel takes ~45
     arguments, and keying them on every call cost more host time than the rest of the op)."""
     part_shapes: tuple | None       # (partial out, partial lse) when the keys are split, else None
-    merge: bool                     # the split kernel merges the splits itself (arrival counters)
     grid: tuple
     split_args: PreparedArgs        # decode_split_kernel's arguments after its 7 tensors
     combine_grid: tuple
@@ -186,8 +182,6 @@ def _decode_plan(q_shape: tuple, q_strides: tuple, k_strides: tuple, v_strides: 
     else:               # fp32 partials, sized from shapes: B · splits · S_q · H_q · (D + 1) floats
         part_shapes = ((batch, splits, s_q, h_q, d), (batch, splits, h_q, s_q))
         o_strides, l_strides = contiguous_strides(part_shapes[0])[:4], contiguous_strides(part_shapes[1])
-    merge = splits > 1 and bool(cfg["MERGE"])
-    merge_rows = min(cfg["BLOCK_M"], next_power_of_2(group * s_q))
     split_args = decode_split_kernel.prepare(
         (*q_strides[:3], *k_strides[:3], *v_strides[:3], bt_stride, *o_strides, *l_strides, capacity, h_kv, d,
          scale, softcap, left, right),
@@ -195,15 +189,13 @@ def _decode_plan(q_shape: tuple, q_strides: tuple, k_strides: tuple, v_strides: 
              PAGED=page_size > 0, PAGE_SIZE=max(page_size, 1), HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0,
              HAS_SOFTCAP=softcap > 0, DOT_PRECISION="ieee" if fp32 else "tf32",
              BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"],
-             MERGE=merge, MERGE_ROWS=merge_rows if merge else 1,
-             CHUNK_S=_merge_chunk(splits, merge_rows, cfg["BLOCK_D"]) if merge else 1,
              num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
     combine_args = None
-    if splits > 1 and not merge:
+    if splits > 1:
         combine_args = decode_combine_kernel.prepare(
             (*o_strides, *l_strides[:3], *out_st[:3], lse_st[0], lse_st[1], splits, h_q, d),
-            dict(S_Q=s_q, BLOCK_S=next_power_of_2(splits), CHUNK_S=16, BLOCK_D=cfg["BLOCK_D"], num_warps=4))
-    return _DecodePlan(part_shapes, merge, (batch * h_kv * cfg["M_BLOCKS"], splits), split_args, (batch * s_q * h_q,),
+            dict(S_Q=s_q, CHUNK_S=_combine_chunk(splits, cfg["BLOCK_D"]), BLOCK_D=cfg["BLOCK_D"], num_warps=4))
+    return _DecodePlan(part_shapes, (batch * h_kv * cfg["M_BLOCKS"], splits), split_args, (batch * s_q * h_q,),
                        combine_args)
 
 
@@ -226,10 +218,8 @@ def _launch_decode(q, k_cache, v_cache, cache_seqlens, block_table, n_new: int, 
         part_out, part_lse = out, lse
     else:
         part_out, part_lse = workspace("decode_partials", plan.part_shapes, torch.float32, q.device)
-    seqlens = cache_seqlens.contiguous()
-    arrivals = arrival_counters(q.device, plan.grid[0]) if plan.merge else seqlens   # (unused unless merging)
     decode_split_kernel.launch_prepared(
-        plan.grid, (q, k_cache, v_cache, seqlens, bt, part_out, part_lse, out, lse, arrivals), plan.split_args)
+        plan.grid, (q, k_cache, v_cache, cache_seqlens.contiguous(), bt, part_out, part_lse), plan.split_args)
     if plan.combine_args is not None:
         decode_combine_kernel.launch_prepared(plan.combine_grid, (part_out, part_lse, out, lse), plan.combine_args)
     return out, lse
