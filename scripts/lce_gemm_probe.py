@@ -11,7 +11,10 @@ reading and writing the whole [V, H] accumulator once per chunk. Each part is ti
 * ``dw_acc`` (cuBLAS ``addmm_``, beta = 1) against ``dw_new`` (the same GEMM without reading the
   accumulator: the accumulation's own cost) and tilefuse's GEMM with the accumulator as its
   residual epilogue;
-* ``dh`` (cuBLAS, M = C, N = H: few output tiles, K = V long) against tilefuse's GEMM.
+* ``dh`` (cuBLAS, M = C, N = H: few output tiles, K = V long) against tilefuse's GEMM;
+* the three GEMMs with the chunk's logits stored transposed, ``[V, C]`` (``W @ h_cᵀ``: V is
+  the GEMM's M, so C = 512 fills whole tiles whatever M tile cuBLAS picks);
+* tilefuse's accumulating GEMM with the residual tile loaded before the K loop (``RESIDUAL_EARLY``).
 
 TFLOP/s = 2·C·H·V / time; "x chunks" = the time of all T / C chunks.
 """
@@ -57,8 +60,21 @@ def probe(t: int, hdim: int, vocab: int, chunk: int) -> None:
     print(f"C={chunk}: rel err dh tilefuse {rel_err(tf_dh, ref_dh):.2e} cuBLAS {rel_err(torch.mm(dl, w), ref_dh):.2e}; "
           f"dw_acc tilefuse {rel_err(tf_dw, ref_dw):.2e} cuBLAS {rel_err(cb_dw, ref_dw):.2e}")
 
+    early = {"early": dict(RESIDUAL_EARLY=True), "early, no flatten": dict(RESIDUAL_EARLY=True, FLATTEN=False),
+             "early, 128x128": dict(RESIDUAL_EARLY=True, BLOCK_M=128, BLOCK_N=128, FLATTEN=False),
+             "early, 128x128 flatten": dict(RESIDUAL_EARLY=True, BLOCK_M=128, BLOCK_N=128, FLATTEN=True)}
+    for name, cfg in early.items():
+        print(f"  dw_acc tilefuse residual {name}: rel err "
+              f"{rel_err(launch_matmul(dl.t(), h_c, residual=gw, config=cfg)[0], ref_dw):.2e}")
     tmp = torch.empty_like(gw)
+    logits_t = torch.empty(vocab, chunk, device=dev, dtype=dt)     # the chunk's logits stored [V, C]
+    dl_t = dl.t().contiguous()
     parts = {
+        "fwd^T (cuBLAS W @ h_c^T -> [V, C])": (lambda: torch.mm(w, h_c.t(), out=logits_t), True),
+        "fwd (tilefuse h_c @ W^T)": (lambda: launch_matmul(h_c, w.t()), True),
+        "dh ([V, C] dlogits, cuBLAS)": (lambda: torch.mm(dl_t.t(), w, out=gh), True),
+        "dw_acc ([V, C] dlogits, addmm_)": (lambda: gw.addmm_(dl_t, h_c), True),
+        "dw_acc ([V, C] dlogits, transposed)": (lambda: gw.t().addmm_(h_c.t(), dl_t.t()), True),
         "fwd (cuBLAS h_c @ W^T)": (lambda: torch.mm(h_c, w.t(), out=logits), True),
         "ce rows (in place)": (lambda: cross_entropy_rows(logits, target, scale, loss, logits, opts), False),
         "dh (cuBLAS)": (lambda: torch.mm(dl, w, out=gh), True),
@@ -71,6 +87,9 @@ def probe(t: int, hdim: int, vocab: int, chunk: int) -> None:
         "dw_acc (tilefuse residual, in place)": (lambda: launch_matmul(dl.t(), h_c, residual=gw, out=gw), True),
         "dw_acc (tilefuse residual, flatten)": (lambda: launch_matmul(dl.t(), h_c, residual=gw,
                                                                       config=dict(FLATTEN=True)), True),
+        **{f"dw_acc (tilefuse residual {name}, in place)":
+           ((lambda cfg=cfg: launch_matmul(dl.t(), h_c, residual=gw, out=gw, config=cfg)), True)
+           for name, cfg in early.items()},
     }
     flops = 2 * chunk * hdim * vocab
     n_chunks = t // chunk

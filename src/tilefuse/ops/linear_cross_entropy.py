@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from .._checks import check_same_device, check_same_dtype, check_shape, check_tensor
 from .._dispatch import empty
+from ._matmul_kernels import launch_matmul
 from .._op import custom_op
 from ..registry import Inputs, OpSpec, register, tensor_bytes
 from .cross_entropy import (
@@ -60,6 +61,14 @@ from .cross_entropy import (
 # 128 MiB 47.3 / 1.16 (eager 51.2 / 11.7): smaller chunks re-read and re-write the [V, H]
 # grad_weight accumulator more often. 128 MiB is the largest within the 1.2 GiB budget.
 CHUNK_LOGITS_BYTES = 128 * 2**20
+
+# Which GEMMs are tilefuse's (``tilefuse_gemm`` in _chunked_pass): on CUDA (fp16 / bf16) the
+# chunk's logits GEMM (M = 512 tokens, N = V, K = H) and the first chunk's grad_weight (no
+# accumulator to read); grad_hidden and the accumulating grad_weight stay on cuBLAS. H200,
+# 2026-11-25, T = 8192, H = 4096, V = 128256, per 512-token chunk (scripts/lce_gemm_probe.py,
+# -s28-lce-gemm-probe.log): logits 0.739 ms against cuBLAS's 0.800 (its 320-row tiles cover 512
+# rows as 640), first grad_weight 0.830 against 0.894; grad_hidden 0.757 against 0.709, and the
+# accumulating grad_weight 1.26-1.29 (residual epilogue) against 0.97.
 
 
 # ----------------------------------------------------------------------------------------------
@@ -90,10 +99,13 @@ def _chunked_pass(h2, weight, bias, target, row_scale, opts: CEOptions, loss_row
     want_grad = grad_hidden is not None or grad_weight is not None or grad_bias32 is not None
     chunk = chunk or _chunk_tokens(n_tokens, vocab, h2.element_size())
     buf = empty((min(chunk, n_tokens), vocab), h2.dtype, h2.device)
+    tilefuse_gemm = h2.is_cuda and h2.dtype != torch.float32
     for c0 in range(0, n_tokens, chunk):
         c1 = min(c0 + chunk, n_tokens)
         h_c, logits = h2[c0:c1], buf[: c1 - c0]
-        if bias is None:
+        if tilefuse_gemm:       # see "Which GEMMs are tilefuse's" above
+            launch_matmul(h_c, weight.t(), bias=bias, out=logits)
+        elif bias is None:
             torch.mm(h_c, weight.t(), out=logits)
         else:
             torch.addmm(bias, h_c, weight.t(), out=logits)
@@ -104,7 +116,9 @@ def _chunked_pass(h2, weight, bias, target, row_scale, opts: CEOptions, loss_row
         if grad_hidden is not None:
             torch.mm(logits, weight, out=grad_hidden[c0:c1])
         if grad_weight is not None:
-            if c0 == 0:
+            if c0 == 0 and tilefuse_gemm:
+                launch_matmul(logits.t(), h_c, out=grad_weight)
+            elif c0 == 0:
                 torch.mm(logits.t(), h_c, out=grad_weight)
             else:   # as grad_weightᵀ += h_cᵀ @ dlogits: cuBLAS picks a ~5 % faster kernel for that form
                 grad_weight.t().addmm_(h_c.t(), logits)     # (H200, C = 512: 0.96-1.02 vs 1.02-1.06 ms)
