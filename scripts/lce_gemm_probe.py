@@ -13,8 +13,7 @@ reading and writing the whole [V, H] accumulator once per chunk. Each part is ti
   residual epilogue;
 * ``dh`` (cuBLAS, M = C, N = H: few output tiles, K = V long) against tilefuse's GEMM;
 * the three GEMMs with the chunk's logits stored transposed, ``[V, C]`` (``W @ h_cᵀ``: V is
-  the GEMM's M, so C = 512 fills whole tiles whatever M tile cuBLAS picks);
-* tilefuse's accumulating GEMM with the residual tile loaded before the K loop (``RESIDUAL_EARLY``).
+  the GEMM's M, so C = 512 fills whole tiles whatever M tile cuBLAS picks).
 
 TFLOP/s = 2·C·H·V / time; "x chunks" = the time of all T / C chunks.
 """
@@ -60,12 +59,6 @@ def probe(t: int, hdim: int, vocab: int, chunk: int) -> None:
     print(f"C={chunk}: rel err dh tilefuse {rel_err(tf_dh, ref_dh):.2e} cuBLAS {rel_err(torch.mm(dl, w), ref_dh):.2e}; "
           f"dw_acc tilefuse {rel_err(tf_dw, ref_dw):.2e} cuBLAS {rel_err(cb_dw, ref_dw):.2e}")
 
-    early = {"early": dict(RESIDUAL_EARLY=True), "early, no flatten": dict(RESIDUAL_EARLY=True, FLATTEN=False),
-             "early, 128x128": dict(RESIDUAL_EARLY=True, BLOCK_M=128, BLOCK_N=128, FLATTEN=False),
-             "early, 128x128 flatten": dict(RESIDUAL_EARLY=True, BLOCK_M=128, BLOCK_N=128, FLATTEN=True)}
-    for name, cfg in early.items():
-        print(f"  dw_acc tilefuse residual {name}: rel err "
-              f"{rel_err(launch_matmul(dl.t(), h_c, residual=gw, config=cfg)[0], ref_dw):.2e}")
     tmp = torch.empty_like(gw)
     logits_t = torch.empty(vocab, chunk, device=dev, dtype=dt)     # the chunk's logits stored [V, C]
     dl_t = dl.t().contiguous()
@@ -87,9 +80,6 @@ def probe(t: int, hdim: int, vocab: int, chunk: int) -> None:
         "dw_acc (tilefuse residual, in place)": (lambda: launch_matmul(dl.t(), h_c, residual=gw, out=gw), True),
         "dw_acc (tilefuse residual, flatten)": (lambda: launch_matmul(dl.t(), h_c, residual=gw,
                                                                       config=dict(FLATTEN=True)), True),
-        **{f"dw_acc (tilefuse residual {name}, in place)":
-           ((lambda cfg=cfg: launch_matmul(dl.t(), h_c, residual=gw, out=gw, config=cfg)), True)
-           for name, cfg in early.items()},
     }
     flops = 2 * chunk * hdim * vocab
     n_chunks = t // chunk

@@ -1,6 +1,6 @@
 """Where one linear_cross_entropy fwd+bwd step spends its time, kernel by kernel (GPU; PYTHONPATH=src).
 
-    python scripts/lce_profile.py [T H V] [--iters 3]
+    python scripts/lce_profile.py [T H V] [--iters 3] [--ab ROUNDS]
 
 Runs the bench's ``fwd+bwd`` pass (forward with grad-requiring hidden and weight, then
 ``torch.autograd.grad`` with a random scalar grad_output) for tilefuse and for eager
@@ -8,6 +8,10 @@ Runs the bench's ``fwd+bwd`` pass (forward with grad-requiring hidden and weight
 then under ``torch.profiler``: the GPU time summed per kernel name, the kernels' total against the
 step's wall time (the rest is GPU idle: host waits, syncs, allocator), and the largest idle gaps
 between consecutive kernels with the kernel that follows each.
+
+``--ab ROUNDS``: instead, interleaved rounds of step wall times (CUDA events, median of 3 steps per
+round) for tilefuse with its own logits GEMM (``TILEFUSE_GEMMS``), tilefuse with cuBLAS for every
+GEMM, and eager: the same process and GPU for all three.
 """
 
 from __future__ import annotations
@@ -81,15 +85,38 @@ def profile(name: str, step, iters: int) -> None:
     print(f"idle between kernels {sum(max(0, g) for g, _ in gaps) / iters / 1e3:.2f} ms per step")
 
 
+def ab(rounds: int, h, w, target) -> None:
+    import statistics
+
+    import tilefuse.ops.linear_cross_entropy as lce
+
+    variants = {"tilefuse (own logits GEMM)": True, "tilefuse (cuBLAS GEMMs)": False, "eager": None}
+    times = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, flag in variants.items():
+            if flag is not None:
+                lce.TILEFUSE_GEMMS = flag
+            step = step_fn("tilefuse" if flag is not None else "eager", h, w, target)
+            step()
+            times[name].append(statistics.median(wall_ms(step, 3)))
+    lce.TILEFUSE_GEMMS = True
+    for name, ts in times.items():
+        print(f"  {name:28s} median {statistics.median(ts):7.2f} ms   rounds {' '.join(f'{t:.2f}' for t in ts)}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("shape", nargs="*", type=int, default=[8192, 4096, 128256])
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--impls", nargs="+", default=["tilefuse", "eager"])
+    ap.add_argument("--ab", type=int, default=0, metavar="ROUNDS")
     args = ap.parse_args()
     t, hdim, vocab = args.shape
     print(torch.cuda.get_device_name(), f"T={t} H={hdim} V={vocab} bf16")
     h, w, target = make(t, hdim, vocab)
+    if args.ab:
+        ab(args.ab, h, w, target)
+        return
     for impl in args.impls:
         profile(impl, step_fn(impl, h, w, target), args.iters)
 

@@ -81,21 +81,10 @@ def _split_k_fixup(acc, ws_ptr, lock_ptr, tile_id, split, SPLIT_K: tl.constexpr,
 
 
 @triton.jit
-def _residual_tile(residual_ptr, off_m, off_n, M, N, stride_rm, stride_rn, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr):
-    """The residual's [BLOCK_M, BLOCK_N] tile at (off_m, off_n) (0 past the edges), its dtype."""
-    rows = (off_m + tl.arange(0, BLOCK_M)).to(tl.int64)
-    cols = (off_n + tl.arange(0, BLOCK_N)).to(tl.int64)
-    mask = (rows < M)[:, None] & (cols < N)[None, :]
-    return tl.load(residual_ptr + rows[:, None] * stride_rm + cols[None, :] * stride_rn, mask=mask, other=0.0)
-
-
-@triton.jit
-def _matmul_epilogue(acc, res_early, c_desc, bias_ptr, residual_ptr, preact_ptr, c_ptr, off_m, off_n, M, N,
+def _matmul_epilogue(acc, c_desc, bias_ptr, residual_ptr, preact_ptr, c_ptr, off_m, off_n, M, N,
                      stride_cm, stride_cn, stride_rm, stride_rn, stride_pm, stride_pn,
                      HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                      SAVE_PREACT: tl.constexpr, STORE_TMA: tl.constexpr, STORE_SPLIT: tl.constexpr,
-                     RESIDUAL_EARLY: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The output tile at (off_m, off_n): z = acc + bias; [preact = z]; out = act(z) + residual,
     stored through ``c_desc`` (STORE_TMA) or masked pointer stores to ``c_ptr``."""
@@ -112,10 +101,8 @@ def _matmul_epilogue(acc, res_early, c_desc, bias_ptr, residual_ptr, preact_ptr,
                  z.to(preact_ptr.dtype.element_ty), mask=mask)
     y = activation_fwd(z, ACT, c_ptr.dtype.element_ty == tl.float32)
     if HAS_RESIDUAL:
-        if RESIDUAL_EARLY:      # loaded by the caller before its K loop
-            res = res_early
-        else:
-            res = _residual_tile(residual_ptr, off_m, off_n, M, N, stride_rm, stride_rn, BLOCK_M, BLOCK_N)
+        res = tl.load(residual_ptr + rows_c[:, None] * stride_rm + cols_c[None, :] * stride_rn,
+                      mask=mask, other=0.0)
         y += res.to(tl.float32)
     y = y.to(c_ptr.dtype.element_ty)
     if STORE_TMA:
@@ -171,7 +158,6 @@ def matmul_kernel(
     WARP_SPECIALIZE: tl.constexpr,  # tl.range(warp_specialize=...) of the tile loop
     STORE_TMA: tl.constexpr,        # out [M, N] row-major through a descriptor store (TMA)
     STORE_SPLIT: tl.constexpr,      # (STORE_TMA) column subtiles of the store: 1 or 2
-    RESIDUAL_EARLY: tl.constexpr,   # (HAS_RESIDUAL, SPLIT_K == 1) load the residual tile before the K loop
     DOT_PRECISION: tl.constexpr,    # "ieee" for fp32 operands (as torch without TF32)
 ):
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -210,10 +196,6 @@ def matmul_kernel(
         k_lo = (unit % SPLIT_K) * k_tiles_per_split
         k_hi = tl.minimum(k_lo + k_tiles_per_split, k_tiles)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if RESIDUAL_EARLY:      # its loads land while the K loop runs (a short-K accumulation: dW += dyᵀ x)
-            res_early = _residual_tile(residual_ptr, off_m, off_n, M, N, stride_rm, stride_rn, BLOCK_M, BLOCK_N)
-        else:
-            res_early = 0.0
         if USE_TMA:
             for ki in range(k_lo, k_hi):
                 if A_M_CONTIGUOUS:
@@ -258,10 +240,9 @@ def matmul_kernel(
         else:
             tile_done = True
         if tile_done:
-            _matmul_epilogue(acc, res_early, c_desc, bias_ptr, residual_ptr, preact_ptr, c_ptr,
+            _matmul_epilogue(acc, c_desc, bias_ptr, residual_ptr, preact_ptr, c_ptr,
                              off_m, off_n, M, N, stride_cm, stride_cn, stride_rm, stride_rn, stride_pm, stride_pn,
-                             HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT, STORE_TMA, STORE_SPLIT, RESIDUAL_EARLY,
-                             BLOCK_M, BLOCK_N)
+                             HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT, STORE_TMA, STORE_SPLIT, BLOCK_M, BLOCK_N)
 
 
 @fast_launch
@@ -574,7 +555,6 @@ def _matmul_plan(m: int, n: int, k: int, dtype: torch.dtype, out_dtype: torch.dt
         SPLIT_K=split, NUM_PROGRAMS=programs, EVEN_K=k % cfg["BLOCK_K"] == 0, USE_TMA=bool(use_tma),
         A_M_CONTIGUOUS=layout.a_m_contiguous, B_K_CONTIGUOUS=layout.b_k_contiguous, FLATTEN=bool(flatten),
         WARP_SPECIALIZE=bool(cfg.pop("WARP_SPECIALIZE", False)), STORE_TMA=store_tma, STORE_SPLIT=store_split,
-        RESIDUAL_EARLY=bool(cfg.pop("RESIDUAL_EARLY", False)) and has_res and split == 1,
         DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

@@ -61,8 +61,9 @@ from .cross_entropy import (
 # 128 MiB 47.3 / 1.16 (eager 51.2 / 11.7): smaller chunks re-read and re-write the [V, H]
 # grad_weight accumulator more often. 128 MiB is the largest within the 1.2 GiB budget.
 CHUNK_LOGITS_BYTES = 128 * 2**20
+TILEFUSE_GEMMS = True
 
-# Which GEMMs are tilefuse's (``tilefuse_gemm`` in _chunked_pass): on CUDA (fp16 / bf16) the
+# Which GEMMs are tilefuse's (``tilefuse_gemm`` in _chunked_pass; TILEFUSE_GEMMS = False: all cuBLAS): on CUDA (fp16 / bf16) the
 # chunk's logits GEMM (M = 512 tokens, N = V, K = H) and the first chunk's grad_weight (no
 # accumulator to read); grad_hidden and the accumulating grad_weight stay on cuBLAS. H200,
 # 2026-11-25, T = 8192, H = 4096, V = 128256, per 512-token chunk (scripts/lce_gemm_probe.py,
@@ -99,7 +100,7 @@ def _chunked_pass(h2, weight, bias, target, row_scale, opts: CEOptions, loss_row
     want_grad = grad_hidden is not None or grad_weight is not None or grad_bias32 is not None
     chunk = chunk or _chunk_tokens(n_tokens, vocab, h2.element_size())
     buf = empty((min(chunk, n_tokens), vocab), h2.dtype, h2.device)
-    tilefuse_gemm = h2.is_cuda and h2.dtype != torch.float32
+    tilefuse_gemm = TILEFUSE_GEMMS and h2.is_cuda and h2.dtype != torch.float32
     for c0 in range(0, n_tokens, chunk):
         c1 = min(c0 + chunk, n_tokens)
         h_c, logits = h2[c0:c1], buf[: c1 - c0]
