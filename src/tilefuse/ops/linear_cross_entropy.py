@@ -6,9 +6,9 @@
     grad_weight = dlogits.T @ hidden
     grad_bias   = sum_t dlogits
 
-The tokens are walked in chunks of C (``_chunk_tokens``). Per chunk, cuBLAS writes the chunk's
-logits into one reused [C, V] buffer; tilefuse's cross-entropy kernel writes the rows' losses and
-overwrites the buffer with dlogits (already scaled by 1/n_valid for ``mean``); then
+The tokens are walked in chunks of C (``_chunk_tokens``). Per chunk, a GEMM (tilefuse's on CUDA,
+see TILEFUSE_GEMMS) writes the chunk's logits into one reused [C, V] buffer; tilefuse's
+cross-entropy kernel writes the rows' losses and overwrites the buffer with dlogits (already scaled by 1/n_valid for ``mean``); then
 ``grad_hidden[chunk] = dlogits @ W`` and ``grad_weight (+)= dlogits.T @ h_chunk``. So the
 gradients are computed during the forward, as Liger's fused linear cross-entropy does, and the
 backward only scales them by grad_output in place (nothing at all when it is 1).
@@ -61,6 +61,17 @@ from .cross_entropy import (
 # 128 MiB 47.3 / 1.16 (eager 51.2 / 11.7): smaller chunks re-read and re-write the [V, H]
 # grad_weight accumulator more often. 128 MiB is the largest within the 1.2 GiB budget.
 CHUNK_LOGITS_BYTES = 128 * 2**20
+TILEFUSE_GEMMS = True
+
+# Which GEMMs are tilefuse's (``tilefuse_gemm`` in _chunked_pass; TILEFUSE_GEMMS = False: all
+# cuBLAS): on CUDA (fp16 / bf16) the chunk's logits GEMM (M = 512 tokens, N = V, K = H; cuBLAS
+# picks 320-row tiles there, which cover 512 rows as 640) and the first chunk's grad_weight (no
+# accumulator to read); grad_hidden and the accumulating grad_weight stay on cuBLAS (tilefuse's
+# residual epilogue took 1.25-1.30 ms against cuBLAS's 0.95-1.03 per chunk). H200, 2026-11-25,
+# T = 8192, H = 4096, V = 128256, fwd+bwd steps interleaved in one process
+# (scripts/lce_profile.py --ab 6, -s28-lce-gemm-ab.log): 44.18 ms median against 45.52 with
+# cuBLAS for all. The GEMMs timed alone (scripts/lce_gemm_probe.py) swing run to run: logits
+# 0.739 / 0.809 / 0.766 ms against cuBLAS's 0.800 / 0.769 / 0.774 in three runs.
 TILEFUSE_GEMMS = True
 
 # Which GEMMs are tilefuse's (``tilefuse_gemm`` in _chunked_pass; TILEFUSE_GEMMS = False: all cuBLAS): on CUDA (fp16 / bf16) the
