@@ -9,8 +9,8 @@
 The tokens are walked in chunks of C (``_chunk_tokens``). Per chunk, a GEMM (tilefuse's on CUDA,
 see TILEFUSE_GEMMS) writes the chunk's logits into one reused [C, V] buffer; tilefuse's
 cross-entropy kernel writes the rows' losses and overwrites the buffer with dlogits (already
-scaled by 1/n_valid for ``mean``); then ``grad_hidden[chunk] = dlogits @ W`` and ``grad_weight (+)= dlogits.T @ h_chunk``. So the
-gradients are computed during the forward, as Liger's fused linear cross-entropy does, and the
+scaled by 1/n_valid for ``mean``); then ``grad_hidden[chunk] = dlogits @ W`` and
+``grad_weight (+)= dlogits.T @ h_chunk``. So the gradients are computed during the forward, as Liger's fused linear cross-entropy does, and the
 backward only scales them by grad_output in place (nothing at all when it is 1).
 
 Memory beyond the inputs and the gradients themselves: the [C, V] chunk buffer (<= 128 MiB:
