@@ -29,7 +29,7 @@ def _inputs(t, h, i, dtype, lead=()):
 
 
 def _check(x, w, act, fn=swiglu_linear):
-    """fn's output, dx and dw vs fp64; below fp32 the bound is max(TOL, 2 x eager PyTorch's error)."""
+    """fn's output, dx and dw vs fp64; the bound is max(TOL, 2 x eager PyTorch's error on the same inputs)."""
     y = fn(x, w, act)
     assert y.dtype == x.dtype and y.shape == (*x.shape[:-1], w.shape[0] // 2)
     xd, wd = (t.detach().double().requires_grad_(True) for t in (x, w))
@@ -37,12 +37,13 @@ def _check(x, w, act, fn=swiglu_linear):
     dy = torch.randn(y.shape, device=DEVICE).to(y.dtype)
     grads = torch.autograd.grad(y, (x, w), dy)
     ref_grads = torch.autograd.grad(y_ref, (xd, wd), dy.double())
-    tol = TOL[x.dtype]
-    if x.dtype != torch.float32:
-        xt, wt = (t.detach().clone().requires_grad_(True) for t in (x, w))
-        y_t = gu._torch_swiglu_linear(xt, wt, act)
-        t_grads = torch.autograd.grad(y_t, (xt, wt), dy)
-        tol = max([tol, 2 * rel_err(y_t, y_ref)] + [2 * rel_err(g, r) for g, r in zip(t_grads, ref_grads)])
+    # flash-attn's rule at every dtype, fp32 too (as tilefuse.testing.check_impl since s26): a draw
+    # whose output is ill-conditioned in fp32 itself widens the bound only where PyTorch misses TOL
+    # on those inputs (CI s28: rel err 1.3e-5 at T = 3, H = 33, I = 1, gelu)
+    xt, wt = (t.detach().clone().requires_grad_(True) for t in (x, w))
+    y_t = gu._torch_swiglu_linear(xt, wt, act)
+    t_grads = torch.autograd.grad(y_t, (xt, wt), dy)
+    tol = max([TOL[x.dtype], 2 * rel_err(y_t, y_ref)] + [2 * rel_err(g, r) for g, r in zip(t_grads, ref_grads)])
     assert rel_err(y, y_ref) <= tol, f"forward {rel_err(y, y_ref):.3g} > {tol:.3g}"
     for name, g, r in zip(("x", "w_gate_up"), grads, ref_grads):
         assert g.shape == r.shape and g.dtype == x.dtype
