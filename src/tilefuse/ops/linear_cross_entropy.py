@@ -10,8 +10,9 @@ The tokens are walked in chunks of C (``_chunk_tokens``). Per chunk, a GEMM (til
 see TILEFUSE_GEMMS) writes the chunk's logits into one reused [C, V] buffer; tilefuse's
 cross-entropy kernel writes the rows' losses and overwrites the buffer with dlogits (already
 scaled by 1/n_valid for ``mean``); then ``grad_hidden[chunk] = dlogits @ W`` and
-``grad_weight (+)= dlogits.T @ h_chunk``. So the gradients are computed during the forward, as Liger's fused linear cross-entropy does, and the
-backward only scales them by grad_output in place (nothing at all when it is 1).
+``grad_weight (+)= dlogits.T @ h_chunk``. So the gradients are computed during the forward, as
+Liger's fused linear cross-entropy does, and the backward only scales them by grad_output in
+place (nothing at all when it is 1).
 
 Memory beyond the inputs and the gradients themselves: the [C, V] chunk buffer (<= 128 MiB:
 512 tokens of a 128256 vocab in bf16) plus O(T + V) fp32 vectors.
@@ -39,9 +40,9 @@ import torch.nn.functional as F
 
 from .._checks import check_same_device, check_same_dtype, check_shape, check_tensor
 from .._dispatch import empty
-from ._matmul_kernels import launch_matmul
 from .._op import custom_op
 from ..registry import Inputs, OpSpec, register, tensor_bytes
+from ._matmul_kernels import launch_matmul
 from .cross_entropy import (
     CEOptions,
     check_ce_options,
@@ -61,7 +62,6 @@ from .cross_entropy import (
 # 128 MiB 47.3 / 1.16 (eager 51.2 / 11.7): smaller chunks re-read and re-write the [V, H]
 # grad_weight accumulator more often. 128 MiB is the largest within the 1.2 GiB budget.
 CHUNK_LOGITS_BYTES = 128 * 2**20
-TILEFUSE_GEMMS = True
 
 # Which GEMMs are tilefuse's (``tilefuse_gemm`` in _chunked_pass; TILEFUSE_GEMMS = False: all
 # cuBLAS): on CUDA (fp16 / bf16) the chunk's logits GEMM (M = 512 tokens, N = V, K = H; cuBLAS
@@ -73,14 +73,6 @@ TILEFUSE_GEMMS = True
 # cuBLAS for all. The GEMMs timed alone (scripts/lce_gemm_probe.py) swing run to run: logits
 # 0.739 / 0.809 / 0.766 ms against cuBLAS's 0.800 / 0.769 / 0.774 in three runs.
 TILEFUSE_GEMMS = True
-
-# Which GEMMs are tilefuse's (``tilefuse_gemm`` in _chunked_pass; TILEFUSE_GEMMS = False: all cuBLAS): on CUDA (fp16 / bf16) the
-# chunk's logits GEMM (M = 512 tokens, N = V, K = H) and the first chunk's grad_weight (no
-# accumulator to read); grad_hidden and the accumulating grad_weight stay on cuBLAS. H200,
-# 2026-11-25, T = 8192, H = 4096, V = 128256, per 512-token chunk (scripts/lce_gemm_probe.py,
-# -s28-lce-gemm-probe.log): logits 0.739 ms against cuBLAS's 0.800 (its 320-row tiles cover 512
-# rows as 640), first grad_weight 0.830 against 0.894; grad_hidden 0.757 against 0.709, and the
-# accumulating grad_weight 1.26-1.29 (residual epilogue) against 0.97.
 
 
 # ----------------------------------------------------------------------------------------------
