@@ -544,7 +544,7 @@ def check_interpreted(
                 from ..testing import CheckResult
 
                 backward = spec.has_backward
-                chk = CheckResult(math.inf, None, spec.tolerance.get(dt, 0.0), error=_err_text(exc))
+                chk = CheckResult((math.inf,), None, spec.tolerance.get(dt, 0.0), error=_err_text(exc))
         secs = round(time.perf_counter() - t0, 2)
         base = {"op": spec.name, "shape": list(shape), "dtype": dtype_name(dt), "impl": "tilefuse",
                 "error": chk.error, "seconds": secs}
