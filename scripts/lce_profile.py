@@ -10,8 +10,10 @@ step's wall time (the rest is GPU idle: host waits, syncs, allocator), and the l
 between consecutive kernels with the kernel that follows each.
 
 ``--ab ROUNDS``: instead, interleaved rounds of step wall times (CUDA events, median of 3 steps per
-round) for tilefuse with its own logits GEMM (``TILEFUSE_GEMMS``), tilefuse with cuBLAS for every
-GEMM, and eager: the same process and GPU for all three.
+round) and do_bench medians of back-to-back steps (as the benchmark times them) for tilefuse with
+the grad_weight accumulation on the Gluon GEMM (``GLUON_WEIGHT_GRAD``) or on cuBLAS, the target
+range test awaited after the first GEMM (``cross_entropy.start_target_check``) or as one host sync
+up front, and eager: the same process and GPU for all.
 """
 
 from __future__ import annotations
@@ -88,20 +90,39 @@ def profile(name: str, step, iters: int) -> None:
 def ab(rounds: int, h, w, target) -> None:
     import statistics
 
-    import tilefuse.ops.linear_cross_entropy as lce
+    import triton.testing
 
-    variants = {"tilefuse (own logits GEMM)": True, "tilefuse (cuBLAS GEMMs)": False, "eager": None}
+    import tilefuse.ops.linear_cross_entropy as lce
+    from tilefuse.ops.cross_entropy import check_targets_in_range
+
+    def sync_check(t, n_classes, ignore_index):     # the target test as before s29: one host sync up front
+        check_targets_in_range(t, n_classes, ignore_index)
+
+    # (TILEFUSE_GEMMS, GLUON_WEIGHT_GRAD, target test awaited after the first GEMM) per variant; None: eager
+    variants = {"tilefuse (own GEMMs, Gluon grad_weight)": (True, True, True),
+                "tilefuse (own GEMMs, Gluon grad_weight, sync check)": (True, True, False),
+                "tilefuse (own logits GEMM, cuBLAS grad_weight)": (True, False, True),
+                "tilefuse (s28: cuBLAS grad_weight, sync check)": (True, False, False),
+                "eager": None}
+    start_check = lce.start_target_check
     times = {name: [] for name in variants}
+    benched = {name: [] for name in variants}
     for _ in range(rounds):
-        for name, flag in variants.items():
-            if flag is not None:
-                lce.TILEFUSE_GEMMS = flag
-            step = step_fn("tilefuse" if flag is not None else "eager", h, w, target)
+        for name, flags in variants.items():
+            if flags is not None:
+                lce.TILEFUSE_GEMMS, lce.GLUON_WEIGHT_GRAD, deferred = flags
+                lce.start_target_check = start_check if deferred else sync_check
+            step = step_fn("tilefuse" if flags is not None else "eager", h, w, target)
             step()
             times[name].append(statistics.median(wall_ms(step, 3)))
-    lce.TILEFUSE_GEMMS = True
-    for name, ts in times.items():
-        print(f"  {name:28s} median {statistics.median(ts):7.2f} ms   rounds {' '.join(f'{t:.2f}' for t in ts)}")
+            # back to back, as the benchmark times it (no sync between steps but the op's own)
+            benched[name].append(triton.testing.do_bench(step, warmup=1, rep=300, return_mode="median"))
+    lce.TILEFUSE_GEMMS, lce.GLUON_WEIGHT_GRAD, lce.start_target_check = True, True, start_check
+    print("step wall after a sync (CUDA events) | do_bench back to back; medians over rounds, ms")
+    for name in variants:
+        ts, bs = times[name], benched[name]
+        print(f"  {name:52s} {statistics.median(ts):7.2f} | {statistics.median(bs):7.2f}   rounds "
+              f"{' '.join(f'{t:.2f}' for t in ts)} | {' '.join(f'{b:.2f}' for b in bs)}")
 
 
 def main() -> None:

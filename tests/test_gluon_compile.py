@@ -241,11 +241,50 @@ def compile_gemm(case):
     stages = g.fit_ring(cfg["STAGES"], cfg["CONSUMERS"], cfg["BLOCK_N"], cfg["BLOCK_K"], 2, out.element_size())
     constexprs = dict(HAS_BIAS=epilogue, ACT=act, HAS_RESIDUAL=epilogue, SAVE_PREACT=epilogue, NUM_PROGRAMS=132,
                       GROUP_M=cfg["GROUP_M"], STAGES=stages, CONSUMERS=cfg["CONSUMERS"], CONSUMER_REGS=worker_regs,
-                      B_K_MAJOR=b_k_major, HAS_B2=bn2 > 0)
-    compiled = _compile_sm90(g.gemm_small_m_ws_kernel, args, constexprs, launch_regs)
+                      B_K_MAJOR=b_k_major, HAS_B2=bn2 > 0, A_M_MAJOR=False, ACCUMULATE=False)
+    compiled = _compile_sm90(g.gemm_ws_kernel, args, constexprs, launch_regs)
     _check(compiled)
     sass = _ptxas_and_sass(compiled)[1]
     assert "HGMMA" in sass and "UTMALDG" in sass and "UTMASTG" in sass
+
+
+ACCUMULATE_CASES = {   # name: (tile of _matmul_gluon.ACCUMULATE_TILES, a given as aᵀ [K, M], b as wᵀ)
+    "128x256-a-m-major": ("128x256", True, False),
+    "128x128-a-m-major": ("128x128", True, False),
+    "128x256-row-major-a-k-major-b": ("128x256", False, True),
+}
+
+
+@pytest.mark.parametrize("case", list(ACCUMULATE_CASES))
+def test_accumulate_gemm_compiles_for_sm90(case):
+    _in_child("gemm-accumulate", case)
+
+
+def compile_gemm_accumulate(case):
+    """out += a @ b (the producer loads the old output tile): as launch_gemm_accumulate builds it,
+    no spills, within shared memory, wgmma and TMA loads and stores in the SASS."""
+    from tilefuse.ops import _matmul_gluon as g
+    tile, a_m_major, b_k_major = ACCUMULATE_CASES[case]
+    cfg = g.ACCUMULATE_TILES[tile]
+    m, n, k = 1000, 768, 512
+    a_t, b = torch.empty(k, m, dtype=torch.bfloat16), torch.empty(k, n, dtype=torch.bfloat16)
+    out = torch.empty(m, n, dtype=torch.bfloat16)
+    rows, bn, bk = g.ROWS_PER_GROUP, cfg["BLOCK_N"], cfg["BLOCK_K"]
+    a_desc = g._descriptor(a_t, (bk, rows)) if a_m_major else g._descriptor(a_t.t().contiguous(), (rows, bk))
+    b_desc = g._descriptor(b.t().contiguous(), (bn, bk)) if b_k_major else g._descriptor(b, (bk, bn))
+    c_desc = g._descriptor(out, (rows, bn))
+    launch_regs, worker_regs = g.ws_regs(cfg["CONSUMERS"])
+    args = dict(a_desc=a_desc, b_desc=b_desc, b2_desc=b_desc, c_desc=c_desc, c2_desc=c_desc, bias_ptr=out,
+                residual_ptr=out, preact_ptr=out, M=m, N=n, K=k, stride_rm=n, stride_rn=1, stride_pm=n)
+    stages = g.fit_ring(cfg["STAGES"], cfg["CONSUMERS"], bn, bk, 2, 2)
+    constexprs = dict(HAS_BIAS=False, ACT="none", HAS_RESIDUAL=False, SAVE_PREACT=False, NUM_PROGRAMS=132,
+                      GROUP_M=cfg["GROUP_M"], STAGES=stages, CONSUMERS=cfg["CONSUMERS"], CONSUMER_REGS=worker_regs,
+                      B_K_MAJOR=b_k_major, HAS_B2=False, A_M_MAJOR=a_m_major, ACCUMULATE=True)
+    compiled = _compile_sm90(g.gemm_ws_kernel, args, constexprs, launch_regs)
+    _check(compiled)
+    report, sass = _ptxas_and_sass(compiled)
+    assert "HGMMA" in sass and "UTMALDG" in sass and "UTMASTG" in sass
+    print(report.strip().splitlines()[-1], "stages", stages, "shared", compiled.metadata.shared)
 
 
 INT4_MMA_CASES = {   # name: (x dtype, group, rows of x, WARPS_K, WARPS_N, REPS, GROUPS_PER_STEP, bound on the
@@ -341,7 +380,8 @@ if __name__ == "__main__":
     kind, name = sys.argv[1:]
     {"attention": compile_attention, "attention-bwd": compile_attention_bwd, "attention-dq": compile_attention_dq,
      "fp8": compile_fp8,
-     "int4-mma": compile_int4_mma, "int4-wgmma": compile_int4_wgmma, "gemm": compile_gemm}[kind](name)
+     "int4-mma": compile_int4_mma, "int4-wgmma": compile_int4_wgmma, "gemm": compile_gemm,
+     "gemm-accumulate": compile_gemm_accumulate}[kind](name)
     print("OK")
 
 

@@ -394,6 +394,41 @@ def test_gpu_gluon_small_m(tile, dtype, out_dtype, row_major_b):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tile", ["128x256", "128x128"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("layout", ["a-m-major", "row-major", "b-k-major"])
+def test_gpu_gluon_accumulate(tile, dtype, layout):
+    """out += a @ b on the Gluon kernel (linear cross-entropy's grad_weight): a as dyᵀ (the
+    transpose of a row-major [K, M]) or row-major, b row-major or a transposed weight; ragged M / N
+    and K below, at and over the ring depth; one rounding of the sum (against the fp64 sum of the
+    old tile and the product); relaunches give the same bits; accumulate=False writes a @ b into a
+    NaN-poisoned out; the launch replays in a CUDA graph."""
+    from tilefuse.ops import _matmul_gluon as g
+    if not torch.cuda.get_device_capability()[0] == 9:
+        pytest.skip("wgmma kernel: sm_90 only")
+    cfg = g.ACCUMULATE_TILES[tile]
+    for m, n, k in [(1000, 768, 512), (136, 200, 40), (64, 256, 8), (4104, 520, 1032)]:
+        a = torch.randn(k, m, device="cuda", dtype=dtype).t() if layout == "a-m-major" else \
+            torch.randn(m, k, device="cuda", dtype=dtype)
+        b = torch.randn(n, k, device="cuda", dtype=dtype).t() if layout == "b-k-major" else \
+            torch.randn(k, n, device="cuda", dtype=dtype)
+        old = torch.randn(m, n, device="cuda", dtype=dtype) * 8
+        ref = old.double() + a.double() @ b.double()
+        out = g.launch_gemm_accumulate(a, b, old.clone(), config=cfg)
+        assert rel_err(out, ref) <= (4e-3 if dtype == torch.bfloat16 else 1e-3), (m, n, k)
+        assert torch.equal(out, g.launch_gemm_accumulate(a, b, old.clone(), config=cfg))
+        fresh = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
+        g.launch_gemm_accumulate(a, b, fresh, config=cfg, accumulate=False)
+        assert rel_err(fresh, a.double() @ b.double()) <= (4e-3 if dtype == torch.bfloat16 else 1e-3)
+    graph_out = old.clone()
+
+    def relaunch():
+        graph_out.copy_(old)
+        return g.launch_gemm_accumulate(a, b, graph_out, config=cfg)
+    _assert_graph_replays(relaunch, out)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("act", [None, "gelu"])
 def test_gpu_gluon_small_m_by_default_fwd_bwd(act):
     """M = 128 through the public op on sm_90 takes the Gluon kernel by default for the forward and

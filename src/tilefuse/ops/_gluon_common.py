@@ -86,12 +86,15 @@ def gemm_ring(a_desc, b_desc, c_desc, STAGES: gl.constexpr, CONSUMERS: gl.conste
 
 @gluon.jit
 def load_stage(a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, it, off_m, off_n, off_k,
-               STAGES: gl.constexpr, CONSUMERS: gl.constexpr, B_K_MAJOR: gl.constexpr, HAS_B2: gl.constexpr):
+               STAGES: gl.constexpr, CONSUMERS: gl.constexpr, B_K_MAJOR: gl.constexpr, HAS_B2: gl.constexpr,
+               A_M_MAJOR: gl.constexpr):
     """The producer's ``it``-th K step: wait for its stage to be free, then TMA the 64-row pieces
     of the A tile at (off_m, off_k) (one per consumer group) and the B tile at (off_n, off_k) into
     it (out-of-range rows and K columns read as zeros); with HAS_B2 also the B tile's second,
     narrower part (``b2_desc``'s block) right after the first (a tile of two power-of-two widths,
-    e.g. 64 + 32). B_K_MAJOR: b is [N, K] (a weight read as x @ wᵀ), else [K, N] (row-major)."""
+    e.g. 64 + 32). B_K_MAJOR: b is [N, K] (a weight read as x @ wᵀ), else [K, N] (row-major).
+    A_M_MAJOR: a is given as its transpose [K, M] (row-major; e.g. dlogitsᵀ of a weight gradient),
+    loaded as [BLOCK_K, 64] pieces that the consumers read transposed."""
     if HAS_B2:
         step_bytes: gl.constexpr = (CONSUMERS * a_desc.block_type.nbytes + b_desc.block_type.nbytes
                                     + b2_desc.block_type.nbytes)
@@ -103,7 +106,10 @@ def load_stage(a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, i
     bar = ready.index(s)
     mbarrier.expect(bar, step_bytes)
     for g in gl.static_range(CONSUMERS):
-        tma.async_copy_global_to_shared(a_desc, [off_m + g * WG_ROWS, off_k], bar, a_bufs.index(CONSUMERS * s + g))
+        if A_M_MAJOR:
+            tma.async_copy_global_to_shared(a_desc, [off_k, off_m + g * WG_ROWS], bar, a_bufs.index(CONSUMERS * s + g))
+        else:
+            tma.async_copy_global_to_shared(a_desc, [off_m + g * WG_ROWS, off_k], bar, a_bufs.index(CONSUMERS * s + g))
     if B_K_MAJOR:
         tma.async_copy_global_to_shared(b_desc, [off_n, off_k], bar, b_bufs.index(s))
         if HAS_B2:
@@ -118,20 +124,58 @@ def load_stage(a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, i
 def gemm_load_partition(a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, M, N, K,
                         NUM_PROGRAMS: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_N: gl.constexpr,
                         BLOCK_K: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
-                        B_K_MAJOR: gl.constexpr, HAS_B2: gl.constexpr):
+                        B_K_MAJOR: gl.constexpr, HAS_B2: gl.constexpr, c_desc, c_bufs, c_ready, c_free,
+                        A_M_MAJOR: gl.constexpr, ACCUMULATE: gl.constexpr):
     """The producer warp: every K step of every tile of this program (grouped order, as the
-    consumers walk them) through :func:`load_stage`. BLOCK_N: the tile's width (both B parts)."""
+    consumers walk them) through :func:`load_stage`. BLOCK_N: the tile's width (both B parts).
+
+    ACCUMULATE (out += a @ b): also each tile's old output, into the consumers' output staging
+    tiles (``c_bufs``; ``c_ready`` / ``c_free``: one mbarrier each per consumer group). It is
+    issued after the tile's first STAGES K steps: those go out while the consumers still finish
+    the previous tile, whose TMA store must have left the staging tile (``c_free``) first; the
+    load then has the rest of the K loop to land before the epilogue reads it."""
     num_pid_m = gl.cdiv(M, WG_ROWS * CONSUMERS)
     num_pid_n = gl.cdiv(N, BLOCK_N)
     k_tiles = gl.cdiv(K, BLOCK_K)
+    if ACCUMULATE:
+        head = gl.minimum(k_tiles, STAGES)
+    else:
+        head = k_tiles
     it = 0
+    tile_count = 0
     for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
-        for ki in range(k_tiles):
-            load_stage(a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, it,
-                       pid_m * (WG_ROWS * CONSUMERS), pid_n * BLOCK_N, ki * BLOCK_K, STAGES, CONSUMERS, B_K_MAJOR,
-                       HAS_B2)
+        off_m = pid_m * (WG_ROWS * CONSUMERS)
+        off_n = pid_n * BLOCK_N
+        for ki in range(head):
+            load_stage(a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, it, off_m, off_n,
+                       ki * BLOCK_K, STAGES, CONSUMERS, B_K_MAJOR, HAS_B2, A_M_MAJOR)
             it += 1
+        if ACCUMULATE:
+            for g in gl.static_range(CONSUMERS):
+                # a fresh mbarrier counts as phase 1 complete: the first tile does not wait
+                mbarrier.wait(c_free.index(g), (tile_count & 1) ^ 1)
+                mbarrier.expect(c_ready.index(g), c_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(c_desc, [off_m + g * WG_ROWS, off_n], c_ready.index(g),
+                                                c_bufs.index(g))
+            for ki in range(head, k_tiles):
+                load_stage(a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, it, off_m, off_n,
+                           ki * BLOCK_K, STAGES, CONSUMERS, B_K_MAJOR, HAS_B2, A_M_MAJOR)
+                it += 1
+        tile_count += 1
+
+
+@gluon.jit
+def accumulator_barriers(CONSUMERS: gl.constexpr):
+    """(c_ready, c_free): per consumer group, the old output tile has landed in its staging tile
+    (count 1: the producer's expect + TMA) / the staging tile is free again (count 1: the group,
+    once its TMA store has read it)."""
+    c_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    c_free = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(CONSUMERS):
+        mbarrier.init(c_ready.index(i), count=1)
+        mbarrier.init(c_free.index(i), count=1)
+    return c_ready, c_free
 
 
 @gluon.jit

@@ -32,8 +32,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from .._dispatch import cdiv, num_sms
 from .._launch import fast_launch
 from ._gluon_common import matrix_descriptor as _descriptor
-from ._gluon_common import (LOADER_REGS_KERNEL, ROWS_PER_GROUP, SMEM_BYTES, WG_ROWS, consumer_regs,
-                             gemm_load_partition, gemm_ring, release_stage)
+from ._gluon_common import (LOADER_REGS_KERNEL, ROWS_PER_GROUP, SMEM_BYTES, WG_ROWS, accumulator_barriers,
+                             consumer_regs, gemm_load_partition, gemm_ring, release_stage)
 from ._activation_math import activation_fwd
 from ._matmul_kernels import _tile_coords
 
@@ -45,6 +45,32 @@ def _gemm_epilogue(acc, c_desc, c_smem, bias_ptr, residual_ptr, preact_ptr, off_
     """The output tile at (off_m, off_n), as the tl kernel's: z = acc + bias; [preact = z];
     out = act(z) + residual, stored through shared memory and a TMA store (rows / columns past
     the edges are clipped by the descriptor)."""
+    y = _epilogue_value(acc, c_desc, bias_ptr, residual_ptr, preact_ptr, off_m, off_n, M, N, stride_rm,
+                        stride_rn, stride_pm, HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT)
+    tma.store_wait(pendings=0)      # the last tile's store has left c_smem
+    c_smem.store(y.to(c_desc.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(c_desc, [off_m, off_n], c_smem)
+
+
+@gluon.jit
+def _accumulate_epilogue(acc, old, c_desc, c_smem, off_m, off_n):
+    """out = old + acc for the tile at (off_m, off_n): ``old`` was TMA-loaded into ``c_smem`` by
+    the producer during the K loop and read by _mma_k_steps; the sum goes back out through the
+    same staging tile (the next tile's first K step hands it back to the producer)."""
+    y = acc + old.to(gl.float32)
+    gl.thread_barrier()             # every warp has read the old tile before any overwrites it
+    c_smem.store(y.to(c_desc.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(c_desc, [off_m, off_n], c_smem)
+
+
+@gluon.jit
+def _epilogue_value(acc, c_desc, bias_ptr, residual_ptr, preact_ptr, off_m, off_n, M, N,
+                    stride_rm, stride_rn, stride_pm, HAS_BIAS: gl.constexpr, ACT: gl.constexpr,
+                    HAS_RESIDUAL: gl.constexpr, SAVE_PREACT: gl.constexpr):
+    """act(acc + bias) + residual of the tile at (off_m, off_n) in fp32 (and the pre-activation
+    stored, SAVE_PREACT)."""
     layout: gl.constexpr = acc.type.layout
     rows = off_m + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, layout))
     cols = off_n + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, layout))
@@ -60,22 +86,32 @@ def _gemm_epilogue(acc, c_desc, c_smem, bias_ptr, residual_ptr, preact_ptr, off_
     if HAS_RESIDUAL:
         y += gl.load(residual_ptr + rows64[:, None] * stride_rm + cols[None, :] * stride_rn, mask=mask,
                      other=0.0).to(gl.float32)
-    tma.store_wait(pendings=0)      # the last tile's store has left c_smem
-    c_smem.store(y.to(c_desc.dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(c_desc, [off_m, off_n], c_smem)
+    return y
 
 
 @gluon.jit
-def _mma_k_steps(acc, acc2, a_bufs, b_bufs, b2_bufs, ready, empty, it, steps, WG: gl.constexpr,
-                 STAGES: gl.constexpr, CONSUMERS: gl.constexpr, B_K_MAJOR: gl.constexpr, HAS_B2: gl.constexpr):
+def _mma_k_steps(acc, acc2, a_bufs, b_bufs, b2_bufs, ready, empty, it, steps, c_smem, c_ready, c_free,
+                 free_staging, phase, WG: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr, B_K_MAJOR: gl.constexpr,
+                 HAS_B2: gl.constexpr, A_M_MAJOR: gl.constexpr, ACCUMULATE: gl.constexpr):
     """(acc, acc2) + the ring's ``steps`` (>= 1) K steps from step ``it`` (acc2: the B tile's second
     part, HAS_B2), one step's wgmmas in flight; each stage goes back to the producer once the
-    wgmmas that read it have finished."""
+    wgmmas that read it have finished. A_M_MAJOR: the A pieces are [BLOCK_K, 64], read transposed
+    (wgmma takes an M-major 16-bit A from shared memory).
+
+    ACCUMULATE and ``free_staging`` (the previous tile's TMA store is out): once the first step's
+    wgmmas are issued, wait for that store to have read the output staging tile and hand it to the
+    producer (``c_free``) for this tile's old output. Waiting right after issuing the store
+    instead idled the tensor cores: 1.145 against 0.880 ms without the accumulator at M = 128256,
+    N = 4096, K = 512 (H200, 2026-11-25, scripts/gemm_accumulate_probe.py; 1.010 after). And
+    while the last step's wgmmas run, wait for the old tile (``c_ready``, ``phase``) and read it
+    from ``c_smem`` into registers, returned in place of acc2 (in the output dtype)."""
     for ki in range(steps):
         s = (it + ki) % STAGES
         mbarrier.wait(ready.index(s), ((it + ki) // STAGES) & 1)
-        a = a_bufs.index(CONSUMERS * s + WG)
+        if A_M_MAJOR:
+            a = a_bufs.index(CONSUMERS * s + WG).permute((1, 0))
+        else:
+            a = a_bufs.index(CONSUMERS * s + WG)
         if B_K_MAJOR:
             acc = warpgroup_mma(a, b_bufs.index(s).permute((1, 0)), acc, is_async=True)
             if HAS_B2:
@@ -91,6 +127,13 @@ def _mma_k_steps(acc, acc2, a_bufs, b_bufs, b2_bufs, ready, empty, it, steps, WG
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
         if ki > 0:
             release_stage(empty, (it + ki + STAGES - 1) % STAGES)
+        elif ACCUMULATE:
+            if free_staging:
+                tma.store_wait(pendings=0)
+                release_stage(c_free, WG)
+    if ACCUMULATE:
+        mbarrier.wait(c_ready.index(WG), phase)
+        acc2 = c_smem.load(acc.type.layout)
     if HAS_B2:
         acc, acc2 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc2))
     else:
@@ -100,15 +143,17 @@ def _mma_k_steps(acc, acc2, a_bufs, b_bufs, b2_bufs, ready, empty, it, steps, WG
 
 
 @gluon.jit
-def gemm_mma_partition(a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, c_smem, c2_smem, bias_ptr,
-                       residual_ptr, preact_ptr, M, N, K, stride_rm, stride_rn, stride_pm, WG: gl.constexpr,
+def gemm_mma_partition(a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, c_smem, c2_smem, c_ready, c_free,
+                       bias_ptr, residual_ptr, preact_ptr, M, N, K, stride_rm, stride_rn, stride_pm, WG: gl.constexpr,
                        HAS_BIAS: gl.constexpr, ACT: gl.constexpr, HAS_RESIDUAL: gl.constexpr,
                        SAVE_PREACT: gl.constexpr, NUM_PROGRAMS: gl.constexpr, GROUP_M: gl.constexpr,
                        BLOCK_N1: gl.constexpr, BLOCK_N2: gl.constexpr, BLOCK_K: gl.constexpr,
-                       STAGES: gl.constexpr, CONSUMERS: gl.constexpr, B_K_MAJOR: gl.constexpr):
+                       STAGES: gl.constexpr, CONSUMERS: gl.constexpr, B_K_MAJOR: gl.constexpr,
+                       A_M_MAJOR: gl.constexpr, ACCUMULATE: gl.constexpr):
     """One consumer warp group: rows [WG·64, WG·64 + 64) of each tile of this program, columns
     [0, BLOCK_N1) in one accumulator and, when BLOCK_N2 > 0, [BLOCK_N1, BLOCK_N1 + BLOCK_N2) in a
-    second (a tile of two power-of-two widths, e.g. 96 = 64 + 32)."""
+    second (a tile of two power-of-two widths, e.g. 96 = 64 + 32). ACCUMULATE: out += a @ b, the
+    old tile from the producer (one B part; no bias, activation or residual)."""
     HAS_B2: gl.constexpr = BLOCK_N2 > 0
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_N1, 16])
@@ -116,6 +161,7 @@ def gemm_mma_partition(a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, c
     num_pid_n = gl.cdiv(N, BLOCK_N1 + BLOCK_N2)
     k_tiles = gl.cdiv(K, BLOCK_K)
     it = 0
+    tile_count = 0
     for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * (WG_ROWS * CONSUMERS) + WG * WG_ROWS
@@ -127,21 +173,26 @@ def gemm_mma_partition(a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, c
             acc2 = gl.zeros([WG_ROWS, BLOCK_N2], gl.float32, mma_layout2)
         else:
             acc2 = acc
-        acc, acc2 = _mma_k_steps(acc, acc2, a_bufs, b_bufs, b2_bufs, ready, empty, it, k_tiles, WG, STAGES,
-                                 CONSUMERS, B_K_MAJOR, HAS_B2)
+        acc, acc2 = _mma_k_steps(acc, acc2, a_bufs, b_bufs, b2_bufs, ready, empty, it, k_tiles, c_smem, c_ready,
+                                 c_free, tile_count > 0, tile_count & 1, WG, STAGES, CONSUMERS, B_K_MAJOR, HAS_B2,
+                                 A_M_MAJOR, ACCUMULATE)
         it += k_tiles
-        _gemm_epilogue(acc, c_desc, c_smem, bias_ptr, residual_ptr, preact_ptr, off_m, off_n, M, N,
-                       stride_rm, stride_rn, stride_pm, HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT)
-        if HAS_B2:
-            _gemm_epilogue(acc2, c2_desc, c2_smem, bias_ptr, residual_ptr, preact_ptr, off_m, off_n + BLOCK_N1, M,
-                           N, stride_rm, stride_rn, stride_pm, HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT)
+        if ACCUMULATE:
+            _accumulate_epilogue(acc, acc2, c_desc, c_smem, off_m, off_n)
+        else:
+            _gemm_epilogue(acc, c_desc, c_smem, bias_ptr, residual_ptr, preact_ptr, off_m, off_n, M, N,
+                           stride_rm, stride_rn, stride_pm, HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT)
+            if HAS_B2:
+                _gemm_epilogue(acc2, c2_desc, c2_smem, bias_ptr, residual_ptr, preact_ptr, off_m, off_n + BLOCK_N1,
+                               M, N, stride_rm, stride_rn, stride_pm, HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT)
+        tile_count += 1
     tma.store_wait(pendings=0)
 
 
 @fast_launch
 @gluon.jit
-def gemm_small_m_ws_kernel(
-    a_desc,             # TMA descriptor of a [M, K], block [64, BLOCK_K]
+def gemm_ws_kernel(
+    a_desc,             # TMA descriptor of a [M, K], block [64, BLOCK_K]; A_M_MAJOR: of aᵀ [K, M], block [BLOCK_K, 64]
     b_desc,             # TMA descriptor of b: [N, K] block [BLOCK_N1, BLOCK_K] (B_K_MAJOR), else [K, N] block [BLOCK_K, BLOCK_N1]
     b2_desc,            # the same with BLOCK_N2 columns: the tile's second part (ignored unless HAS_B2)
     c_desc,             # TMA descriptor of out [M, N], block [64, BLOCK_N1]
@@ -166,10 +217,14 @@ def gemm_small_m_ws_kernel(
     CONSUMER_REGS: gl.constexpr,    # registers per thread of the worker consumer group
     B_K_MAJOR: gl.constexpr,        # b read as [N, K] (x @ wᵀ: nn.Linear's weight), else [K, N]
     HAS_B2: gl.constexpr,           # tiles BLOCK_N1 + BLOCK_N2 wide (b2_desc, c2_desc)
+    A_M_MAJOR: gl.constexpr,        # a given as aᵀ [K, M] row-major (a weight gradient's dyᵀ)
+    ACCUMULATE: gl.constexpr,       # out += a @ b (the old out TMA-loaded during the K loop)
 ):
     BLOCK_N1: gl.constexpr = b_desc.block_type.shape[0] if B_K_MAJOR else b_desc.block_type.shape[1]
     BLOCK_N2: gl.constexpr = (b2_desc.block_type.shape[0] if B_K_MAJOR else b2_desc.block_type.shape[1]) if HAS_B2 else 0
     BLOCK_K: gl.constexpr = b_desc.block_type.shape[1] if B_K_MAJOR else b_desc.block_type.shape[0]
+    gl.static_assert(not (ACCUMULATE and (HAS_B2 or HAS_BIAS or HAS_RESIDUAL or SAVE_PREACT or ACT != "none")),
+                     "ACCUMULATE is out += a @ b alone")
     a_bufs, b_bufs, c_bufs, ready, empty = gemm_ring(a_desc, b_desc, c_desc, STAGES, CONSUMERS)
     if HAS_B2:
         b2_bufs = gl.allocate_shared_memory(b2_desc.dtype, [STAGES] + b2_desc.block_type.shape, b2_desc.layout)
@@ -177,31 +232,38 @@ def gemm_small_m_ws_kernel(
     else:
         b2_bufs = b_bufs
         c2_bufs = c_bufs
+    if ACCUMULATE:
+        c_ready, c_free = accumulator_barriers(CONSUMERS)
+    else:
+        c_ready, c_free = ready, empty      # unused
     # the argument lists are written out: warp_specialize takes literal tuples
     if CONSUMERS == 1:
         gl.warp_specialize([
             (gemm_mma_partition, (a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, c_bufs.index(0),
-                                  c2_bufs.index(0), bias_ptr, residual_ptr, preact_ptr, M, N, K, stride_rm, stride_rn,
-                                  stride_pm, 0, HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT, NUM_PROGRAMS, GROUP_M,
-                                  BLOCK_N1, BLOCK_N2, BLOCK_K, STAGES, CONSUMERS, B_K_MAJOR)),
+                                  c2_bufs.index(0), c_ready, c_free, bias_ptr, residual_ptr, preact_ptr, M, N, K,
+                                  stride_rm, stride_rn, stride_pm, 0, HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT,
+                                  NUM_PROGRAMS, GROUP_M, BLOCK_N1, BLOCK_N2, BLOCK_K, STAGES, CONSUMERS, B_K_MAJOR,
+                                  A_M_MAJOR, ACCUMULATE)),
             (gemm_load_partition, (a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, M, N, K,
                                    NUM_PROGRAMS, GROUP_M, BLOCK_N1 + BLOCK_N2, BLOCK_K, STAGES, CONSUMERS, B_K_MAJOR,
-                                   HAS_B2)),
+                                   HAS_B2, c_desc, c_bufs, c_ready, c_free, A_M_MAJOR, ACCUMULATE)),
         ], [1], [LOADER_REGS_KERNEL])
     else:
         gl.static_assert(CONSUMERS == 2, "one or two consumer warp groups")
         gl.warp_specialize([
             (gemm_mma_partition, (a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, c_bufs.index(0),
-                                  c2_bufs.index(0), bias_ptr, residual_ptr, preact_ptr, M, N, K, stride_rm, stride_rn,
-                                  stride_pm, 0, HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT, NUM_PROGRAMS, GROUP_M,
-                                  BLOCK_N1, BLOCK_N2, BLOCK_K, STAGES, CONSUMERS, B_K_MAJOR)),
+                                  c2_bufs.index(0), c_ready, c_free, bias_ptr, residual_ptr, preact_ptr, M, N, K,
+                                  stride_rm, stride_rn, stride_pm, 0, HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT,
+                                  NUM_PROGRAMS, GROUP_M, BLOCK_N1, BLOCK_N2, BLOCK_K, STAGES, CONSUMERS, B_K_MAJOR,
+                                  A_M_MAJOR, ACCUMULATE)),
             (gemm_mma_partition, (a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, c_bufs.index(1),
-                                  c2_bufs.index(1), bias_ptr, residual_ptr, preact_ptr, M, N, K, stride_rm, stride_rn,
-                                  stride_pm, 1, HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT, NUM_PROGRAMS, GROUP_M,
-                                  BLOCK_N1, BLOCK_N2, BLOCK_K, STAGES, CONSUMERS, B_K_MAJOR)),
+                                  c2_bufs.index(1), c_ready, c_free, bias_ptr, residual_ptr, preact_ptr, M, N, K,
+                                  stride_rm, stride_rn, stride_pm, 1, HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT,
+                                  NUM_PROGRAMS, GROUP_M, BLOCK_N1, BLOCK_N2, BLOCK_K, STAGES, CONSUMERS, B_K_MAJOR,
+                                  A_M_MAJOR, ACCUMULATE)),
             (gemm_load_partition, (a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, M, N, K,
                                    NUM_PROGRAMS, GROUP_M, BLOCK_N1 + BLOCK_N2, BLOCK_K, STAGES, CONSUMERS, B_K_MAJOR,
-                                   HAS_B2)),
+                                   HAS_B2, c_desc, c_bufs, c_ready, c_free, A_M_MAJOR, ACCUMULATE)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS_KERNEL])
 
 
@@ -281,7 +343,7 @@ def launch_gemm_small_m_ws(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, 
         return _descriptor(b.t(), (width, block_k)) if b_k_major else _descriptor(b, (block_k, width))
     b_desc, c_desc = b_part(block_n1), _descriptor(out, (ROWS_PER_GROUP, block_n1))
     b2_desc, c2_desc = (b_part(block_n2), _descriptor(out, (ROWS_PER_GROUP, block_n2))) if block_n2 else (b_desc, c_desc)
-    gemm_small_m_ws_kernel[(programs,)](
+    gemm_ws_kernel[(programs,)](
         _descriptor(a, (ROWS_PER_GROUP, block_k)), b_desc, b2_desc, c_desc, c2_desc,
         bias if bias is not None else out, residual if residual is not None else out,
         preact if preact is not None else out,
@@ -289,6 +351,46 @@ def launch_gemm_small_m_ws(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, 
         HAS_BIAS=bias is not None, ACT=activation, HAS_RESIDUAL=residual is not None,
         SAVE_PREACT=preact is not None,
         NUM_PROGRAMS=programs, GROUP_M=cfg["GROUP_M"], STAGES=stages, CONSUMERS=consumers,
-        CONSUMER_REGS=worker_regs, B_K_MAJOR=b_k_major, HAS_B2=block_n2 > 0, num_warps=4, maxnreg=launch_regs,
+        CONSUMER_REGS=worker_regs, B_K_MAJOR=b_k_major, HAS_B2=block_n2 > 0, A_M_MAJOR=False, ACCUMULATE=False,
+        num_warps=4, maxnreg=launch_regs,
+    )
+    return out
+
+
+# out += a @ b with a short K (linear cross-entropy's grad_weight: M = V, N = H, K = 512 tokens per
+# chunk): compute-bound tiles, the old output loaded by the producer during the K loop.
+ACCUMULATE_TILES = {
+    "128x256": dict(CONSUMERS=2, BLOCK_N=256, BLOCK_K=64, STAGES=4, GROUP_M=8),
+    "128x128": dict(CONSUMERS=2, BLOCK_N=128, BLOCK_K=64, STAGES=6, GROUP_M=8),
+}
+
+
+def launch_gemm_accumulate(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, config: dict | None = None,
+                           accumulate: bool = True) -> torch.Tensor:
+    """out [M, N] += a [M, K] @ b [K, N] in one pass over ``out`` (fp32 accumulation of the
+    product, one rounding of the sum to out's dtype). 16-bit a and b of one dtype, K > 0; a
+    row-major or the transpose of a row-major [K, M] (``dy.t()``), b row-major or a transposed
+    weight (``w.t()``); out row-major in a's dtype; every base and row stride TMA-aligned. No
+    checks here (callers check): a GPU-only building block. ``config``: ACCUMULATE_TILES's
+    128x256 when None. ``accumulate=False``: out = a @ b (the same tiles, no old output)."""
+    (m, k), n = a.shape, b.shape[1]
+    cfg = dict(config) if config else dict(ACCUMULATE_TILES["128x256"])
+    block_n, block_k, consumers = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["CONSUMERS"]
+    a_m_major = a.stride(0) == 1 and a.stride(1) != 1
+    b_k_major = b.stride(0) == 1 and b.stride(1) != 1
+    tiles = cdiv(m, ROWS_PER_GROUP * consumers) * cdiv(n, block_n)
+    programs = max(1, min(num_sms(a), tiles))
+    launch_regs, worker_regs = ws_regs(consumers)
+    stages = fit_ring(cfg["STAGES"], consumers, block_n, block_k, a.element_size(), out.element_size())
+    a_desc = _descriptor(a.t(), (block_k, ROWS_PER_GROUP)) if a_m_major else _descriptor(a, (ROWS_PER_GROUP, block_k))
+    b_desc = _descriptor(b.t(), (block_n, block_k)) if b_k_major else _descriptor(b, (block_k, block_n))
+    c_desc = _descriptor(out, (ROWS_PER_GROUP, block_n))
+    gemm_ws_kernel[(programs,)](
+        a_desc, b_desc, b_desc, c_desc, c_desc, out, out, out,
+        m, n, k, n, 1, n,
+        HAS_BIAS=False, ACT="none", HAS_RESIDUAL=False, SAVE_PREACT=False,
+        NUM_PROGRAMS=programs, GROUP_M=cfg["GROUP_M"], STAGES=stages, CONSUMERS=consumers,
+        CONSUMER_REGS=worker_regs, B_K_MAJOR=b_k_major, HAS_B2=False, A_M_MAJOR=a_m_major, ACCUMULATE=accumulate,
+        num_warps=4, maxnreg=launch_regs,
     )
     return out

@@ -469,7 +469,7 @@ class _MatmulPlan(NamedTuple):
 
 def _ws_tile(m: int, n: int, k: int, dtype: torch.dtype, out_dtype: torch.dtype, a_strides: tuple,
              b_strides: tuple, layout: TmaLayout, sms: int, hopper: bool, config: dict) -> tuple:
-    """The tile of ``_matmul_gluon.gemm_small_m_ws_kernel`` when it takes this GEMM, else ():
+    """The tile of ``_matmul_gluon.gemm_ws_kernel`` when it takes this GEMM, else ():
     sm_90, 16-bit operands, 32 < M <= MID_MAX_M, a row-major and b a transposed weight (x @ w.t(),
     nn.Linear's forward) or row-major [K, N] (dy @ w, its input gradient) read through host
     descriptors, a row-major output TMA can store, and a tile that keeps most SMs busy (no

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -156,11 +156,42 @@ def cross_entropy_grad_rows(logits, target, stats, row_scale, grad, opts: CEOpti
 
 def check_targets_in_range(target: torch.Tensor, n_classes: int, ignore_index: int) -> None:
     """One host sync: every target is ignore_index or in [0, n_classes)."""
-    bad = ((target < 0) | (target >= n_classes)) & (target != ignore_index)
+    bad = _bad_targets(target, n_classes, ignore_index)
     if target.numel() and bool(bad.any()):
-        first = int(target[bad][0])
-        raise ValueError(f"target holds class {first}, outside [0, {n_classes}) and not ignore_index "
-                         f"({ignore_index}); pass check_targets=False to skip this check")
+        _raise_bad_target(target, bad, n_classes, ignore_index)
+
+
+def start_target_check(target: torch.Tensor, n_classes: int, ignore_index: int) -> Callable[[], None]:
+    """:func:`check_targets_in_range` in two halves, so that the GPU need not drain: the test is
+    queued now and its result copied to pinned host memory behind an event; the function returned
+    waits for that event alone (work queued after the test keeps running) and raises as
+    check_targets_in_range does. Call it before launching anything that reads the targets.
+    linear_cross_entropy queues its first logits GEMM in between, so the host's work up to that
+    GEMM no longer runs on an idle GPU (a 0.6 ms gap per step under the profiler, H200 s29)."""
+    if target.device.type != "cuda" or target.numel() == 0:
+        check_targets_in_range(target, n_classes, ignore_index)
+        return lambda: None
+    bad = _bad_targets(target, n_classes, ignore_index)
+    flag = torch.empty((), dtype=torch.bool, pin_memory=True)
+    flag.copy_(bad.any(), non_blocking=True)
+    tested = torch.cuda.Event()
+    tested.record()
+
+    def finish() -> None:
+        tested.synchronize()
+        if bool(flag):
+            _raise_bad_target(target, bad, n_classes, ignore_index)
+    return finish
+
+
+def _bad_targets(target: torch.Tensor, n_classes: int, ignore_index: int) -> torch.Tensor:
+    return ((target < 0) | (target >= n_classes)) & (target != ignore_index)
+
+
+def _raise_bad_target(target, bad, n_classes: int, ignore_index: int):
+    first = int(target[bad][0])
+    raise ValueError(f"target holds class {first}, outside [0, {n_classes}) and not ignore_index "
+                     f"({ignore_index}); pass check_targets=False to skip this check")
 
 
 def mean_scale(target: torch.Tensor, ignore_index: int) -> torch.Tensor:

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from .._checks import check_same_device, check_same_dtype, check_shape, check_tensor
-from .._dispatch import empty
+from .._dispatch import empty, is_hopper
 from .._op import custom_op
 from ..registry import Inputs, OpSpec, register, tensor_bytes
 from ._matmul_kernels import launch_matmul
@@ -47,13 +47,13 @@ from .cross_entropy import (
     CEOptions,
     check_ce_options,
     check_target,
-    check_targets_in_range,
     cross_entropy_rows,
     mean_scale,
     random_targets,
     reduce_loss_rows,
     scale_saved_grads_,
     softcap_reference,
+    start_target_check,
     torch_cross_entropy,
 )
 
@@ -73,6 +73,11 @@ CHUNK_LOGITS_BYTES = 128 * 2**20
 # cuBLAS for all. The GEMMs timed alone (scripts/lce_gemm_probe.py) swing run to run: logits
 # 0.739 / 0.809 / 0.766 ms against cuBLAS's 0.800 / 0.769 / 0.774 in three runs.
 TILEFUSE_GEMMS = True
+
+# grad_weight (+)= dlogitsᵀ @ h_c on sm_90 with TMA-aligned operands: tilefuse's warp-specialized
+# Gluon GEMM (_matmul_gluon.launch_gemm_accumulate), which loads the old [V, H] tile during its K
+# loop, instead of cuBLAS's addmm_ (beta = 1) and the tl GEMM for the first chunk. False: as above.
+GLUON_WEIGHT_GRAD = True
 
 
 # ----------------------------------------------------------------------------------------------
@@ -95,10 +100,12 @@ def _chunk_tokens(n_tokens: int, vocab: int, elem_size: int, budget: int | None 
 
 
 def _chunked_pass(h2, weight, bias, target, row_scale, opts: CEOptions, loss_rows, grad_hidden, grad_weight,
-                  grad_bias32, chunk=None, config=None):
+                  grad_bias32, chunk=None, config=None, before_targets=None):
     """Loss rows into ``loss_rows``; the gradients asked for (tensors, or None) from dlogits
     scaled by ``row_scale`` ([1] shared, or one per token). ``chunk``/``config`` override the
-    chunk size and the CE kernel's launch config (GPU sweeps)."""
+    chunk size and the CE kernel's launch config (GPU sweeps). ``before_targets``: called once
+    the first logits GEMM is queued, before the first kernel that reads the targets (the second
+    half of cross_entropy.start_target_check)."""
     n_tokens, vocab = h2.shape[0], weight.shape[0]
     want_grad = grad_hidden is not None or grad_weight is not None or grad_bias32 is not None
     chunk = chunk or _chunk_tokens(n_tokens, vocab, h2.element_size())
@@ -113,6 +120,8 @@ def _chunked_pass(h2, weight, bias, target, row_scale, opts: CEOptions, loss_row
             torch.mm(h_c, weight.t(), out=logits)
         else:
             torch.addmm(bias, h_c, weight.t(), out=logits)
+        if c0 == 0 and before_targets is not None:
+            before_targets()
         scale = row_scale if row_scale.numel() == 1 else row_scale[c0:c1]
         # the kernel overwrites the chunk's logits with dlogits
         cross_entropy_rows(logits, target[c0:c1], scale, loss_rows[c0:c1], logits if want_grad else None,
@@ -120,7 +129,11 @@ def _chunked_pass(h2, weight, bias, target, row_scale, opts: CEOptions, loss_row
         if grad_hidden is not None:
             torch.mm(logits, weight, out=grad_hidden[c0:c1])
         if grad_weight is not None:
-            if c0 == 0 and tilefuse_gemm:
+            if tilefuse_gemm and GLUON_WEIGHT_GRAD and _tma_ready(logits, h_c, grad_weight):
+                from ._matmul_gluon import launch_gemm_accumulate     # Gluon: GPU only, imported there
+
+                launch_gemm_accumulate(logits.t(), h_c, grad_weight, accumulate=c0 > 0)
+            elif c0 == 0 and tilefuse_gemm:
                 launch_matmul(logits.t(), h_c, out=grad_weight)
             elif c0 == 0:
                 torch.mm(logits.t(), h_c, out=grad_weight)
@@ -132,9 +145,16 @@ def _chunked_pass(h2, weight, bias, target, row_scale, opts: CEOptions, loss_row
         grad_weight.zero_()
 
 
-def _grads_and_pass(hidden, weight, target, bias, row_scale, opts, need_h, need_w, need_b, chunk=0):
+def _tma_ready(*mats: torch.Tensor) -> bool:
+    """sm_90 (wgmma) and every matrix TMA-addressable: 16-byte aligned base and row stride."""
+    return is_hopper(mats[0]) and all(m.data_ptr() % 16 == 0 and m.stride(0) * m.element_size() % 16 == 0
+                                      for m in mats)
+
+
+def _grads_and_pass(hidden, weight, target, bias, row_scale, opts, need_h, need_w, need_b, chunk=0,
+                    before_targets=None):
     """Allocate the wanted gradients (empty [0] tensors for the others) and run the chunked pass
-    (``chunk`` tokens at a time; 0: _chunk_tokens' choice)."""
+    (``chunk`` tokens at a time; 0: _chunk_tokens' choice; ``before_targets``: _chunked_pass's)."""
     h2 = hidden.reshape(-1, hidden.shape[-1])
     t1 = target.reshape(-1)
     gh = empty(hidden.shape, hidden.dtype, hidden.device) if need_h else hidden.new_empty(0)
@@ -142,7 +162,8 @@ def _grads_and_pass(hidden, weight, target, bias, row_scale, opts, need_h, need_
     gb32 = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_b else None
     loss_rows = empty((h2.shape[0],), torch.float32, hidden.device)
     _chunked_pass(h2, weight, bias, t1, row_scale, opts, loss_rows,
-                  gh.view(h2.shape) if need_h else None, gw if need_w else None, gb32, chunk=chunk or None)
+                  gh.view(h2.shape) if need_h else None, gw if need_w else None, gb32, chunk=chunk or None,
+                  before_targets=before_targets)
     gb = gb32.to(bias.dtype) if need_b else weight.new_empty(0)   # distinct empties: outputs may not alias
     return loss_rows, gh, gw, gb
 
@@ -181,15 +202,16 @@ def _lce_fwd_op(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor
     comes back as an empty [0] tensor."""
     opts = CEOptions(ignore_index, label_smoothing, z_loss, softcap)
     t1 = target.reshape(-1)
-    if check_targets:
-        check_targets_in_range(t1, weight.shape[0], ignore_index)
+    # the range test's result is awaited only once the first logits GEMM is queued
+    finish_check = start_target_check(t1, weight.shape[0], ignore_index) if check_targets else None
     if reduction == "mean":
         scale = mean_scale(t1, ignore_index)
     else:
         scale = torch.ones(1, dtype=torch.float32, device=hidden.device)
     in_fwd = reduction != "none"
     loss_rows, gh, gw, gb = _grads_and_pass(hidden, weight, target, bias, scale, opts,
-                                            need_h and in_fwd, need_w and in_fwd, need_b and in_fwd, chunk_tokens)
+                                            need_h and in_fwd, need_w and in_fwd, need_b and in_fwd, chunk_tokens,
+                                            before_targets=finish_check)
     return reduce_loss_rows(loss_rows, scale, reduction, target.shape, hidden.dtype), gh, gw, gb
 
 
