@@ -98,26 +98,27 @@ def ab(rounds: int, h, w, target) -> None:
     def sync_check(t, n_classes, ignore_index):     # the target test as before s29: one host sync up front
         check_targets_in_range(t, n_classes, ignore_index)
 
-    # (TILEFUSE_GEMMS, GLUON_WEIGHT_GRAD, target test awaited after the first GEMM) per variant; None: eager
-    variants = {"tilefuse (own GEMMs, Gluon grad_weight)": (True, True, True),
-                "tilefuse (own GEMMs, Gluon grad_weight, sync check)": (True, True, False),
-                "tilefuse (own logits GEMM, cuBLAS grad_weight)": (True, False, True),
-                "tilefuse (s28: cuBLAS grad_weight, sync check)": (True, False, False),
+    # (GLUON_LOGITS, GLUON_WEIGHT_GRAD, target test awaited after the first GEMM) per variant; None: eager
+    variants = {"tilefuse (Gluon logits, cuBLAS grad_weight)": (True, False, True),
+                "tilefuse (Gluon logits and grad_weight)": (True, True, True),
+                "tilefuse (tl logits, cuBLAS grad_weight)": (False, False, True),
+                "tilefuse (s28: tl logits, cuBLAS grad_weight, sync check)": (False, False, False),
                 "eager": None}
     start_check = lce.start_target_check
+    defaults = lce.GLUON_LOGITS, lce.GLUON_WEIGHT_GRAD
     times = {name: [] for name in variants}
     benched = {name: [] for name in variants}
     for _ in range(rounds):
         for name, flags in variants.items():
             if flags is not None:
-                lce.TILEFUSE_GEMMS, lce.GLUON_WEIGHT_GRAD, deferred = flags
+                lce.GLUON_LOGITS, lce.GLUON_WEIGHT_GRAD, deferred = flags
                 lce.start_target_check = start_check if deferred else sync_check
             step = step_fn("tilefuse" if flags is not None else "eager", h, w, target)
             step()
             times[name].append(statistics.median(wall_ms(step, 3)))
             # back to back, as the benchmark times it (no sync between steps but the op's own)
             benched[name].append(triton.testing.do_bench(step, warmup=1, rep=300, return_mode="median"))
-    lce.TILEFUSE_GEMMS, lce.GLUON_WEIGHT_GRAD, lce.start_target_check = True, True, start_check
+    lce.GLUON_LOGITS, lce.GLUON_WEIGHT_GRAD, lce.start_target_check = *defaults, start_check
     print("step wall after a sync (CUDA events) | do_bench back to back; medians over rounds, ms")
     for name in variants:
         ts, bs = times[name], benched[name]

@@ -248,10 +248,11 @@ def compile_gemm(case):
     assert "HGMMA" in sass and "UTMALDG" in sass and "UTMASTG" in sass
 
 
-ACCUMULATE_CASES = {   # name: (tile of _matmul_gluon.ACCUMULATE_TILES, a given as aᵀ [K, M], b as wᵀ)
-    "128x256-a-m-major": ("128x256", True, False),
-    "128x128-a-m-major": ("128x128", True, False),
-    "128x256-row-major-a-k-major-b": ("128x256", False, True),
+ACCUMULATE_CASES = {   # name: (tile of _matmul_gluon.ACCUMULATE_TILES, a given as aᵀ [K, M], b as wᵀ, out +=)
+    "128x256-a-m-major": ("128x256", True, False, True),
+    "128x128-a-m-major": ("128x128", True, False, True),
+    "128x256-row-major-a-k-major-b": ("128x256", False, True, True),
+    "128x256-k-major-b-no-accumulator": ("128x256", False, True, False),    # linear cross-entropy's logits
 }
 
 
@@ -264,7 +265,7 @@ def compile_gemm_accumulate(case):
     """out += a @ b (the producer loads the old output tile): as launch_gemm_accumulate builds it,
     no spills, within shared memory, wgmma and TMA loads and stores in the SASS."""
     from tilefuse.ops import _matmul_gluon as g
-    tile, a_m_major, b_k_major = ACCUMULATE_CASES[case]
+    tile, a_m_major, b_k_major, accumulate = ACCUMULATE_CASES[case]
     cfg = g.ACCUMULATE_TILES[tile]
     m, n, k = 1000, 768, 512
     a_t, b = torch.empty(k, m, dtype=torch.bfloat16), torch.empty(k, n, dtype=torch.bfloat16)
@@ -279,7 +280,7 @@ def compile_gemm_accumulate(case):
     stages = g.fit_ring(cfg["STAGES"], cfg["CONSUMERS"], bn, bk, 2, 2)
     constexprs = dict(HAS_BIAS=False, ACT="none", HAS_RESIDUAL=False, SAVE_PREACT=False, NUM_PROGRAMS=132,
                       GROUP_M=cfg["GROUP_M"], STAGES=stages, CONSUMERS=cfg["CONSUMERS"], CONSUMER_REGS=worker_regs,
-                      B_K_MAJOR=b_k_major, HAS_B2=False, A_M_MAJOR=a_m_major, ACCUMULATE=True)
+                      B_K_MAJOR=b_k_major, HAS_B2=False, A_M_MAJOR=a_m_major, ACCUMULATE=accumulate)
     compiled = _compile_sm90(g.gemm_ws_kernel, args, constexprs, launch_regs)
     _check(compiled)
     report, sass = _ptxas_and_sass(compiled)

@@ -74,10 +74,15 @@ CHUNK_LOGITS_BYTES = 128 * 2**20
 # 0.739 / 0.809 / 0.766 ms against cuBLAS's 0.800 / 0.769 / 0.774 in three runs.
 TILEFUSE_GEMMS = True
 
-# grad_weight (+)= dlogitsᵀ @ h_c on sm_90 with TMA-aligned operands: tilefuse's warp-specialized
-# Gluon GEMM (_matmul_gluon.launch_gemm_accumulate), which loads the old [V, H] tile during its K
-# loop, instead of cuBLAS's addmm_ (beta = 1) and the tl GEMM for the first chunk. False: as above.
-GLUON_WEIGHT_GRAD = True
+# On sm_90 with TMA-aligned operands, tilefuse's warp-specialized Gluon GEMM
+# (_matmul_gluon.launch_gemm_accumulate, 128x256 tiles) can take the logits GEMM (no bias)
+# (GLUON_LOGITS) and grad_weight (+)= dlogitsᵀ @ h_c (GLUON_WEIGHT_GRAD: it loads the old [V, H]
+# tile during its K loop) in place of the above. Timed alone at M = 128256, N = 4096, K = 512
+# (scripts/gemm_accumulate_probe.py, H200 s29): 0.983 ms accumulating against cuBLAS's 0.978 /
+# 1.089 (its two operand orders), 0.879 without the accumulator against 0.911. But in whole
+# steps (scripts/lce_profile.py --ab 4) grad_weight on it took 46.84 ms against 46.18 on cuBLAS.
+GLUON_LOGITS = True
+GLUON_WEIGHT_GRAD = False
 
 
 # ----------------------------------------------------------------------------------------------
@@ -114,7 +119,11 @@ def _chunked_pass(h2, weight, bias, target, row_scale, opts: CEOptions, loss_row
     for c0 in range(0, n_tokens, chunk):
         c1 = min(c0 + chunk, n_tokens)
         h_c, logits = h2[c0:c1], buf[: c1 - c0]
-        if tilefuse_gemm:       # see "Which GEMMs are tilefuse's" above
+        if tilefuse_gemm and GLUON_LOGITS and bias is None and _tma_ready(h_c, weight, logits):
+            from ._matmul_gluon import launch_gemm_accumulate     # Gluon: GPU only, imported there
+
+            launch_gemm_accumulate(h_c, weight.t(), logits, accumulate=False)
+        elif tilefuse_gemm:       # see "Which GEMMs are tilefuse's" above
             launch_matmul(h_c, weight.t(), bias=bias, out=logits)
         elif bias is None:
             torch.mm(h_c, weight.t(), out=logits)
