@@ -241,3 +241,17 @@ def test_chunk_tokens_bad_values():
     for bad in (0, -2, 1.5, True):
         with pytest.raises(ValueError, match="chunk_tokens"):
             linear_cross_entropy(h, w, t, chunk_tokens=bad)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_gpu_gluon_gemms(monkeypatch, dtype):
+    """The Gluon GEMM paths (off by default, lce_mod.GLUON_LOGITS / GLUON_WEIGHT_GRAD) on sm_90:
+    several chunks, so grad_weight is written by the first chunk and accumulated by the others."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("wgmma kernel: sm_90 only")
+    monkeypatch.setattr(lce_mod, "GLUON_LOGITS", True)
+    monkeypatch.setattr(lce_mod, "GLUON_WEIGHT_GRAD", True)
+    hidden, weight, _, target = _inputs(1000, 264, 4104, dtype=dtype)
+    for chunk in (128, None):
+        _check(hidden, weight, None, target, grads=("hidden", "weight"), chunk_tokens=chunk)

@@ -75,13 +75,14 @@ CHUNK_LOGITS_BYTES = 128 * 2**20
 TILEFUSE_GEMMS = True
 
 # On sm_90 with TMA-aligned operands, tilefuse's warp-specialized Gluon GEMM
-# (_matmul_gluon.launch_gemm_accumulate, 128x256 tiles) can take the logits GEMM (no bias)
-# (GLUON_LOGITS) and grad_weight (+)= dlogitsᵀ @ h_c (GLUON_WEIGHT_GRAD: it loads the old [V, H]
+# (_matmul_gluon.launch_gemm_accumulate, 128x256 tiles) can take the logits GEMM (no bias;
+# GLUON_LOGITS) and grad_weight (+)= dlogitsᵀ @ h_c (GLUON_WEIGHT_GRAD; it loads the old [V, H]
 # tile during its K loop) in place of the above. Timed alone at M = 128256, N = 4096, K = 512
 # (scripts/gemm_accumulate_probe.py, H200 s29): 0.983 ms accumulating against cuBLAS's 0.978 /
-# 1.089 (its two operand orders), 0.879 without the accumulator against 0.911. But in whole
-# steps (scripts/lce_profile.py --ab 4) grad_weight on it took 46.84 ms against 46.18 on cuBLAS.
-GLUON_LOGITS = True
+# 1.089 (its two operand orders), 0.879 without the accumulator against 0.911. In whole steps
+# (scripts/lce_profile.py --ab 4, two calls) neither moved the step outside the run-to-run spread:
+# do_bench 45.74 (Gluon logits) / 45.58 (both) / 45.58 ms (neither); so both stay off.
+GLUON_LOGITS = False
 GLUON_WEIGHT_GRAD = False
 
 
