@@ -324,6 +324,14 @@ def test_bad_inputs():
         cross_entropy(x, torch.tensor([0, 1, 10, 2], device=DEVICE))
     with pytest.raises(ValueError, match="target holds class -1"):
         cross_entropy(x, torch.tensor([0, -1, 1, 2], device=DEVICE))
+    # the gradient written into the logits: the error comes before the kernel touches them (on CUDA
+    # the range test is otherwise awaited after the launch)
+    xg = x.clone().requires_grad_(True)
+    before = xg.detach().clone()
+    with pytest.raises(ValueError, match="target holds class 10"):
+        cross_entropy(xg, torch.tensor([0, 1, 10, 2], device=DEVICE), logits_inplace_grad=True)
+    assert torch.equal(xg.detach(), before)
+    assert torch.isfinite(cross_entropy(x, t))      # nothing left pending after an error
     for kw, name in ((dict(reduction="avg"), "reduction"), (dict(label_smoothing=1.5), "label_smoothing"),
                      (dict(z_loss=-1.0), "z_loss"), (dict(softcap=0.0), "softcap")):
         with pytest.raises(ValueError, match=name):

@@ -217,15 +217,21 @@ def _forward_into(logits, target, grad, ignore_index, label_smoothing, z_loss, s
     opts = CEOptions(ignore_index, label_smoothing, z_loss, softcap)
     x2 = rows_view(logits)
     t1 = target.reshape(-1)
-    if check:
-        check_targets_in_range(t1, x2.shape[1], ignore_index)
+    finish_check = start_target_check(t1, x2.shape[1], ignore_index) if check else None
+    if finish_check is not None and grad is not None and grad.data_ptr() == logits.data_ptr():
+        finish_check()          # in place: the caller's logits must be intact when the error is raised
+        finish_check = None
     loss_rows = empty((x2.shape[0],), torch.float32, logits.device)
     if reduction == "mean":
         scale = mean_scale(t1, ignore_index)
     else:   # sum / none: the stored gradient is unscaled, backward multiplies by grad_output
         scale = torch.ones(1, dtype=torch.float32, device=logits.device)
     g2 = None if grad is None else grad.view(x2.shape)
+    # the kernel masks an out-of-range target (its row's loss is NaN), so it may be queued before
+    # the range test's result is awaited: the GPU does not drain while the host launches it
     cross_entropy_rows(x2, t1, scale, loss_rows, g2, opts, stats=stats)
+    if finish_check is not None:
+        finish_check()
     return reduce_loss_rows(loss_rows, scale, reduction, target.shape, logits.dtype)
 
 
