@@ -91,7 +91,9 @@ def test_fp32_bound_follows_pytorch_where_the_result_cancels():
     (CI drew such an input once). The bound widens only by what PyTorch's fp32 misses there."""
     spec, inp = _bias_act_at(-0.75614)
     chk = check_impl(spec, spec.fn, inp, torch.float32)
-    assert chk.torch_bwd_err is not None and chk.torch_bwd_err > chk.tolerance   # PyTorch misses too
+    assert chk.torch_bwd_err is not None, chk
+    if DEVICE == "cpu":     # PyTorch's CPU gelu' misses there (1.3e-5); its CUDA one is 7.1e-6 off (H200)
+        assert chk.torch_bwd_err > chk.tolerance, chk
     assert chk.ok, chk
     # a generic point: PyTorch is accurate, the bound stays the spec's
     spec, inp = _bias_act_at(0.9)
