@@ -6,6 +6,7 @@ The GPU code path (validate, time, speed-ups) is exercised on CPU with fake ops 
 the real timings run in the ``gpu``-marked tests on the device machine.
 """
 
+import dataclasses
 import json
 import math
 import os
@@ -190,6 +191,19 @@ def test_bench_case_rows_statuses_and_speedups(fake_op):
     assert f["pct_of_ceiling"] == pytest.approx(100 * f["achieved"])
     assert by[("tilefuse", "fwd+bwd")]["bytes"] == 2 * nbytes
     json.dumps(report.sanitize(rows), allow_nan=False)
+
+
+def test_unrepeatable_backward_is_timed_only_in_fwd_bwd(fake_op):
+    """A backward that writes into a saved input (deferred cross-entropy) cannot be replayed with
+    retain_graph: its bwd row is SKIPPED with the reason, fwd and fwd+bwd are timed; peers keep
+    their bwd row."""
+    spec = fake_op(dataclasses.replace(_fake_spec(), repeatable_backward=False))
+    rows = bench_case(spec, (4, 8), torch.float32, Settings(device="cpu", timer=_const_timer, compile=False),
+                      {"copy_gbps": 1.0, "matmul_tflops": 1.0})
+    by = {(r["impl"], r["pass"]): r for r in rows}
+    assert by[("tilefuse", "bwd")]["status"] == "SKIPPED" and "fwd+bwd" in by[("tilefuse", "bwd")]["error"]
+    assert by[("tilefuse", "fwd")]["status"] == by[("tilefuse", "fwd+bwd")]["status"] == "ok"
+    assert by[("torch", "bwd")]["status"] == "ok"
 
 
 def test_compute_bound_metric_and_run_bench(fake_op):

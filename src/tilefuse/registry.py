@@ -84,6 +84,10 @@ class OpSpec:
     # skips them): a forward that checks its inputs on the host, a gradient written into an input
     # in place. A capture that fails half-way leaves torch's CUDA RNG unusable for the process.
     graph_capturable: bool = True
+    # False when the backward writes its gradient into a tensor the forward saved (the deferred
+    # cross-entropy's gradient lands in the logits): it cannot be replayed with retain_graph, so
+    # the benchmark times it only inside fwd+bwd and marks the bwd row SKIPPED
+    repeatable_backward: bool = True
     description: str = ""
 
 

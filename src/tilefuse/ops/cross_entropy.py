@@ -552,6 +552,7 @@ register(OpSpec(
     name="cross_entropy_deferred",
     split_passes=False,
     graph_capturable=False,   # the target range check syncs with the host; gradients land in the logits
+    repeatable_backward=False,
     fn=cross_entropy,
     reference=cross_entropy_reference,
     make_inputs=_make_deferred_inputs,
