@@ -42,6 +42,7 @@ from .._checks import check_same_device, check_same_dtype, check_shape, check_te
 from .._dispatch import empty, is_hopper
 from .._op import custom_op
 from ..registry import Inputs, OpSpec, register, tensor_bytes
+from ._attention_bwd import tma_eligible
 from ._matmul_kernels import launch_matmul
 from .cross_entropy import (
     CEOptions,
@@ -156,9 +157,8 @@ def _chunked_pass(h2, weight, bias, target, row_scale, opts: CEOptions, loss_row
 
 
 def _tma_ready(*mats: torch.Tensor) -> bool:
-    """sm_90 (wgmma) and every matrix TMA-addressable: 16-byte aligned base and row stride."""
-    return is_hopper(mats[0]) and all(m.data_ptr() % 16 == 0 and m.stride(0) * m.element_size() % 16 == 0
-                                      for m in mats)
+    """sm_90 exactly (the Gluon kernel's wgmma) and every matrix TMA-addressable."""
+    return is_hopper(mats[0]) and tma_eligible(*mats)
 
 
 def _grads_and_pass(hidden, weight, target, bias, row_scale, opts, need_h, need_w, need_b, chunk=0,
