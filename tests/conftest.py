@@ -5,7 +5,9 @@ at decoration time whether a ``@triton.jit`` function is interpreted, so ``TRITO
 must be set before tilefuse's op modules are imported: that is done here, first.
 """
 
+import fcntl
 import os
+import tempfile
 
 import pytest
 import torch
@@ -46,6 +48,45 @@ def _fresh_seed(request):
     torch.manual_seed(seed)
     request.node.user_properties.append(("seed", seed))
     yield
+
+
+# One lock file per machine: tests marked ``bigmem`` hold it exclusively while they run.
+BIGMEM_LOCK = os.path.join(tempfile.gettempdir(), "tilefuse-bigmem-tests.lock")
+
+
+@pytest.fixture(autouse=True)
+def _one_bigmem_test_at_a_time(request):
+    """Tests marked ``bigmem`` (10-60 GiB of GPU memory: tensors past 2^31 elements) run one at a
+    time across pytest-xdist workers, and hand their memory back to the device when done. Without
+    this a full GPU run with 12 workers on the H200 (2026-11-25) had three such tests holding 50 +
+    59 + 11 GiB at once, and 241 tests failed out of memory."""
+    if not HAS_CUDA or request.node.get_closest_marker("bigmem") is None:
+        yield
+        return
+    with open(BIGMEM_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            torch.cuda.empty_cache()
+            yield
+        finally:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+@pytest.fixture(autouse=True)
+def _gpu_memory_report(request):
+    """With ``TILEFUSE_TEST_MEM_REPORT=<file>`` each GPU test appends its peak reserved GPU memory
+    (GiB) and node id to the file: the way to find the tests that should be marked ``bigmem``."""
+    path = os.environ.get("TILEFUSE_TEST_MEM_REPORT")
+    if not HAS_CUDA or not path:
+        yield
+        return
+    torch.cuda.reset_peak_memory_stats()
+    yield
+    peak = torch.cuda.max_memory_reserved() / 2**30
+    with open(path, "a") as f:
+        f.write(f"{peak:8.2f} {request.node.nodeid}\n")
 
 
 @pytest.fixture

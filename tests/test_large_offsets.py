@@ -20,7 +20,7 @@ from tilefuse.testing import rel_err
 
 BIG = 2**31
 TOL = 1e-2
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.bigmem]
 
 
 def _randn(*shape, dtype=torch.bfloat16):

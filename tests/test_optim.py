@@ -422,6 +422,7 @@ def test_cuda_graph_capture_matches_eager_torch():
 
 
 @pytest.mark.gpu
+@pytest.mark.bigmem
 def test_int64_offsets_past_2_31_elements():
     """One fp16 tensor of 2^31 + 2^12 + 5 elements: the tail is updated at the right offsets
     (checked elementwise against the reference on copies of the tail)."""

@@ -365,6 +365,7 @@ def test_bf16_options(interleaved):
 
 
 @pytest.mark.gpu
+@pytest.mark.bigmem
 def test_int64_offsets():
     S, H, D = 140_000, 128, 128                    # q has 2.29e9 > 2^31 elements (4.6 GB in bf16)
     q = torch.empty(1, S, H, D, dtype=torch.bfloat16, device=DEVICE).normal_()

@@ -161,6 +161,7 @@ def test_nn_softmax_module():
 
 
 @pytest.mark.gpu
+@pytest.mark.bigmem
 def test_large_row_count_int64_offsets():
     """rows * row_stride passes 2**31 elements: offsets must be 64-bit (4 GiB of fp16 input)."""
     n_cols = 4096
