@@ -74,19 +74,28 @@ def _one_bigmem_test_at_a_time(request):
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+# A worker keeps what its caching allocator reserved: above this, a test's teardown hands it back,
+# so that one worker's big case does not leave the others short for the rest of the run.
+KEEP_RESERVED_BYTES = 4 << 30
+
+
 @pytest.fixture(autouse=True)
-def _gpu_memory_report(request):
-    """With ``TILEFUSE_TEST_MEM_REPORT=<file>`` each GPU test appends its peak reserved GPU memory
-    (GiB) and node id to the file: the way to find the tests that should be marked ``bigmem``."""
-    path = os.environ.get("TILEFUSE_TEST_MEM_REPORT")
-    if not HAS_CUDA or not path:
+def _gpu_memory(request):
+    """Hands a worker's cached GPU memory back after a test that left more than
+    KEEP_RESERVED_BYTES reserved. With ``TILEFUSE_TEST_MEM_REPORT=<file>`` each GPU test also
+    appends its peak allocated GPU memory (GiB) and node id to the file: the way to find the tests
+    that should be marked ``bigmem``."""
+    if not HAS_CUDA:
         yield
         return
+    path = os.environ.get("TILEFUSE_TEST_MEM_REPORT")
     torch.cuda.reset_peak_memory_stats()
     yield
-    peak = torch.cuda.max_memory_reserved() / 2**30
-    with open(path, "a") as f:
-        f.write(f"{peak:8.2f} {request.node.nodeid}\n")
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{torch.cuda.max_memory_allocated() / 2**30:8.2f} {request.node.nodeid}\n")
+    if torch.cuda.memory_reserved() > KEEP_RESERVED_BYTES:
+        torch.cuda.empty_cache()
 
 
 @pytest.fixture
