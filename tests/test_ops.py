@@ -22,12 +22,23 @@ def _dtype_name(dt):
     return str(dt).replace("torch.", "")
 
 
+# Registry cases that peak at 15-53 GiB of GPU memory (the fp64 reference and PyTorch's own
+# gradients of a [T, V] logits tensor): one at a time across xdist workers. Measured with
+# TILEFUSE_TEST_MEM_REPORT on the H200, 2026-11-25 (results/...-s30-gpu-test-memory.txt); the next
+# largest case peaked at 13 GiB.
+_BIGMEM_CASES = {("cross_entropy", (8192, 128256)), ("cross_entropy", (4096, 151936)),
+                 ("cross_entropy_deferred", (8192, 128256)),
+                 ("linear_cross_entropy", (5000, 1024, 151936)), ("linear_cross_entropy", (4096, 2048, 128256))}
+
+
 def _cases():
     for spec in registry.all_ops():
         for gpu_shapes, shapes in ((False, spec.test_shapes), (True, spec.gpu_test_shapes)):
             for shape in shapes:
                 for dtype in spec.dtypes:
                     marks = [pytest.mark.gpu] if (gpu_shapes or dtype == torch.bfloat16) else []
+                    if (spec.name, tuple(shape)) in _BIGMEM_CASES:
+                        marks.append(pytest.mark.bigmem)
                     ident = f"{spec.name}-{'x'.join(map(str, shape))}-{_dtype_name(dtype)}"
                     yield pytest.param(spec.name, tuple(shape), dtype, marks=marks, id=ident)
 
