@@ -47,7 +47,14 @@ def _check(logits, target, dtype=None, inplace=False, grad_output=None, **kw):
     (g,) = torch.autograd.grad(out, x, go.to(out.dtype))
     (rg,) = torch.autograd.grad(ref, ref_x, go.double())
     assert g.shape == x.shape
-    assert rel_err(g, rg) <= TOL[dtype], (rel_err(g, rg), kw)
+    if float(rg.abs().max()) == 0.0:
+        # every gradient exactly zero (V = 1: (p - (1 - ε) - ε/V)·go = 0, or every row ignored): a
+        # relative error is undefined; in fp32 the terms' rounding leaves a few ulps of |go| (an
+        # H200 gave -8.1e-10 with label smoothing 0.05), so compare absolutely at that size
+        bound = 4 * torch.finfo(dtype).eps * float(go.abs().max())
+        assert float(g.abs().max()) <= bound, (float(g.abs().max()), bound, kw)
+    else:
+        assert rel_err(g, rg) <= TOL[dtype], (rel_err(g, rg), kw)
     return out
 
 
