@@ -7,8 +7,10 @@ torch and timed in both of the op's modes:
 
 * ``stats``: the deferred mode's forward, one read of the logits for (m, log2 s, q) per row
   (bytes: T·V·2);
-* ``grad``: the gradient written in the forward (into a separate buffer here), a stats walk and
-  a gradient walk over each row (bytes: T·V·2 read + T·V·2 written; the second read should hit L2);
+* ``grad``: the gradient written in the forward (into a separate buffer here; bytes: T·V·2 read +
+  T·V·2 written): the split-row tier (each program holds a chunk of a row in registers, the
+  row's programs meet at a spin barrier: one read) and the looped tier (a stats walk and a
+  gradient walk over each row, the second read from L2 if it is still there);
 
 then the deferred backward kernel (read logits, write gradient) for a few tiles. GB/s over the
 ideal bytes, and % of a same-size device copy measured in the same run.
@@ -71,9 +73,17 @@ fwd_cfgs = [None] + [
     {"single_tile": False, "BLOCK_V": bv, "num_warps": w, "maxnreg": r, "programs_per_sm": None}
     for bv, w, r in itertools.product((4096, 8192), (8, 16), (64, None)) if bv // (32 * w) >= 8
 ]
+# the gradient-writing forward: split-row tier (a row over several programs, each chunk in
+# registers; the default) by chunk, warps and ticketed work order, then the looped tier
+split_cfgs = [
+    {"split_row": True, "BLOCK_V": bv, "num_warps": w, "ticket": tk}
+    for bv, w, tk in itertools.product((2048, 4096, 8192, 16384), (4, 8, 16), (True, False))
+    if 8 <= bv // (32 * w) <= 64
+]
+looped_grad_cfgs = [{**c, "split_row": False} for c in fwd_cfgs[1:]]
 best = {}
 for mode in ("stats", "grad"):
-    for cfg in fwd_cfgs:
+    for cfg in (fwd_cfgs if mode == "stats" else [None] + split_cfgs + looped_grad_cfgs):
         out = None if mode == "stats" else g
         fn = lambda: k.launch_cross_entropy_rows(x, t, row_scale, loss, out, opts, cfg, stats if mode == "stats" else None)  # noqa: E731
         try:

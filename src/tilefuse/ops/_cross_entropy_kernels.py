@@ -22,10 +22,12 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
+import torch
+
 import triton
 import triton.language as tl
 
-from .._dispatch import next_power_of_2, num_sms
+from .._dispatch import interpreting, next_power_of_2, num_sms
 from .._launch import fast_launch
 from ._common import LN2, LOG2E
 
@@ -33,6 +35,8 @@ MAX_SINGLE_TILE = 8192    # a row this long sits in registers (16 warps x 16 val
 LOOPED_BLOCK_V = 8192     # tile of the looped tier: 16 values per thread at 16 warps, 16-byte loads
 LOOPED_MAXNREG = 64       # ptxas takes ~90 registers for the looped kernel if allowed; 64 (no spills
                           # without options) fits two 16-warp programs per SM instead of one
+SPLIT_BLOCK_V = 8192      # columns per program of the split-row tier (16 values per thread at 16 warps)
+SPLIT_WARPS = 16
 SCALE_BLOCK = 4096        # tile of the in-place scaling pass (8 warps, 16 values per thread)
 SCALE_PROGRAMS_PER_SM = 4 # its persistent grid: 4 x 8 warps at ~40 registers all fit on an SM at once
 
@@ -278,6 +282,135 @@ def cross_entropy_fwd_kernel(
                            WRITE_GRAD, SAVE_STATS, SINGLE_TILE, BLOCK_V)
 
 
+@triton.jit
+def _combine_chunk_stats(part_row, n_chunks, CHUNKS: tl.constexpr):
+    """(m, s_other) of a whole row from its chunks' (m_c, s_c): m = max m_c, s = sum s_c·exp(m_c - m)
+    (a chunk of all -inf has m_c = -inf and s_c = 0: weight 0). The loads bypass L1 (.cg): other
+    SMs wrote them."""
+    c = tl.arange(0, CHUNKS)
+    valid = c < n_chunks
+    m_c = tl.load(part_row + c, mask=valid, other=-float("inf"), cache_modifier=".cg")
+    s_c = tl.load(part_row + n_chunks + c, mask=valid, other=0.0, cache_modifier=".cg")
+    m = tl.max(m_c, axis=0)
+    m = tl.where(m == -float("inf"), 0.0, m)   # an all -inf row: NaN loss, no NaN shift
+    return m, tl.sum(s_c * tl.exp2((m_c - m) * LOG2E), axis=0)
+
+
+@triton.jit
+def _wait_for_row(sync_ptr, n_chunks):
+    """Spin barrier of the programs of one row: count this one's arrival (acq_rel at GPU scope:
+    its partial stores, made visible to the CTA by the barrier before it, are released with it,
+    CUTLASS's semaphore pattern) and poll until all n_chunks have arrived."""
+    tl.debug_barrier()
+    arrived = tl.atomic_add(sync_ptr, 1, sem="acq_rel", scope="gpu") + 1
+    while arrived < n_chunks:
+        arrived = tl.atomic_add(sync_ptr, 0, sem="acq_rel", scope="gpu")
+
+
+@fast_launch
+@triton.jit
+def cross_entropy_split_row_kernel(
+    logits_ptr,         # *[n_rows, n_cols] logits, unit column stride
+    grad_ptr,           # *[n_rows, n_cols] dloss/dlogits (may be logits_ptr: in-place mode)
+    target_ptr,         # *[n_rows] int32/int64 class ids
+    loss_ptr,           # *[n_rows] fp32 loss per row before reduction (0 on ignored rows)
+    scale_ptr,          # *fp32 gradient scale per row (1/n_valid for mean, grad_output rows, ...)
+    part_ptr,           # *fp32 [n_rows, 2 + HAS_SMOOTHING, n_chunks] (m_c, s_c[, sum x'_c]) per chunk, then [n_rows] x'_t
+    sync_ptr,           # *int32 [n_rows + 1] zeroed: arrivals per row, then the ticket counter
+    logits_row_stride,  # elements between rows of logits
+    grad_row_stride,    # elements between rows of grad
+    scale_stride,       # 0: one scale shared by every row, 1: one per row
+    n_rows,             # rows (tokens)
+    n_cols,             # vocabulary size V
+    n_chunks,           # programs per row: cdiv(n_cols, BLOCK_V)
+    ignore_index,       # target value of rows that contribute nothing
+    label_smoothing,    # eps
+    z_loss,             # z
+    softcap,            # c (unused without HAS_SOFTCAP)
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    HAS_Z_LOSS: tl.constexpr,
+    PHASE: tl.constexpr,        # 0: one launch, the programs of a row meet at a spin barrier;
+                                # 1 then 2: partials, then gradient and loss (two launches: the
+                                # interpreter runs programs one after another, a barrier would hang)
+    TICKET: tl.constexpr,       # take work items in the order programs start (PHASE 0)
+    CHUNKS: tl.constexpr,       # next power of two >= n_chunks
+    BLOCK_V: tl.constexpr,      # columns per program, held in registers
+):
+    """A row too long for one program's registers, split over n_chunks programs, so each logit
+    is read from memory once and the gradient written once (2 passes over [T, V]; a program per
+    row re-reads its row, and those re-reads miss L2 at a 128K vocabulary). Each program keeps
+    its chunk in registers, publishes (m_c, s_c) -- the owner of the target column also x'_t --
+    waits for the row's other chunks, combines, and writes its part of the gradient; chunk 0
+    writes the loss. With TICKET a program's item is its arrival order on a counter, so every
+    lower item has started: the programs a row waits for are resident or finished, and the only
+    row that can wait on programs not yet started is the newest (no deadlock whatever order the
+    hardware starts programs in, as long as n_chunks programs fit on the GPU at once)."""
+    if TICKET:
+        item = tl.atomic_add(sync_ptr + n_rows, 1, sem="relaxed", scope="gpu").to(tl.int64)
+    else:
+        item = tl.program_id(0).to(tl.int64)
+    row = item // n_chunks
+    chunk = item % n_chunks
+    target = tl.load(target_ptr + row).to(tl.int64)
+    x_row = logits_ptr + row * logits_row_stride
+    g_row = grad_ptr + row * grad_row_stride
+    cols = chunk * BLOCK_V + tl.arange(0, BLOCK_V)
+    if target == ignore_index:
+        if PHASE != 1:
+            tl.store(loss_ptr + row, 0.0, mask=chunk == 0)
+            tl.store(g_row + cols, tl.zeros([BLOCK_V], dtype=g_row.dtype.element_ty), mask=cols < n_cols)
+    else:
+        n_parts: tl.constexpr = 3 if HAS_SMOOTHING else 2
+        part_row = part_ptr + row * (n_parts * n_chunks)
+        xt_ptr = part_ptr + n_rows * (n_parts * n_chunks) + row
+        t_col = tl.where((target >= 0) & (target < n_cols), target, -1).to(tl.int32)
+        in_range = (target >= 0) & (target < n_cols)
+        owner = in_range & (target // BLOCK_V == chunk)
+        x, mask, slope = _load_logits(x_row, cols, n_cols, softcap, HAS_SOFTCAP)
+        # the target's logit and slope, read by its chunk's program before anything is written
+        x_t = tl.load(x_row + target, mask=owner, other=float("nan")).to(tl.float32)
+        slope_t = 1.0
+        if HAS_SOFTCAP:
+            x_t, slope_t = _softcap(x_t, softcap)
+        if PHASE != 2:
+            m_c, s_c, sum_x_c = _tile_stats(x, mask, cols, t_col, HAS_SMOOTHING)
+            tl.store(part_row + chunk, m_c)
+            tl.store(part_row + n_chunks + chunk, s_c)
+            if HAS_SMOOTHING:
+                tl.store(part_row + 2 * n_chunks + chunk, sum_x_c)
+            # an out-of-range target (check_targets=False) has no owner: x'_t NaN, a NaN loss
+            tl.store(xt_ptr, x_t, mask=owner | ((chunk == 0) & (t_col < 0)))
+        if PHASE == 0:
+            _wait_for_row(sync_ptr + row, n_chunks)
+        if PHASE != 1:
+            m, s_other = _combine_chunk_stats(part_row, n_chunks, CHUNKS)
+            x_t = tl.load(xt_ptr, cache_modifier=".cg")
+            e_t = tl.exp2((x_t - m) * LOG2E)
+            s = s_other + e_t
+            q = s_other / s
+            log2_s = tl.log2(s)
+            log_s = log2_s * LN2
+            lse = m + log_s
+            scale = tl.load(scale_ptr + row * scale_stride)
+            z_coef = scale * (2.0 * z_loss) * lse
+            uniform = scale * (label_smoothing / n_cols)
+            g = _grad_tile(x, slope, m, log2_s, scale, z_coef, uniform, HAS_SOFTCAP, HAS_Z_LOSS)
+            tl.store(g_row + cols, g.to(g_row.dtype.element_ty), mask=mask)
+            _store_target_grad(g_row, target, owner, q, e_t / s, slope_t, scale, z_coef, uniform,
+                               label_smoothing, HAS_SOFTCAP, HAS_Z_LOSS)
+            if chunk == 0:
+                loss = _nll(m, x_t, log_s, q)
+                if HAS_SMOOTHING:
+                    c = tl.arange(0, CHUNKS)
+                    sum_x = tl.sum(tl.load(part_row + 2 * n_chunks + c, mask=c < n_chunks, other=0.0,
+                                           cache_modifier=".cg"), axis=0)
+                    loss = (1.0 - label_smoothing) * loss + label_smoothing * ((m - sum_x / n_cols) + log_s)
+                if HAS_Z_LOSS:
+                    loss += z_loss * lse * lse
+                tl.store(loss_ptr + row, loss)
+
+
 @fast_launch
 @triton.jit
 def cross_entropy_bwd_kernel(
@@ -389,12 +522,44 @@ def _looped_config(write_grad: bool) -> dict:
     return {"single_tile": False, "BLOCK_V": LOOPED_BLOCK_V, "num_warps": 8, "maxnreg": None, "programs_per_sm": None}
 
 
-def default_config(n_cols: int, write_grad: bool = True) -> dict:
+def _split_row_config() -> dict:
+    """Long rows with the gradient written: each row split over programs of SPLIT_BLOCK_V columns
+    held in registers (one read of the logits; ``cross_entropy_split_row_kernel``)."""
+    return {**_looped_config(True), "split_row": True, "BLOCK_V": SPLIT_BLOCK_V, "num_warps": SPLIT_WARPS,
+            "ticket": True}
+
+
+def default_config(n_cols: int, write_grad: bool = True, split_row_ok: bool = True) -> dict:
     """Launch config; ``programs_per_sm`` (None: one program per row) makes the grid persistent,
     for sweeps that bound the rows in flight further."""
     if next_power_of_2(max(n_cols, 1)) <= MAX_SINGLE_TILE:
         return _single_tile_config(n_cols)
+    if write_grad and split_row_ok:
+        return _split_row_config()
     return _looped_config(write_grad)
+
+
+def launch_split_rows(logits, target, row_scale, loss_rows, grad, opts: CEOptions, cfg: dict):
+    """The split-row tier (see ``cross_entropy_split_row_kernel``): one launch with the row
+    barrier on a GPU, two phases under the interpreter. Scratch: (2 or 3)·n_chunks + 1 fp32 and
+    one int32 per row."""
+    n_rows, n_cols = logits.shape
+    block = cfg["BLOCK_V"]
+    n_chunks = triton.cdiv(n_cols, block)
+    n_parts = 3 if opts.label_smoothing > 0 else 2
+    parts = torch.empty(n_rows * (n_parts * n_chunks + 1), dtype=torch.float32, device=logits.device)
+    sync = torch.zeros(n_rows + 1, dtype=torch.int32, device=logits.device)
+    interpret = interpreting()
+    for phase in ((1, 2) if interpret else (0,)):
+        cross_entropy_split_row_kernel[(n_rows * n_chunks,)](
+            logits, grad, target, loss_rows, row_scale, parts, sync,
+            logits.stride(0), grad.stride(0), 0 if row_scale.numel() == 1 else row_scale.stride(0),
+            n_rows, n_cols, n_chunks, opts.ignore_index,
+            float(opts.label_smoothing), float(opts.z_loss), float(opts.softcap or 1.0),
+            HAS_SOFTCAP=opts.softcap is not None, HAS_SMOOTHING=opts.label_smoothing > 0,
+            HAS_Z_LOSS=opts.z_loss > 0, PHASE=phase, TICKET=bool(cfg["ticket"]) and phase == 0,
+            CHUNKS=next_power_of_2(n_chunks), BLOCK_V=block, num_warps=cfg["num_warps"],
+        )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -410,7 +575,10 @@ def launch_cross_entropy_rows(logits, target, row_scale, loss_rows, grad, opts: 
     n_rows, n_cols = logits.shape
     if n_rows == 0:
         return
-    cfg = {**default_config(n_cols, write_grad=grad is not None), **(config or {})}
+    cfg = {**default_config(n_cols, write_grad=grad is not None, split_row_ok=stats is None), **(config or {})}
+    if cfg.get("split_row"):
+        launch_split_rows(logits, target, row_scale, loss_rows, grad, opts, cfg)
+        return
     if cfg["single_tile"] and cfg["BLOCK_V"] < n_cols:
         raise ValueError(f"config: a single tile of {cfg['BLOCK_V']} cannot hold rows of {n_cols}")
     programs = n_rows if not cfg["programs_per_sm"] else min(n_rows, num_sms(logits) * cfg["programs_per_sm"])
