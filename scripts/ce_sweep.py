@@ -74,10 +74,11 @@ fwd_cfgs = [None] + [
     for bv, w, r in itertools.product((4096, 8192), (8, 16), (64, None)) if bv // (32 * w) >= 8
 ]
 # the gradient-writing forward: split-row tier (a row over several programs, each chunk in
-# registers; the default) by chunk, warps and ticketed work order, then the looped tier
+# registers; the default) by chunk, warps and resident programs per SM (None: all that fit),
+# then the looped tier
 split_cfgs = [
-    {"split_row": True, "BLOCK_V": bv, "num_warps": w, "ticket": tk}
-    for bv, w, tk in itertools.product((2048, 4096, 8192, 16384), (4, 8, 16), (True, False))
+    {"split_row": True, "BLOCK_V": bv, "num_warps": w, "programs_per_sm": pps}
+    for bv, w, pps in itertools.product((2048, 4096, 8192, 16384), (4, 8, 16), (None, 2, 4))
     if 8 <= bv // (32 * w) <= 64
 ]
 looped_grad_cfgs = [{**c, "split_row": False} for c in fwd_cfgs[1:]]
@@ -105,5 +106,7 @@ for cfg in [None, {"BLOCK_V": 4096, "num_warps": 8}, {"BLOCK_V": 8192, "num_warp
     gbps = report("bwd", cfg, ms(fn), 2 * nbytes, rel(g, g_ref))
     if gbps > best.get("bwd", (0, None))[0]:
         best["bwd"] = (gbps, cfg)
+for key, per_sm in k._SPLIT_ROW_RESIDENT.items():
+    print(f"split-row programs per SM {per_sm}: {dict(key[4])}")
 for mode, (gbps, cfg) in best.items():
     print(f"best {mode}: {gbps:.0f} GB/s ({100 * gbps / copy_gbps:.0f} % of copy) {cfg}")

@@ -116,7 +116,7 @@ def test_looped_tier(monkeypatch, n_cols, inplace, defer):
     {"single_tile": False, "BLOCK_V": 128, "programs_per_sm": 2},
     {"single_tile": True, "BLOCK_V": 1024, "num_warps": 2},
     {"single_tile": False, "split_row": False, "BLOCK_V": 256},   # a program walks the row, gradient too
-    {"split_row": True, "BLOCK_V": 128, "num_warps": 2, "ticket": True},   # 8 programs per row
+    {"split_row": True, "BLOCK_V": 128, "num_warps": 2},   # 8 programs per row
 ], ids=["persistent", "looped-128", "single-1024", "looped-grad-256", "split-row-128"])
 def test_launch_configs(config):
     """The sweep's config overrides give the same rows as the closed form (CPU path)."""

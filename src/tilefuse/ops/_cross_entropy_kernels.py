@@ -297,14 +297,30 @@ def _combine_chunk_stats(part_row, n_chunks, CHUNKS: tl.constexpr):
 
 
 @triton.jit
-def _wait_for_row(sync_ptr, n_chunks):
-    """Spin barrier of the programs of one row: count this one's arrival (acq_rel at GPU scope:
+def _arrive_and_wait(counter_ptr, goal):
+    """Spin barrier of the programs of one lane: count this one's arrival (acq_rel at GPU scope:
     its partial stores, made visible to the CTA by the barrier before it, are released with it,
-    CUTLASS's semaphore pattern) and poll until all n_chunks have arrived."""
+    CUTLASS's semaphore pattern) and poll until the lane's counter reaches ``goal``."""
     tl.debug_barrier()
-    arrived = tl.atomic_add(sync_ptr, 1, sem="acq_rel", scope="gpu") + 1
-    while arrived < n_chunks:
-        arrived = tl.atomic_add(sync_ptr, 0, sem="acq_rel", scope="gpu")
+    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") + 1
+    while arrived < goal:
+        arrived = tl.atomic_add(counter_ptr, 0, sem="acq_rel", scope="gpu")
+
+
+@triton.jit
+def _load_chunk(row_ptr, cols, n_cols, row_ok):
+    """One chunk of a row as stored (raw dtype), nothing past the row or past the last row."""
+    return tl.load(row_ptr + cols, mask=(cols < n_cols) & row_ok, other=0.0)
+
+
+@triton.jit
+def _capped(x_raw, mask, softcap, HAS_SOFTCAP: tl.constexpr):
+    """(x', dx'/dx) in fp32 of a loaded chunk; past the row x' is -inf."""
+    x = x_raw.to(tl.float32)
+    slope = 1.0
+    if HAS_SOFTCAP:
+        x, slope = _softcap(x, softcap)
+    return tl.where(mask, x, -float("inf")), slope
 
 
 @fast_launch
@@ -315,14 +331,15 @@ def cross_entropy_split_row_kernel(
     target_ptr,         # *[n_rows] int32/int64 class ids
     loss_ptr,           # *[n_rows] fp32 loss per row before reduction (0 on ignored rows)
     scale_ptr,          # *fp32 gradient scale per row (1/n_valid for mean, grad_output rows, ...)
-    part_ptr,           # *fp32 [n_rows, 2 + HAS_SMOOTHING, n_chunks] (m_c, s_c[, sum x'_c]) per chunk, then [n_rows] x'_t
-    sync_ptr,           # *int32 [n_rows + 1] zeroed: arrivals per row, then the ticket counter
+    part_ptr,           # *fp32 [n_lanes, 2, slot] partials, two slots per lane (slot: 2 or 3 planes of n_chunks, then x'_t)
+    counter_ptr,        # *int32 [n_lanes] zeroed: arrivals per lane
     logits_row_stride,  # elements between rows of logits
     grad_row_stride,    # elements between rows of grad
     scale_stride,       # 0: one scale shared by every row, 1: one per row
     n_rows,             # rows (tokens)
     n_cols,             # vocabulary size V
     n_chunks,           # programs per row: cdiv(n_cols, BLOCK_V)
+    n_lanes,            # rows in progress at once; program p is chunk p % n_chunks of lane p // n_chunks
     ignore_index,       # target value of rows that contribute nothing
     label_smoothing,    # eps
     z_loss,             # z
@@ -333,82 +350,91 @@ def cross_entropy_split_row_kernel(
     PHASE: tl.constexpr,        # 0: one launch, the programs of a row meet at a spin barrier;
                                 # 1 then 2: partials, then gradient and loss (two launches: the
                                 # interpreter runs programs one after another, a barrier would hang)
-    TICKET: tl.constexpr,       # take work items in the order programs start (PHASE 0)
     CHUNKS: tl.constexpr,       # next power of two >= n_chunks
     BLOCK_V: tl.constexpr,      # columns per program, held in registers
 ):
-    """A row too long for one program's registers, split over n_chunks programs, so each logit
-    is read from memory once and the gradient written once (2 passes over [T, V]; a program per
-    row re-reads its row, and those re-reads miss L2 at a 128K vocabulary). Each program keeps
-    its chunk in registers, publishes (m_c, s_c) -- the owner of the target column also x'_t --
-    waits for the row's other chunks, combines, and writes its part of the gradient; chunk 0
-    writes the loss. With TICKET a program's item is its arrival order on a counter, so every
-    lower item has started: the programs a row waits for are resident or finished, and the only
-    row that can wait on programs not yet started is the newest (no deadlock whatever order the
-    hardware starts programs in, as long as n_chunks programs fit on the GPU at once)."""
-    if TICKET:
-        item = tl.atomic_add(sync_ptr + n_rows, 1, sem="relaxed", scope="gpu").to(tl.int64)
-    else:
-        item = tl.program_id(0).to(tl.int64)
-    row = item // n_chunks
-    chunk = item % n_chunks
-    target = tl.load(target_ptr + row).to(tl.int64)
-    x_row = logits_ptr + row * logits_row_stride
-    g_row = grad_ptr + row * grad_row_stride
+    """Rows too long for one program's registers, each split over n_chunks programs, so each
+    logit is read from memory once and the gradient written once (2 passes over [T, V]; a
+    program per row re-reads its row, and at a 128K vocabulary those re-reads miss L2).
+
+    The grid is persistent and launched cooperatively (all programs resident, or the launch
+    fails: never a hang): the n_chunks programs of a lane walk rows lane, lane + n_lanes, ...
+    together. Per row each keeps its chunk in registers, publishes (m_c, s_c[, sum x'_c]) -- the
+    target's owner also x'_t -- in the lane's slot for that row's parity, meets the others at the
+    lane's counter, combines, and writes its part of the gradient; chunk 0 writes the loss. The
+    next row's chunk is loaded before the wait, so the barrier's round trips overlap it. Two
+    slots suffice: a program writes slot (k + 2) only after every program of its lane has
+    arrived at row k + 1, i.e. has finished reading slot k."""
+    pid = tl.program_id(0)
+    chunk = pid % n_chunks
+    lane = pid // n_chunks
+    n_parts: tl.constexpr = 3 if HAS_SMOOTHING else 2
+    slot_size = n_parts * n_chunks + 1
     cols = chunk * BLOCK_V + tl.arange(0, BLOCK_V)
-    if target == ignore_index:
-        if PHASE != 1:
-            tl.store(loss_ptr + row, 0.0, mask=chunk == 0)
-            tl.store(g_row + cols, tl.zeros([BLOCK_V], dtype=g_row.dtype.element_ty), mask=cols < n_cols)
-    else:
-        n_parts: tl.constexpr = 3 if HAS_SMOOTHING else 2
-        part_row = part_ptr + row * (n_parts * n_chunks)
-        xt_ptr = part_ptr + n_rows * (n_parts * n_chunks) + row
-        t_col = tl.where((target >= 0) & (target < n_cols), target, -1).to(tl.int32)
-        in_range = (target >= 0) & (target < n_cols)
-        owner = in_range & (target // BLOCK_V == chunk)
-        x, mask, slope = _load_logits(x_row, cols, n_cols, softcap, HAS_SOFTCAP)
-        # the target's logit and slope, read by its chunk's program before anything is written
-        x_t = tl.load(x_row + target, mask=owner, other=float("nan")).to(tl.float32)
-        slope_t = 1.0
-        if HAS_SOFTCAP:
-            x_t, slope_t = _softcap(x_t, softcap)
-        if PHASE != 2:
-            m_c, s_c, sum_x_c = _tile_stats(x, mask, cols, t_col, HAS_SMOOTHING)
-            tl.store(part_row + chunk, m_c)
-            tl.store(part_row + n_chunks + chunk, s_c)
-            if HAS_SMOOTHING:
-                tl.store(part_row + 2 * n_chunks + chunk, sum_x_c)
-            # an out-of-range target (check_targets=False) has no owner: x'_t NaN, a NaN loss
-            tl.store(xt_ptr, x_t, mask=owner | ((chunk == 0) & (t_col < 0)))
-        if PHASE == 0:
-            _wait_for_row(sync_ptr + row, n_chunks)
-        if PHASE != 1:
-            m, s_other = _combine_chunk_stats(part_row, n_chunks, CHUNKS)
-            x_t = tl.load(xt_ptr, cache_modifier=".cg")
-            e_t = tl.exp2((x_t - m) * LOG2E)
-            s = s_other + e_t
-            q = s_other / s
-            log2_s = tl.log2(s)
-            log_s = log2_s * LN2
-            lse = m + log_s
-            scale = tl.load(scale_ptr + row * scale_stride)
-            z_coef = scale * (2.0 * z_loss) * lse
-            uniform = scale * (label_smoothing / n_cols)
-            g = _grad_tile(x, slope, m, log2_s, scale, z_coef, uniform, HAS_SOFTCAP, HAS_Z_LOSS)
-            tl.store(g_row + cols, g.to(g_row.dtype.element_ty), mask=mask)
-            _store_target_grad(g_row, target, owner, q, e_t / s, slope_t, scale, z_coef, uniform,
-                               label_smoothing, HAS_SOFTCAP, HAS_Z_LOSS)
-            if chunk == 0:
-                loss = _nll(m, x_t, log_s, q)
+    mask = cols < n_cols
+    step = n_lanes.to(tl.int64)
+    row = lane.to(tl.int64)
+    x_next = _load_chunk(logits_ptr + row * logits_row_stride, cols, n_cols, row < n_rows)
+    k = 0   # rows of this lane that met at the barrier so far
+    for row in range(lane.to(tl.int64), n_rows, step):
+        x_raw = x_next
+        x_next = _load_chunk(logits_ptr + (row + step) * logits_row_stride, cols, n_cols, row + step < n_rows)
+        target = tl.load(target_ptr + row).to(tl.int64)
+        x_row = logits_ptr + row * logits_row_stride
+        g_row = grad_ptr + row * grad_row_stride
+        if target == ignore_index:
+            if PHASE != 1:
+                tl.store(loss_ptr + row, 0.0, mask=chunk == 0)
+                tl.store(g_row + cols, tl.zeros([BLOCK_V], dtype=g_row.dtype.element_ty), mask=mask)
+        else:
+            part_row = part_ptr + (lane * 2 + k % 2) * slot_size
+            xt_ptr = part_row + n_parts * n_chunks
+            t_col = tl.where((target >= 0) & (target < n_cols), target, -1).to(tl.int32)
+            in_range = (target >= 0) & (target < n_cols)
+            owner = in_range & (target // BLOCK_V == chunk)
+            x, slope = _capped(x_raw, mask, softcap, HAS_SOFTCAP)
+            # the target's logit and slope, read by its chunk's program before anything is written
+            x_t = tl.load(x_row + target, mask=owner, other=float("nan")).to(tl.float32)
+            slope_t = 1.0
+            if HAS_SOFTCAP:
+                x_t, slope_t = _softcap(x_t, softcap)
+            if PHASE != 2:
+                m_c, s_c, sum_x_c = _tile_stats(x, mask, cols, t_col, HAS_SMOOTHING)
+                tl.store(part_row + chunk, m_c)
+                tl.store(part_row + n_chunks + chunk, s_c)
                 if HAS_SMOOTHING:
-                    c = tl.arange(0, CHUNKS)
-                    sum_x = tl.sum(tl.load(part_row + 2 * n_chunks + c, mask=c < n_chunks, other=0.0,
-                                           cache_modifier=".cg"), axis=0)
-                    loss = (1.0 - label_smoothing) * loss + label_smoothing * ((m - sum_x / n_cols) + log_s)
-                if HAS_Z_LOSS:
-                    loss += z_loss * lse * lse
-                tl.store(loss_ptr + row, loss)
+                    tl.store(part_row + 2 * n_chunks + chunk, sum_x_c)
+                # an out-of-range target (check_targets=False) has no owner: x'_t NaN, a NaN loss
+                tl.store(xt_ptr, x_t, mask=owner | ((chunk == 0) & (t_col < 0)))
+            if PHASE == 0:
+                _arrive_and_wait(counter_ptr + lane, (k + 1) * n_chunks)
+            k += 1
+            if PHASE != 1:
+                m, s_other = _combine_chunk_stats(part_row, n_chunks, CHUNKS)
+                x_t = tl.load(xt_ptr, cache_modifier=".cg")
+                e_t = tl.exp2((x_t - m) * LOG2E)
+                s = s_other + e_t
+                q = s_other / s
+                log2_s = tl.log2(s)
+                log_s = log2_s * LN2
+                lse = m + log_s
+                scale = tl.load(scale_ptr + row * scale_stride)
+                z_coef = scale * (2.0 * z_loss) * lse
+                uniform = scale * (label_smoothing / n_cols)
+                g = _grad_tile(x, slope, m, log2_s, scale, z_coef, uniform, HAS_SOFTCAP, HAS_Z_LOSS)
+                tl.store(g_row + cols, g.to(g_row.dtype.element_ty), mask=mask)
+                _store_target_grad(g_row, target, owner, q, e_t / s, slope_t, scale, z_coef, uniform,
+                                   label_smoothing, HAS_SOFTCAP, HAS_Z_LOSS)
+                if chunk == 0:
+                    loss = _nll(m, x_t, log_s, q)
+                    if HAS_SMOOTHING:
+                        c = tl.arange(0, CHUNKS)
+                        sum_x = tl.sum(tl.load(part_row + 2 * n_chunks + c, mask=c < n_chunks, other=0.0,
+                                               cache_modifier=".cg"), axis=0)
+                        loss = (1.0 - label_smoothing) * loss + label_smoothing * ((m - sum_x / n_cols) + log_s)
+                    if HAS_Z_LOSS:
+                        loss += z_loss * lse * lse
+                    tl.store(loss_ptr + row, loss)
 
 
 @fast_launch
@@ -526,7 +552,7 @@ def _split_row_config() -> dict:
     """Long rows with the gradient written: each row split over programs of SPLIT_BLOCK_V columns
     held in registers (one read of the logits; ``cross_entropy_split_row_kernel``)."""
     return {**_looped_config(True), "split_row": True, "BLOCK_V": SPLIT_BLOCK_V, "num_warps": SPLIT_WARPS,
-            "ticket": True}
+            "programs_per_sm": None}
 
 
 def default_config(n_cols: int, write_grad: bool = True, split_row_ok: bool = True) -> dict:
@@ -539,32 +565,59 @@ def default_config(n_cols: int, write_grad: bool = True, split_row_ok: bool = Tr
     return _looped_config(write_grad)
 
 
+def _resident_programs(compiled, num_warps: int) -> int:
+    """Programs of ``compiled`` that fit on one SM at once (sm_90 limits: 64K registers allocated
+    per warp in units of 256, 64 warps, 32 programs, 227 KiB of shared memory plus 1 KiB per
+    program)."""
+    compiled._init_handles()
+    regs_per_warp = -(-compiled.n_regs * 32 // 256) * 256
+    by_regs = (65536 // max(regs_per_warp, 1)) // num_warps
+    by_smem = (233472 // (compiled.metadata.shared + 1024))
+    return max(0, min(by_regs, 64 // num_warps, 32, by_smem))
+
+
+_SPLIT_ROW_RESIDENT: dict = {}   # (device, constexprs, num_warps, dtype) -> programs per SM
+
+
 def launch_split_rows(logits, target, row_scale, loss_rows, grad, opts: CEOptions, cfg: dict):
-    """The split-row tier (see ``cross_entropy_split_row_kernel``): one launch with the row
-    barrier on a GPU, two phases under the interpreter. Scratch: (2 or 3)·n_chunks + 1 fp32 and
-    one int32 per row."""
+    """The split-row tier (see ``cross_entropy_split_row_kernel``): a cooperative persistent
+    launch of as many lanes of n_chunks programs as fit on the GPU at once; under the interpreter
+    one lane per row and two phases. Scratch: 2·n_lanes·((2 or 3)·n_chunks + 1) fp32 and n_lanes
+    int32 (a few KiB)."""
     n_rows, n_cols = logits.shape
     block = cfg["BLOCK_V"]
     n_chunks = triton.cdiv(n_cols, block)
     n_parts = 3 if opts.label_smoothing > 0 else 2
-    parts = torch.empty(n_rows * (n_parts * n_chunks + 1), dtype=torch.float32, device=logits.device)
-    sync = torch.zeros(n_rows + 1, dtype=torch.int32, device=logits.device)
     interpret = interpreting()
+    consts = dict(HAS_SOFTCAP=opts.softcap is not None, HAS_SMOOTHING=opts.label_smoothing > 0,
+                  HAS_Z_LOSS=opts.z_loss > 0, CHUNKS=next_power_of_2(n_chunks), BLOCK_V=block,
+                  num_warps=cfg["num_warps"])
+
+    def args(n_lanes, parts, counters):
+        return (logits, grad, target, loss_rows, row_scale, parts, counters,
+                logits.stride(0), grad.stride(0), 0 if row_scale.numel() == 1 else row_scale.stride(0),
+                n_rows, n_cols, n_chunks, n_lanes, opts.ignore_index,
+                float(opts.label_smoothing), float(opts.z_loss), float(opts.softcap or 1.0))
+
+    if interpret:
+        n_lanes = n_rows
+    else:
+        key = (logits.device.index, logits.dtype, grad.dtype, target.dtype, tuple(sorted(consts.items())))
+        per_sm = _SPLIT_ROW_RESIDENT.get(key)
+        if per_sm is None:
+            compiled = cross_entropy_split_row_kernel.fn.warmup(
+                *args(1, loss_rows, target), grid=(1,), PHASE=0, launch_cooperative_grid=True, **consts)
+            per_sm = _SPLIT_ROW_RESIDENT[key] = _resident_programs(compiled, cfg["num_warps"])
+        n_lanes = min(n_rows, num_sms(logits) * min(per_sm, cfg.get("programs_per_sm") or per_sm) // n_chunks)
+        if n_lanes < 1:
+            raise ValueError(f"cross_entropy: rows of {n_cols} need {n_chunks} programs at once; "
+                             f"{num_sms(logits) * per_sm} fit on this GPU")
+    parts = torch.empty(n_lanes * 2 * (n_parts * n_chunks + 1), dtype=torch.float32, device=logits.device)
+    counters = torch.zeros(n_lanes, dtype=torch.int32, device=logits.device)
     for phase in ((1, 2) if interpret else (0,)):
-        cross_entropy_split_row_kernel[(n_rows * n_chunks,)](
-            logits, grad, target, loss_rows, row_scale, parts, sync,
-            logits.stride(0), grad.stride(0), 0 if row_scale.numel() == 1 else row_scale.stride(0),
-            n_rows, n_cols, n_chunks, opts.ignore_index,
-            float(opts.label_smoothing), float(opts.z_loss), float(opts.softcap or 1.0),
-            HAS_SOFTCAP=opts.softcap is not None, HAS_SMOOTHING=opts.label_smoothing > 0,
-            HAS_Z_LOSS=opts.z_loss > 0, PHASE=phase, TICKET=bool(cfg["ticket"]) and phase == 0,
-            CHUNKS=next_power_of_2(n_chunks), BLOCK_V=block, num_warps=cfg["num_warps"],
-        )
-
-
-# ----------------------------------------------------------------------------------------------
-# launchers (inputs already validated by the public function)
-# ----------------------------------------------------------------------------------------------
+        extra = {} if interpret else {"launch_cooperative_grid": True}
+        cross_entropy_split_row_kernel[(n_lanes * n_chunks,)](*args(n_lanes, parts, counters), PHASE=phase,
+                                                             **consts, **extra)
 
 
 def launch_cross_entropy_rows(logits, target, row_scale, loss_rows, grad, opts: CEOptions, config=None,
