@@ -372,7 +372,7 @@ def cross_entropy_split_row_kernel(
     slot_size = n_parts * n_chunks + 1
     cols = chunk * BLOCK_V + tl.arange(0, BLOCK_V)
     mask = cols < n_cols
-    step = n_lanes.to(tl.int64)
+    step = n_lanes + tl.zeros([], tl.int64)   # n_lanes may come in as the constexpr 1
     row = lane.to(tl.int64)
     x_next = _load_chunk(logits_ptr + row * logits_row_stride, cols, n_cols, row < n_rows)
     k = 0   # rows of this lane that met at the barrier so far
@@ -605,8 +605,9 @@ def launch_split_rows(logits, target, row_scale, loss_rows, grad, opts: CEOption
         key = (logits.device.index, logits.dtype, grad.dtype, target.dtype, tuple(sorted(consts.items())))
         per_sm = _SPLIT_ROW_RESIDENT.get(key)
         if per_sm is None:
+            dummy_parts, dummy_counters = loss_rows.new_empty(1), target.new_empty(1, dtype=torch.int32)
             compiled = cross_entropy_split_row_kernel.fn.warmup(
-                *args(1, loss_rows, target), grid=(1,), PHASE=0, launch_cooperative_grid=True, **consts)
+                *args(2, dummy_parts, dummy_counters), grid=(1,), PHASE=0, launch_cooperative_grid=True, **consts)
             per_sm = _SPLIT_ROW_RESIDENT[key] = _resident_programs(compiled, cfg["num_warps"])
         n_lanes = min(n_rows, num_sms(logits) * min(per_sm, cfg.get("programs_per_sm") or per_sm) // n_chunks)
         if n_lanes < 1:
