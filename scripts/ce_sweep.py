@@ -7,10 +7,9 @@ torch and timed in both of the op's modes:
 
 * ``stats``: the deferred mode's forward, one read of the logits for (m, log2 s, q) per row
   (bytes: T·V·2);
-* ``grad``: the gradient written in the forward (into a separate buffer here; bytes: T·V·2 read +
-  T·V·2 written): the split-row tier (each program holds a chunk of a row in registers, the
-  row's programs meet at a spin barrier: one read) and the looped tier (a stats walk and a
-  gradient walk over each row, the second read from L2 if it is still there);
+* ``grad``: the gradient written in the forward (into a separate buffer here), a stats walk and
+  a gradient walk over each row (bytes: T·V·2 read + T·V·2 written; the second read should hit
+  L2), with and without L2 eviction hints;
 
 then the deferred backward kernel (read logits, write gradient) for a few tiles. GB/s over the
 ideal bytes, and % of a same-size device copy measured in the same run.
@@ -73,18 +72,17 @@ fwd_cfgs = [None] + [
     {"single_tile": False, "BLOCK_V": bv, "num_warps": w, "maxnreg": r, "programs_per_sm": None}
     for bv, w, r in itertools.product((4096, 8192), (8, 16), (64, None)) if bv // (32 * w) >= 8
 ]
-# the gradient-writing forward: split-row tier (a row over several programs, each chunk in
-# registers; the default) by chunk, warps and resident programs per SM (None: all that fit),
-# then the looped tier
-split_cfgs = [
-    {"split_row": True, "BLOCK_V": bv, "num_warps": w, "programs_per_sm": pps}
-    for bv, w, pps in itertools.product((2048, 4096, 8192, 16384), (4, 8, 16), (None, 2, 4))
-    if 8 <= bv // (32 * w) <= 64
+# the gradient-writing forward (looped tier): without L2 hints, then with the stats walk's loads
+# evict_last and the gradient walk's evict_first, the stores' policy either way (the default)
+grad_cfgs = [dict(c, STATS_EVICT="", GRAD_EVICT="", STORE_EVICT="") for c in fwd_cfgs[1:]] + [
+    {"single_tile": False, "BLOCK_V": bv, "num_warps": w, "maxnreg": r, "programs_per_sm": pps,
+     "STATS_EVICT": "evict_last", "GRAD_EVICT": "evict_first", "STORE_EVICT": se}
+    for bv, w, r, pps, se in itertools.product((4096, 8192), (8, 16), (64, None), (None, 1, 2), ("", "evict_first"))
+    if bv // (32 * w) >= 8
 ]
-looped_grad_cfgs = [{**c, "split_row": False} for c in fwd_cfgs[1:]]
 best = {}
 for mode in ("stats", "grad"):
-    for cfg in (fwd_cfgs if mode == "stats" else [None] + split_cfgs + looped_grad_cfgs):
+    for cfg in (fwd_cfgs if mode == "stats" else [None] + grad_cfgs):
         out = None if mode == "stats" else g
         fn = lambda: k.launch_cross_entropy_rows(x, t, row_scale, loss, out, opts, cfg, stats if mode == "stats" else None)  # noqa: E731
         try:
@@ -106,7 +104,5 @@ for cfg in [None, {"BLOCK_V": 4096, "num_warps": 8}, {"BLOCK_V": 8192, "num_warp
     gbps = report("bwd", cfg, ms(fn), 2 * nbytes, rel(g, g_ref))
     if gbps > best.get("bwd", (0, None))[0]:
         best["bwd"] = (gbps, cfg)
-for key, per_sm in k._SPLIT_ROW_RESIDENT.items():
-    print(f"split-row programs per SM {per_sm}: {dict(key[4])}")
 for mode, (gbps, cfg) in best.items():
     print(f"best {mode}: {gbps:.0f} GB/s ({100 * gbps / copy_gbps:.0f} % of copy) {cfg}")

@@ -22,21 +22,16 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
-import torch
-
 import triton
 import triton.language as tl
 
-from .._dispatch import interpreting, next_power_of_2, num_sms
+from .._dispatch import next_power_of_2, num_sms
 from .._launch import fast_launch
 from ._common import LN2, LOG2E
 
 MAX_SINGLE_TILE = 8192    # a row this long sits in registers (16 warps x 16 values per thread): one read
 LOOPED_BLOCK_V = 8192     # tile of the looped tier: 16 values per thread at 16 warps, 16-byte loads
-LOOPED_MAXNREG = 64       # ptxas takes ~90 registers for the looped kernel if allowed; 64 (no spills
-                          # without options) fits two 16-warp programs per SM instead of one
-SPLIT_BLOCK_V = 8192      # columns per program of the split-row tier (16 values per thread at 16 warps)
-SPLIT_WARPS = 16
+LOOPED_GRAD_EVICT = {"STATS_EVICT": "evict_last", "GRAD_EVICT": "evict_first", "STORE_EVICT": "evict_first"}
 SCALE_BLOCK = 4096        # tile of the in-place scaling pass (8 warps, 16 values per thread)
 SCALE_PROGRAMS_PER_SM = 4 # its persistent grid: 4 x 8 warps at ~40 registers all fit on an SM at once
 
@@ -69,22 +64,24 @@ def _softcap(x, softcap):
 
 
 @triton.jit
-def _load_logits(row_ptr, cols, n_cols, softcap, HAS_SOFTCAP: tl.constexpr):
-    """(x', mask, dx'/dx) of one fp32 tile of (soft-capped) logits; past the row x' is -inf."""
+def _load_logits(row_ptr, cols, n_cols, softcap, HAS_SOFTCAP: tl.constexpr, EVICT: tl.constexpr):
+    """(x', mask, dx'/dx) of one fp32 tile of (soft-capped) logits; past the row x' is -inf.
+    EVICT: the load's L2 policy."""
     mask = cols < n_cols
     if HAS_SOFTCAP:
-        x = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(row_ptr + cols, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
         x, slope = _softcap(x, softcap)
         x = tl.where(mask, x, -float("inf"))
     else:
-        x = tl.load(row_ptr + cols, mask=mask, other=-float("inf")).to(tl.float32)
+        x = tl.load(row_ptr + cols, mask=mask, other=-float("inf"), eviction_policy=EVICT).to(tl.float32)
         slope = 1.0
     return x, mask, slope
 
 
 @triton.jit
 def _row_stats_looped(row_ptr, n_cols, t_col, softcap,
-                      HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr):
+                      HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr,
+                      EVICT: tl.constexpr):
     """(m, s_other, sum_j x'_j) of a row walked in tiles; see _tile_stats. A running tile max m,
     per-lane sums rescaled by exp(m_old - m_new): one cross-warp reduction (the max) per tile."""
     m = tl.full([], -float("inf"), tl.float32)
@@ -92,7 +89,7 @@ def _row_stats_looped(row_ptr, n_cols, t_col, softcap,
     sum_x = tl.zeros([BLOCK_V], dtype=tl.float32)
     for start in range(0, n_cols, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
-        x, mask, _ = _load_logits(row_ptr, cols, n_cols, softcap, HAS_SOFTCAP)
+        x, mask, _ = _load_logits(row_ptr, cols, n_cols, softcap, HAS_SOFTCAP, EVICT)
         m_new = tl.maximum(m, tl.max(x, axis=0))
         m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)   # an all -inf prefix stays 0, not NaN
         e = tl.exp2((x - m_safe) * LOG2E)
@@ -154,19 +151,20 @@ def _zero_row(g_row, n_cols, BLOCK_V: tl.constexpr):
 
 @triton.jit
 def _grad_walk(x_row, g_row, n_cols, m, log2_s, scale, z_coef, uniform, softcap,
-               HAS_SOFTCAP: tl.constexpr, HAS_Z_LOSS: tl.constexpr, REVERSE: tl.constexpr, BLOCK_V: tl.constexpr):
+               HAS_SOFTCAP: tl.constexpr, HAS_Z_LOSS: tl.constexpr, REVERSE: tl.constexpr, BLOCK_V: tl.constexpr,
+               EVICT: tl.constexpr, STORE_EVICT: tl.constexpr):
     """scale·dloss/dx of every non-target class of a row, tile by tile (g_row may be x_row: each
     tile is read before it is overwritten). REVERSE walks from the row's end, whose tiles a
-    preceding stats walk left in L2."""
+    preceding stats walk left in L2. EVICT / STORE_EVICT: L2 policies of the loads and stores."""
     last = (n_cols - 1) // BLOCK_V * BLOCK_V
     for start in range(0, n_cols, BLOCK_V):
         if REVERSE:
             cols = (last - start) + tl.arange(0, BLOCK_V)
         else:
             cols = start + tl.arange(0, BLOCK_V)
-        x, mask, slope = _load_logits(x_row, cols, n_cols, softcap, HAS_SOFTCAP)
+        x, mask, slope = _load_logits(x_row, cols, n_cols, softcap, HAS_SOFTCAP, EVICT)
         g = _grad_tile(x, slope, m, log2_s, scale, z_coef, uniform, HAS_SOFTCAP, HAS_Z_LOSS)
-        tl.store(g_row + cols, g.to(g_row.dtype.element_ty), mask=mask)
+        tl.store(g_row + cols, g.to(g_row.dtype.element_ty), mask=mask, eviction_policy=STORE_EVICT)
 
 
 @triton.jit
@@ -189,7 +187,8 @@ def _store_target_grad(g_row, target, in_range, q, p_t, slope_t, scale, z_coef, 
 def _cross_entropy_row(x_row, g_row, target, loss_ptr, stats_ptr, stats_stride, scale, n_cols, ignore_index,
                        label_smoothing, z_loss, softcap, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
                        HAS_Z_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr, SAVE_STATS: tl.constexpr,
-                       SINGLE_TILE: tl.constexpr, BLOCK_V: tl.constexpr):
+                       SINGLE_TILE: tl.constexpr, BLOCK_V: tl.constexpr, STATS_EVICT: tl.constexpr,
+                       GRAD_EVICT: tl.constexpr, STORE_EVICT: tl.constexpr):
     """One row: its loss into *loss_ptr; with WRITE_GRAD scale·dloss/dx into g_row; with
     SAVE_STATS (m, log2 s, q) into stats_ptr[0 | 1 | 2 · stats_stride] for the deferred backward."""
     # the target as an int32 column for the per-element compares (-1: matches no column)
@@ -201,11 +200,11 @@ def _cross_entropy_row(x_row, g_row, target, loss_ptr, stats_ptr, stats_stride, 
     else:
         if SINGLE_TILE:
             cols = tl.arange(0, BLOCK_V)
-            x, mask, slope = _load_logits(x_row, cols, n_cols, softcap, HAS_SOFTCAP)
+            x, mask, slope = _load_logits(x_row, cols, n_cols, softcap, HAS_SOFTCAP, "")
             m, s_other, sum_x = _tile_stats(x, mask, cols, t_col, HAS_SMOOTHING)
         else:
             m, s_other, sum_x = _row_stats_looped(x_row, n_cols, t_col, softcap, HAS_SOFTCAP, HAS_SMOOTHING,
-                                                  BLOCK_V)
+                                                  BLOCK_V, STATS_EVICT)
         m = tl.where(m == -float("inf"), 0.0, m)   # an all -inf row: NaN loss below, no NaN shift
         # the target logit is one scalar load (cached); an out-of-range target (check_targets=False)
         # reads nothing and makes the row NaN
@@ -238,7 +237,7 @@ def _cross_entropy_row(x_row, g_row, target, loss_ptr, stats_ptr, stats_stride, 
                 tl.store(g_row + cols, g.to(g_row.dtype.element_ty), mask=mask)
             else:
                 _grad_walk(x_row, g_row, n_cols, m, log2_s, scale, z_coef, uniform, softcap,
-                           HAS_SOFTCAP, HAS_Z_LOSS, True, BLOCK_V)
+                           HAS_SOFTCAP, HAS_Z_LOSS, True, BLOCK_V, GRAD_EVICT, STORE_EVICT)
             _store_target_grad(g_row, target, in_range, q, e_t / s, slope_t, scale, z_coef, uniform,
                                label_smoothing, HAS_SOFTCAP, HAS_Z_LOSS)
 
@@ -268,6 +267,9 @@ def cross_entropy_fwd_kernel(
     SAVE_STATS: tl.constexpr,   # write the row statistics of the deferred backward
     SINGLE_TILE: tl.constexpr,  # the whole row is one register tile: read once
     BLOCK_V: tl.constexpr,      # tile of the row
+    STATS_EVICT: tl.constexpr,  # L2 policy of the looped stats walk's loads ("evict_last": kept for the gradient walk)
+    GRAD_EVICT: tl.constexpr,   # the gradient walk's loads ("evict_first": the row's last use)
+    STORE_EVICT: tl.constexpr,  # the gradient's stores
 ):
     # one row per program by default; with fewer programs than rows (config programs_per_sm) the
     # grid is persistent and bounds the rows in flight, for the looped rows' second read from L2
@@ -279,162 +281,7 @@ def cross_entropy_fwd_kernel(
         _cross_entropy_row(logits_ptr + row * logits_row_stride, grad_ptr + row * grad_row_stride, target,
                            loss_ptr + row, stats_ptr + row, n_rows, scale, n_cols, ignore_index,
                            label_smoothing, z_loss, softcap, HAS_SOFTCAP, HAS_SMOOTHING, HAS_Z_LOSS,
-                           WRITE_GRAD, SAVE_STATS, SINGLE_TILE, BLOCK_V)
-
-
-@triton.jit
-def _combine_chunk_stats(part_row, n_chunks, CHUNKS: tl.constexpr):
-    """(m, s_other) of a whole row from its chunks' (m_c, s_c): m = max m_c, s = sum s_c·exp(m_c - m)
-    (a chunk of all -inf has m_c = -inf and s_c = 0: weight 0). The loads bypass L1 (.cg): other
-    SMs wrote them."""
-    c = tl.arange(0, CHUNKS)
-    valid = c < n_chunks
-    m_c = tl.load(part_row + c, mask=valid, other=-float("inf"), cache_modifier=".cg")
-    s_c = tl.load(part_row + n_chunks + c, mask=valid, other=0.0, cache_modifier=".cg")
-    m = tl.max(m_c, axis=0)
-    m = tl.where(m == -float("inf"), 0.0, m)   # an all -inf row: NaN loss, no NaN shift
-    return m, tl.sum(s_c * tl.exp2((m_c - m) * LOG2E), axis=0)
-
-
-@triton.jit
-def _arrive_and_wait(counter_ptr, goal):
-    """Spin barrier of the programs of one lane: count this one's arrival (acq_rel at GPU scope:
-    its partial stores, made visible to the CTA by the barrier before it, are released with it,
-    CUTLASS's semaphore pattern) and poll until the lane's counter reaches ``goal``."""
-    tl.debug_barrier()
-    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") + 1
-    while arrived < goal:
-        arrived = tl.atomic_add(counter_ptr, 0, sem="acq_rel", scope="gpu")
-
-
-@triton.jit
-def _load_chunk(row_ptr, cols, n_cols, row_ok):
-    """One chunk of a row as stored (raw dtype), nothing past the row or past the last row."""
-    return tl.load(row_ptr + cols, mask=(cols < n_cols) & row_ok, other=0.0)
-
-
-@triton.jit
-def _capped(x_raw, mask, softcap, HAS_SOFTCAP: tl.constexpr):
-    """(x', dx'/dx) in fp32 of a loaded chunk; past the row x' is -inf."""
-    x = x_raw.to(tl.float32)
-    slope = 1.0
-    if HAS_SOFTCAP:
-        x, slope = _softcap(x, softcap)
-    return tl.where(mask, x, -float("inf")), slope
-
-
-@fast_launch
-@triton.jit
-def cross_entropy_split_row_kernel(
-    logits_ptr,         # *[n_rows, n_cols] logits, unit column stride
-    grad_ptr,           # *[n_rows, n_cols] dloss/dlogits (may be logits_ptr: in-place mode)
-    target_ptr,         # *[n_rows] int32/int64 class ids
-    loss_ptr,           # *[n_rows] fp32 loss per row before reduction (0 on ignored rows)
-    scale_ptr,          # *fp32 gradient scale per row (1/n_valid for mean, grad_output rows, ...)
-    part_ptr,           # *fp32 [n_lanes, 2, slot] partials, two slots per lane (slot: 2 or 3 planes of n_chunks, then x'_t)
-    counter_ptr,        # *int32 [n_lanes] zeroed: arrivals per lane
-    logits_row_stride,  # elements between rows of logits
-    grad_row_stride,    # elements between rows of grad
-    scale_stride,       # 0: one scale shared by every row, 1: one per row
-    n_rows,             # rows (tokens)
-    n_cols,             # vocabulary size V
-    n_chunks,           # programs per row: cdiv(n_cols, BLOCK_V)
-    n_lanes,            # rows in progress at once; program p is chunk p % n_chunks of lane p // n_chunks
-    ignore_index,       # target value of rows that contribute nothing
-    label_smoothing,    # eps
-    z_loss,             # z
-    softcap,            # c (unused without HAS_SOFTCAP)
-    HAS_SOFTCAP: tl.constexpr,
-    HAS_SMOOTHING: tl.constexpr,
-    HAS_Z_LOSS: tl.constexpr,
-    PHASE: tl.constexpr,        # 0: one launch, the programs of a row meet at a spin barrier;
-                                # 1 then 2: partials, then gradient and loss (two launches: the
-                                # interpreter runs programs one after another, a barrier would hang)
-    CHUNKS: tl.constexpr,       # next power of two >= n_chunks
-    BLOCK_V: tl.constexpr,      # columns per program, held in registers
-):
-    """Rows too long for one program's registers, each split over n_chunks programs, so each
-    logit is read from memory once and the gradient written once (2 passes over [T, V]; a
-    program per row re-reads its row, and at a 128K vocabulary those re-reads miss L2).
-
-    The grid is persistent and launched cooperatively (all programs resident, or the launch
-    fails: never a hang): the n_chunks programs of a lane walk rows lane, lane + n_lanes, ...
-    together. Per row each keeps its chunk in registers, publishes (m_c, s_c[, sum x'_c]) -- the
-    target's owner also x'_t -- in the lane's slot for that row's parity, meets the others at the
-    lane's counter, combines, and writes its part of the gradient; chunk 0 writes the loss. The
-    next row's chunk is loaded before the wait, so the barrier's round trips overlap it. Two
-    slots suffice: a program writes slot (k + 2) only after every program of its lane has
-    arrived at row k + 1, i.e. has finished reading slot k."""
-    pid = tl.program_id(0)
-    chunk = pid % n_chunks
-    lane = pid // n_chunks
-    n_parts: tl.constexpr = 3 if HAS_SMOOTHING else 2
-    slot_size = n_parts * n_chunks + 1
-    cols = chunk * BLOCK_V + tl.arange(0, BLOCK_V)
-    mask = cols < n_cols
-    step = n_lanes + tl.zeros([], tl.int64)   # n_lanes may come in as the constexpr 1
-    row = lane.to(tl.int64)
-    x_next = _load_chunk(logits_ptr + row * logits_row_stride, cols, n_cols, row < n_rows)
-    k = 0   # rows of this lane that met at the barrier so far
-    for row in range(lane.to(tl.int64), n_rows, step):
-        x_raw = x_next
-        x_next = _load_chunk(logits_ptr + (row + step) * logits_row_stride, cols, n_cols, row + step < n_rows)
-        target = tl.load(target_ptr + row).to(tl.int64)
-        x_row = logits_ptr + row * logits_row_stride
-        g_row = grad_ptr + row * grad_row_stride
-        if target == ignore_index:
-            if PHASE != 1:
-                tl.store(loss_ptr + row, 0.0, mask=chunk == 0)
-                tl.store(g_row + cols, tl.zeros([BLOCK_V], dtype=g_row.dtype.element_ty), mask=mask)
-        else:
-            part_row = part_ptr + (lane * 2 + k % 2) * slot_size
-            xt_ptr = part_row + n_parts * n_chunks
-            t_col = tl.where((target >= 0) & (target < n_cols), target, -1).to(tl.int32)
-            in_range = (target >= 0) & (target < n_cols)
-            owner = in_range & (target // BLOCK_V == chunk)
-            x, slope = _capped(x_raw, mask, softcap, HAS_SOFTCAP)
-            # the target's logit and slope, read by its chunk's program before anything is written
-            x_t = tl.load(x_row + target, mask=owner, other=float("nan")).to(tl.float32)
-            slope_t = 1.0
-            if HAS_SOFTCAP:
-                x_t, slope_t = _softcap(x_t, softcap)
-            if PHASE != 2:
-                m_c, s_c, sum_x_c = _tile_stats(x, mask, cols, t_col, HAS_SMOOTHING)
-                tl.store(part_row + chunk, m_c)
-                tl.store(part_row + n_chunks + chunk, s_c)
-                if HAS_SMOOTHING:
-                    tl.store(part_row + 2 * n_chunks + chunk, sum_x_c)
-                # an out-of-range target (check_targets=False) has no owner: x'_t NaN, a NaN loss
-                tl.store(xt_ptr, x_t, mask=owner | ((chunk == 0) & (t_col < 0)))
-            if PHASE == 0:
-                _arrive_and_wait(counter_ptr + lane, (k + 1) * n_chunks)
-            k += 1
-            if PHASE != 1:
-                m, s_other = _combine_chunk_stats(part_row, n_chunks, CHUNKS)
-                x_t = tl.load(xt_ptr, cache_modifier=".cg")
-                e_t = tl.exp2((x_t - m) * LOG2E)
-                s = s_other + e_t
-                q = s_other / s
-                log2_s = tl.log2(s)
-                log_s = log2_s * LN2
-                lse = m + log_s
-                scale = tl.load(scale_ptr + row * scale_stride)
-                z_coef = scale * (2.0 * z_loss) * lse
-                uniform = scale * (label_smoothing / n_cols)
-                g = _grad_tile(x, slope, m, log2_s, scale, z_coef, uniform, HAS_SOFTCAP, HAS_Z_LOSS)
-                tl.store(g_row + cols, g.to(g_row.dtype.element_ty), mask=mask)
-                _store_target_grad(g_row, target, owner, q, e_t / s, slope_t, scale, z_coef, uniform,
-                                   label_smoothing, HAS_SOFTCAP, HAS_Z_LOSS)
-                if chunk == 0:
-                    loss = _nll(m, x_t, log_s, q)
-                    if HAS_SMOOTHING:
-                        c = tl.arange(0, CHUNKS)
-                        sum_x = tl.sum(tl.load(part_row + 2 * n_chunks + c, mask=c < n_chunks, other=0.0,
-                                               cache_modifier=".cg"), axis=0)
-                        loss = (1.0 - label_smoothing) * loss + label_smoothing * ((m - sum_x / n_cols) + log_s)
-                    if HAS_Z_LOSS:
-                        loss += z_loss * lse * lse
-                    tl.store(loss_ptr + row, loss)
+                           WRITE_GRAD, SAVE_STATS, SINGLE_TILE, BLOCK_V, STATS_EVICT, GRAD_EVICT, STORE_EVICT)
 
 
 @fast_launch
@@ -479,7 +326,7 @@ def cross_entropy_bwd_kernel(
             z_coef = scale * (2.0 * z_loss) * lse
             uniform = scale * (label_smoothing / n_cols)
             _grad_walk(x_row, g_row, n_cols, m, log2_s, scale, z_coef, uniform, softcap,
-                       HAS_SOFTCAP, HAS_Z_LOSS, False, BLOCK_V)
+                       HAS_SOFTCAP, HAS_Z_LOSS, False, BLOCK_V, "", "")
             _store_target_grad(g_row, target, in_range, q, 1.0 - q, slope_t, scale, z_coef, uniform,
                                label_smoothing, HAS_SOFTCAP, HAS_Z_LOSS)
 
@@ -539,86 +386,23 @@ def _looped_config(write_grad: bool) -> dict:
     """Long rows, one program per row. Loss and statistics only (the deferred mode): 8K tiles at
     8 warps, no register cap (H200 sweep, 8192 x 128256: 544 us = 90 % of copy, against 732 us
     at 16 warps capped to 64 registers). With the gradient written in the same kernel: 8K tiles
-    at 16 warps, registers capped so two programs share an SM, ~66 MB of rows in flight for a
-    128K-vocab bf16 batch on 132 SMs, near L2's size, for the gradient walk's second read (every
-    config of that sweep ran within 64-65 % of copy there)."""
+    at 16 warps, the stats walk's loads evict_last (the row stays in L2 for the gradient walk),
+    the gradient walk's loads and stores evict_first (their last use: they must not push rows
+    still to be re-read out of L2). H200 sweep at 8192 x 128256 (session 31, same run): 1,441 us
+    = 69 % of copy against 1,546 (64 %) without the hints; persistent grids of 1-2 programs per
+    SM, 4K tiles and a 64-register cap were all slower with the hints."""
     if write_grad:
-        return {"single_tile": False, "BLOCK_V": LOOPED_BLOCK_V, "num_warps": 16, "maxnreg": LOOPED_MAXNREG,
-                "programs_per_sm": None}
+        return {"single_tile": False, "BLOCK_V": LOOPED_BLOCK_V, "num_warps": 16, "maxnreg": None,
+                "programs_per_sm": None, **LOOPED_GRAD_EVICT}
     return {"single_tile": False, "BLOCK_V": LOOPED_BLOCK_V, "num_warps": 8, "maxnreg": None, "programs_per_sm": None}
 
 
-def _split_row_config() -> dict:
-    """Long rows with the gradient written: each row split over programs of SPLIT_BLOCK_V columns
-    held in registers (one read of the logits; ``cross_entropy_split_row_kernel``)."""
-    return {**_looped_config(True), "split_row": True, "BLOCK_V": SPLIT_BLOCK_V, "num_warps": SPLIT_WARPS,
-            "programs_per_sm": None}
-
-
-def default_config(n_cols: int, write_grad: bool = True, split_row_ok: bool = True) -> dict:
+def default_config(n_cols: int, write_grad: bool = True) -> dict:
     """Launch config; ``programs_per_sm`` (None: one program per row) makes the grid persistent,
     for sweeps that bound the rows in flight further."""
     if next_power_of_2(max(n_cols, 1)) <= MAX_SINGLE_TILE:
         return _single_tile_config(n_cols)
-    if write_grad and split_row_ok:
-        return _split_row_config()
     return _looped_config(write_grad)
-
-
-def _resident_programs(compiled, num_warps: int) -> int:
-    """Programs of ``compiled`` that fit on one SM at once (sm_90 limits: 64K registers allocated
-    per warp in units of 256, 64 warps, 32 programs, 227 KiB of shared memory plus 1 KiB per
-    program)."""
-    compiled._init_handles()
-    regs_per_warp = -(-compiled.n_regs * 32 // 256) * 256
-    by_regs = (65536 // max(regs_per_warp, 1)) // num_warps
-    by_smem = (233472 // (compiled.metadata.shared + 1024))
-    return max(0, min(by_regs, 64 // num_warps, 32, by_smem))
-
-
-_SPLIT_ROW_RESIDENT: dict = {}   # (device, constexprs, num_warps, dtype) -> programs per SM
-
-
-def launch_split_rows(logits, target, row_scale, loss_rows, grad, opts: CEOptions, cfg: dict):
-    """The split-row tier (see ``cross_entropy_split_row_kernel``): a cooperative persistent
-    launch of as many lanes of n_chunks programs as fit on the GPU at once; under the interpreter
-    one lane per row and two phases. Scratch: 2·n_lanes·((2 or 3)·n_chunks + 1) fp32 and n_lanes
-    int32 (a few KiB)."""
-    n_rows, n_cols = logits.shape
-    block = cfg["BLOCK_V"]
-    n_chunks = triton.cdiv(n_cols, block)
-    n_parts = 3 if opts.label_smoothing > 0 else 2
-    interpret = interpreting()
-    consts = dict(HAS_SOFTCAP=opts.softcap is not None, HAS_SMOOTHING=opts.label_smoothing > 0,
-                  HAS_Z_LOSS=opts.z_loss > 0, CHUNKS=next_power_of_2(n_chunks), BLOCK_V=block,
-                  num_warps=cfg["num_warps"])
-
-    def args(n_lanes, parts, counters):
-        return (logits, grad, target, loss_rows, row_scale, parts, counters,
-                logits.stride(0), grad.stride(0), 0 if row_scale.numel() == 1 else row_scale.stride(0),
-                n_rows, n_cols, n_chunks, n_lanes, opts.ignore_index,
-                float(opts.label_smoothing), float(opts.z_loss), float(opts.softcap or 1.0))
-
-    if interpret:
-        n_lanes = n_rows
-    else:
-        key = (logits.device.index, logits.dtype, grad.dtype, target.dtype, tuple(sorted(consts.items())))
-        per_sm = _SPLIT_ROW_RESIDENT.get(key)
-        if per_sm is None:
-            dummy_parts, dummy_counters = loss_rows.new_empty(1), target.new_empty(1, dtype=torch.int32)
-            compiled = cross_entropy_split_row_kernel.fn.warmup(
-                *args(2, dummy_parts, dummy_counters), grid=(1,), PHASE=0, launch_cooperative_grid=True, **consts)
-            per_sm = _SPLIT_ROW_RESIDENT[key] = _resident_programs(compiled, cfg["num_warps"])
-        n_lanes = min(n_rows, num_sms(logits) * min(per_sm, cfg.get("programs_per_sm") or per_sm) // n_chunks)
-        if n_lanes < 1:
-            raise ValueError(f"cross_entropy: rows of {n_cols} need {n_chunks} programs at once; "
-                             f"{num_sms(logits) * per_sm} fit on this GPU")
-    parts = torch.empty(n_lanes * 2 * (n_parts * n_chunks + 1), dtype=torch.float32, device=logits.device)
-    counters = torch.zeros(n_lanes, dtype=torch.int32, device=logits.device)
-    for phase in ((1, 2) if interpret else (0,)):
-        extra = {} if interpret else {"launch_cooperative_grid": True}
-        cross_entropy_split_row_kernel[(n_lanes * n_chunks,)](*args(n_lanes, parts, counters), PHASE=phase,
-                                                             **consts, **extra)
 
 
 def launch_cross_entropy_rows(logits, target, row_scale, loss_rows, grad, opts: CEOptions, config=None,
@@ -629,10 +413,7 @@ def launch_cross_entropy_rows(logits, target, row_scale, loss_rows, grad, opts: 
     n_rows, n_cols = logits.shape
     if n_rows == 0:
         return
-    cfg = {**default_config(n_cols, write_grad=grad is not None, split_row_ok=stats is None), **(config or {})}
-    if cfg.get("split_row"):
-        launch_split_rows(logits, target, row_scale, loss_rows, grad, opts, cfg)
-        return
+    cfg = {**default_config(n_cols, write_grad=grad is not None), **(config or {})}
     if cfg["single_tile"] and cfg["BLOCK_V"] < n_cols:
         raise ValueError(f"config: a single tile of {cfg['BLOCK_V']} cannot hold rows of {n_cols}")
     programs = n_rows if not cfg["programs_per_sm"] else min(n_rows, num_sms(logits) * cfg["programs_per_sm"])
@@ -646,7 +427,9 @@ def launch_cross_entropy_rows(logits, target, row_scale, loss_rows, grad, opts: 
         float(opts.label_smoothing), float(opts.z_loss), float(opts.softcap or 1.0),
         HAS_SOFTCAP=opts.softcap is not None, HAS_SMOOTHING=opts.label_smoothing > 0,
         HAS_Z_LOSS=opts.z_loss > 0, WRITE_GRAD=grad is not None, SAVE_STATS=stats is not None,
-        SINGLE_TILE=cfg["single_tile"], BLOCK_V=cfg["BLOCK_V"], num_warps=cfg["num_warps"], **extra,
+        SINGLE_TILE=cfg["single_tile"], BLOCK_V=cfg["BLOCK_V"], num_warps=cfg["num_warps"],
+        STATS_EVICT=cfg.get("STATS_EVICT", ""), GRAD_EVICT=cfg.get("GRAD_EVICT", ""),
+        STORE_EVICT=cfg.get("STORE_EVICT", ""), **extra,
     )
 
 
