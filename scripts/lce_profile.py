@@ -11,9 +11,9 @@ between consecutive kernels with the kernel that follows each.
 
 ``--ab ROUNDS``: instead, interleaved rounds of step wall times (CUDA events, median of 3 steps per
 round) and do_bench medians of back-to-back steps (as the benchmark times them) for tilefuse with
-the grad_weight accumulation on the Gluon GEMM (``GLUON_WEIGHT_GRAD``) or on cuBLAS, the target
-range test awaited after the first GEMM (``cross_entropy.start_target_check``) or as one host sync
-up front, and eager: the same process and GPU for all.
+its default cross-entropy row config and with session 30's (64 registers, no L2 hints), and eager:
+the same process and GPU for all. (Session 29's variants -- Gluon or cuBLAS GEMMs, the target test
+awaited late or up front -- are in git history.)
 """
 
 from __future__ import annotations
@@ -92,33 +92,27 @@ def ab(rounds: int, h, w, target) -> None:
 
     import triton.testing
 
-    import tilefuse.ops.linear_cross_entropy as lce
-    from tilefuse.ops.cross_entropy import check_targets_in_range
+    import tilefuse.ops._cross_entropy_kernels as cek
 
-    def sync_check(t, n_classes, ignore_index):     # the target test as before s29: one host sync up front
-        check_targets_in_range(t, n_classes, ignore_index)
-
-    # (GLUON_LOGITS, GLUON_WEIGHT_GRAD, target test awaited after the first GEMM) per variant; None: eager
-    variants = {"tilefuse (Gluon logits, cuBLAS grad_weight)": (True, False, True),
-                "tilefuse (Gluon logits and grad_weight)": (True, True, True),
-                "tilefuse (tl logits, cuBLAS grad_weight)": (False, False, True),
-                "tilefuse (s28: tl logits, cuBLAS grad_weight, sync check)": (False, False, False),
-                "eager": None}
-    start_check = lce.start_target_check
-    defaults = lce.GLUON_LOGITS, lce.GLUON_WEIGHT_GRAD
+    # the cross-entropy rows' launch config per variant (None: the default); "eager": no tilefuse
+    s30_rows = {"single_tile": False, "BLOCK_V": 8192, "num_warps": 16, "maxnreg": 64, "programs_per_sm": None,
+                "STATS_EVICT": "", "GRAD_EVICT": "", "STORE_EVICT": ""}
+    variants = {"tilefuse (default)": None,
+                "tilefuse (s30 CE rows: 64 registers, no L2 hints)": s30_rows,
+                "eager": "eager"}
+    looped = cek._looped_config
     times = {name: [] for name in variants}
     benched = {name: [] for name in variants}
     for _ in range(rounds):
-        for name, flags in variants.items():
-            if flags is not None:
-                lce.GLUON_LOGITS, lce.GLUON_WEIGHT_GRAD, deferred = flags
-                lce.start_target_check = start_check if deferred else sync_check
-            step = step_fn("tilefuse" if flags is not None else "eager", h, w, target)
+        for name, rows_cfg in variants.items():
+            cek._looped_config = looped if rows_cfg in (None, "eager") else (
+                lambda write_grad, c=rows_cfg: dict(c) if write_grad else looped(write_grad))
+            step = step_fn("eager" if rows_cfg == "eager" else "tilefuse", h, w, target)
             step()
             times[name].append(statistics.median(wall_ms(step, 3)))
             # back to back, as the benchmark times it (no sync between steps but the op's own)
             benched[name].append(triton.testing.do_bench(step, warmup=1, rep=300, return_mode="median"))
-    lce.GLUON_LOGITS, lce.GLUON_WEIGHT_GRAD, lce.start_target_check = *defaults, start_check
+    cek._looped_config = looped
     print("step wall after a sync (CUDA events) | do_bench back to back; medians over rounds, ms")
     for name in variants:
         ts, bs = times[name], benched[name]
