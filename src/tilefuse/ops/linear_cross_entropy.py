@@ -148,8 +148,10 @@ def _chunked_pass(h2, weight, bias, target, row_scale, opts: CEOptions, loss_row
                 launch_matmul(logits.t(), h_c, out=grad_weight)
             elif c0 == 0:
                 torch.mm(logits.t(), h_c, out=grad_weight)
-            else:   # as grad_weightᵀ += h_cᵀ @ dlogits: cuBLAS picks a ~5 % faster kernel for that form
-                grad_weight.t().addmm_(h_c.t(), logits)     # (H200, C = 512: 0.96-1.02 vs 1.02-1.06 ms)
+            elif min(grad_weight.shape) > 1:   # as grad_weightᵀ += h_cᵀ @ dlogits: cuBLAS picks a ~5 %
+                grad_weight.t().addmm_(h_c.t(), logits)     # faster kernel (H200, C = 512: 0.96-1.02 vs 1.02-1.06 ms)
+            else:   # H = 1: the [1, V] view has strides (1, 1), which cuBLASLt rejects (INVALID_VALUE, H200)
+                grad_weight.addmm_(logits.t(), h_c)
         if grad_bias32 is not None:
             grad_bias32 += logits.sum(0, dtype=torch.float32)
     if grad_weight is not None and n_tokens == 0:
