@@ -27,7 +27,8 @@ plus the int64 targets and the loss); backward reads and writes the stored gradi
 Deferred: forward reads the logits (T·V) and writes 3·T fp32; backward reads logits and stats and
 writes the gradient (2·T·V).
 Rows up to 16K classes are read once; longer ones twice, the second walk running backwards over the
-row so it starts on the tiles the first walk touched last, still in L2. Kernels and their numerics:
+row so it starts on the tiles the first walk touched last, still in L2 (the first walk's loads are
+evict_last, the second's and the gradient's stores evict_first). Kernels and their numerics:
 ops/_cross_entropy_kernels.py.
 
 Out-of-range targets raise a ``ValueError`` before the launch: that check is one host sync
