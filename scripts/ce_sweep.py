@@ -1,6 +1,6 @@
 """cross_entropy kernels alone, per launch config (GPU; PYTHONPATH=src).
 
-    python scripts/ce_sweep.py [T V]
+    python scripts/ce_sweep.py [T V] [--lanes]
 
 On bf16 logits [T, V], each looped-tier config of the forward kernel is checked against fp32
 torch and timed in both of the op's modes:
@@ -11,13 +11,16 @@ torch and timed in both of the op's modes:
   a gradient walk over each row (bytes: T·V·2 read + T·V·2 written; the second read should hit
   L2), with and without L2 eviction hints;
 
-then the deferred backward kernel (read logits, write gradient) for a few tiles. GB/s over the
+then the deferred backward kernel (read logits, write gradient) for a few tiles. ``--lanes``
+instead times the per-thread-maximum stats walk (LANE_STATS, with and without PREFETCH) over tiles,
+warps and persistent grids against the default, in both modes. GB/s over the
 ideal bytes, and % of a same-size device copy measured in the same run.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import sys
 
 import torch
@@ -26,7 +29,9 @@ import triton.testing
 from tilefuse.ops import _cross_entropy_kernels as k
 from tilefuse.ops.cross_entropy import random_targets
 
-T, V = (int(a) for a in sys.argv[1:3]) if len(sys.argv) > 2 else (8192, 128256)
+LANES = "--lanes" in sys.argv
+_dims = [a for a in sys.argv[1:] if not a.startswith("--")]
+T, V = (int(a) for a in _dims[:2]) if len(_dims) >= 2 else (8192, 128256)
 dev = "cuda"
 x = torch.randn(T, V, device=dev).to(torch.bfloat16) * 3
 t = random_targets(T, V, dev)
@@ -80,6 +85,15 @@ grad_cfgs = [dict(c, STATS_EVICT="", GRAD_EVICT="", STORE_EVICT="") for c in fwd
     for bv, w, r, pps, se in itertools.product((4096, 8192), (8, 16), (64, None), (None, 1, 2), ("", "evict_first"))
     if bv // (32 * w) >= 8
 ]
+if LANES:
+    lane_cfgs = [
+        {"single_tile": False, "BLOCK_V": bv, "num_warps": w, "maxnreg": None, "programs_per_sm": pps,
+         "LANE_STATS": True, "PREFETCH": pf}
+        for bv, w, pps, pf in itertools.product((4096, 8192), (8, 16), (None, 1, 2, 4), (False, True))
+        if bv // (32 * w) >= 8
+    ]
+    fwd_cfgs = [None] + lane_cfgs
+    grad_cfgs = [dict(c, **k.LOOPED_GRAD_EVICT) for c in lane_cfgs]
 best = {}
 for mode in ("stats", "grad"):
     for cfg in (fwd_cfgs if mode == "stats" else [None] + grad_cfgs):
@@ -106,3 +120,5 @@ for cfg in [None, {"BLOCK_V": 4096, "num_warps": 8}, {"BLOCK_V": 8192, "num_warp
         best["bwd"] = (gbps, cfg)
 for mode, (gbps, cfg) in best.items():
     print(f"best {mode}: {gbps:.0f} GB/s ({100 * gbps / copy_gbps:.0f} % of copy) {cfg}")
+for mode, (gbps, cfg) in best.items():   # machine-readable, for a follow-up run with the winner
+    print(f"BESTJSON {mode} {json.dumps(cfg)}")

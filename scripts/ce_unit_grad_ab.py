@@ -3,7 +3,10 @@ gradient-in-forward mode is built for: its backward then moves no bytes. Interle
 do_bench medians, and the peak extra memory of one step, for each mode and for torch.compile and
 Liger (when installed) on the same logits (GPU; PYTHONPATH=src).
 
-    python scripts/ce_unit_grad_ab.py [T V] [--rounds 5]
+    python scripts/ce_unit_grad_ab.py [T V] [--rounds 5] [--config JSON]
+
+``--config`` adds a row: the in-place gradient-in-forward mode with that override of the looped
+tier's launch config (e.g. '{"LANE_STATS": true, "programs_per_sm": 2}'), interleaved with the rest.
 
 The benchmark (``tilefuse bench cross_entropy``) draws a random grad_output instead, which costs the
 gradient-in-forward mode a scaling pass (4 passes over [T, V] against the deferred mode's 3).
@@ -14,19 +17,34 @@ The in-place modes overwrite the logits with the gradient on every step: the tim
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 
 import torch
 import torch.nn.functional as F
 import triton.testing
 
+import tilefuse.ops._cross_entropy_kernels as kernels
 import tilefuse.ops.cross_entropy as ce
+
+
+def _with_config(fn, override: dict):
+    """fn run with the gradient-writing looped tier's config overridden."""
+    def run():
+        base = kernels._looped_config
+        kernels._looped_config = lambda write_grad: {**base(write_grad), **(override if write_grad else {})}
+        try:
+            return fn()
+        finally:
+            kernels._looped_config = base
+    return run
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("shape", nargs="*", type=int, default=[8192, 128256])
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--config", type=json.loads, default=None)
     args = ap.parse_args()
     t, v = args.shape
     x = torch.randn(t, v, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -38,6 +56,9 @@ def main() -> None:
         "tilefuse deferred, in place": lambda: ce.cross_entropy(x, target, defer_grad=True, logits_inplace_grad=True),
         "torch.compile": lambda: compiled(x, target),
     }
+    if args.config:
+        variants[f"in place, {json.dumps(args.config)}"] = _with_config(
+            lambda: ce.cross_entropy(x, target, logits_inplace_grad=True), args.config)
     try:
         from liger_kernel.transformers.functional import liger_cross_entropy
         variants["liger"] = lambda: liger_cross_entropy(x, target)
@@ -62,7 +83,7 @@ def main() -> None:
     ref = statistics.median(times["torch.compile"])
     for name, ts in times.items():
         ms = statistics.median(ts)
-        print(f"  {name:38s} {ms:6.3f} ms  {ideal_gb / ms:5.2f} TB/s over 2 passes  {ref / ms:4.2f}x compile  "
+        print(f"  {name:48s} {ms:6.3f} ms  {ideal_gb / ms:5.2f} TB/s over 2 passes  {ref / ms:4.2f}x compile  "
               f"extra {extra[name]:8.1f} MiB   rounds {' '.join(f'{x:.3f}' for x in ts)}")
 
 

@@ -113,7 +113,9 @@ def test_looped_tier(monkeypatch, n_cols, inplace, defer):
     {"single_tile": False, "BLOCK_V": 128, "programs_per_sm": 2},
     {"single_tile": True, "BLOCK_V": 1024, "num_warps": 2},
     {"single_tile": False, "BLOCK_V": 256, "STATS_EVICT": "", "GRAD_EVICT": "", "STORE_EVICT": ""},
-], ids=["persistent", "looped-128", "single-1024", "looped-256-no-hints"])
+    {"single_tile": False, "BLOCK_V": 128, "LANE_STATS": True, "PREFETCH": False},
+    {"single_tile": False, "BLOCK_V": 256, "LANE_STATS": True, "PREFETCH": True, "programs_per_sm": 1},
+], ids=["persistent", "looped-128", "single-1024", "looped-256-no-hints", "lanes-128", "lanes-256-prefetch"])
 def test_launch_configs(config):
     """The sweep's config overrides give the same rows as the closed form (CPU path)."""
     logits = torch.randn(13, 1000, device=DEVICE) * 3
@@ -125,6 +127,24 @@ def test_launch_configs(config):
     ref_loss, ref_grad = torch.empty_like(loss), torch.empty_like(grad)
     ce_mod._cross_entropy_rows_torch(logits, target, scale, ref_loss, ref_grad, opts)
     assert rel_err(loss, ref_loss) <= 1e-5 and rel_err(grad, ref_grad) <= 1e-5
+
+
+@pytest.mark.parametrize("lanes", [False, True], ids=["tile-max", "lane-max"])
+def test_looped_minus_inf_prefix_and_tail(lanes):
+    """Looped stats walks over rows whose first tiles (and some lanes throughout) are all -inf:
+    no NaN from an -inf running max, zero gradient there."""
+    logits = torch.randn(4, 1000, device=DEVICE) * 3
+    logits[:, :300] = -float("inf")
+    logits[:, 700::7] = -float("inf")
+    target = torch.tensor([300, 500, 999, IGNORE], device=DEVICE)
+    opts = kernels.CEOptions(IGNORE, 0.0, 0.0, None)
+    config = {"single_tile": False, "BLOCK_V": 128, "LANE_STATS": lanes, "PREFETCH": lanes}
+    loss, grad = torch.empty(4, device=DEVICE), torch.empty_like(logits)
+    kernels.launch_cross_entropy_rows(logits, target, torch.ones(1, device=DEVICE), loss, grad, opts, config)
+    finite = torch.where(torch.isinf(logits), torch.full_like(logits, -1e30), logits)
+    ref = F.cross_entropy(finite[:3].double(), target[:3], reduction="none")
+    assert rel_err(loss[:3], ref) <= 1e-5 and loss[3] == 0
+    assert torch.isfinite(grad).all() and (grad[torch.isinf(logits)] == 0).all()
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (1, 5), (1, 4097), (3, 2), (2, 3, 77)])
@@ -348,6 +368,26 @@ def test_bad_inputs():
         cross_entropy(x, t, ignore_index=1.5)
     with pytest.raises(ValueError, match="label_smoothing"):
         CrossEntropyLoss(label_smoothing=-0.1)
+
+
+@pytest.mark.parametrize("n_cols", [300, 20000])   # one tile; the looped tier
+@pytest.mark.parametrize("skip", [True, False])
+def test_kernel_skip_flag_writes_nothing(n_cols, skip):
+    """The in-place mode launches before the target test's result is known: with the test's
+    device flag set, the kernel must leave the logits and the loss rows exactly as they were."""
+    if not ce_mod.use_triton(torch.empty(0, device=DEVICE)):
+        pytest.skip("kernel path only (CUDA or TRITON_INTERPRET=1)")
+    x = torch.randn(3, n_cols, device=DEVICE)
+    before = x.clone()
+    loss = torch.full((3,), float("nan"), device=DEVICE)
+    opts = kernels.CEOptions(IGNORE, 0.0, 0.0, None)
+    flag = torch.tensor(skip, device=DEVICE)
+    kernels.launch_cross_entropy_rows(x, _targets(3, n_cols, 0.0), torch.ones(1, device=DEVICE), loss, x, opts,
+                                      skip_if=flag)
+    if skip:
+        assert torch.equal(x, before) and torch.isnan(loss).all()
+    else:
+        assert torch.isfinite(loss).all() and not torch.equal(x, before)
 
 
 def test_unchecked_bad_target_is_nan_not_a_crash():

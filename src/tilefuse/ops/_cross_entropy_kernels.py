@@ -101,6 +101,42 @@ def _row_stats_looped(row_ptr, n_cols, t_col, softcap,
 
 
 @triton.jit
+def _row_stats_lanes(row_ptr, n_cols, t_col, softcap,
+                     HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr,
+                     VEC: tl.constexpr, PREFETCH: tl.constexpr, EVICT: tl.constexpr):
+    """_row_stats_looped without a cross-warp step inside the loop: the tile is viewed as
+    [BLOCK_V / VEC, VEC] (VEC = one 16-byte load per thread, so each row of the view is one
+    thread's) and every thread keeps its own running max and rescaled sum (one extra exp2 per VEC
+    values), merged once after the walk. No barrier per tile, so warps run ahead of each other and
+    a program keeps its loads in flight; PREFETCH issues tile i + 1's load before tile i's math."""
+    LANES: tl.constexpr = BLOCK_V // VEC
+    m = tl.full([LANES], -float("inf"), tl.float32)
+    s_other = tl.zeros([LANES], dtype=tl.float32)
+    sum_x = tl.zeros([LANES], dtype=tl.float32)
+    cols = tl.arange(0, BLOCK_V)
+    x_next, _, _ = _load_logits(row_ptr, cols, n_cols, softcap, HAS_SOFTCAP, EVICT)
+    for start in range(0, n_cols, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        if PREFETCH:
+            x = x_next
+            x_next, _, _ = _load_logits(row_ptr, cols + BLOCK_V, n_cols, softcap, HAS_SOFTCAP, EVICT)
+        else:
+            x, _, _ = _load_logits(row_ptr, cols, n_cols, softcap, HAS_SOFTCAP, EVICT)
+        x2 = tl.reshape(x, [LANES, VEC])
+        c2 = tl.reshape(cols, [LANES, VEC])
+        m_new = tl.maximum(m, tl.max(x2, axis=1))
+        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)   # an all -inf prefix stays 0, not NaN
+        e = tl.exp2((x2 - m_safe[:, None]) * LOG2E)
+        s_other = s_other * tl.exp2((m - m_safe) * LOG2E) + tl.sum(tl.where(c2 == t_col, 0.0, e), axis=1)
+        if HAS_SMOOTHING:
+            sum_x += tl.sum(tl.where(c2 < n_cols, x2, 0.0), axis=1)
+        m = m_new
+    m_row = tl.max(m, axis=0)
+    m_row_safe = tl.where(m_row == -float("inf"), 0.0, m_row)
+    return m_row, tl.sum(s_other * tl.exp2((m - m_row_safe) * LOG2E), axis=0), tl.sum(sum_x, axis=0)
+
+
+@triton.jit
 def _tile_stats(x, mask, cols, t_col, HAS_SMOOTHING: tl.constexpr):
     """(m, s_other, sum_j x'_j) of a row held in one register tile: the max m and the sum of
     exp(x'_j - m) over the classes other than the target. The target's term is added back from its
@@ -188,7 +224,8 @@ def _cross_entropy_row(x_row, g_row, target, loss_ptr, stats_ptr, stats_stride, 
                        label_smoothing, z_loss, softcap, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
                        HAS_Z_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr, SAVE_STATS: tl.constexpr,
                        SINGLE_TILE: tl.constexpr, BLOCK_V: tl.constexpr, STATS_EVICT: tl.constexpr,
-                       GRAD_EVICT: tl.constexpr, STORE_EVICT: tl.constexpr):
+                       GRAD_EVICT: tl.constexpr, STORE_EVICT: tl.constexpr, LANE_STATS: tl.constexpr,
+                       VEC: tl.constexpr, PREFETCH: tl.constexpr):
     """One row: its loss into *loss_ptr; with WRITE_GRAD scale·dloss/dx into g_row; with
     SAVE_STATS (m, log2 s, q) into stats_ptr[0 | 1 | 2 · stats_stride] for the deferred backward."""
     # the target as an int32 column for the per-element compares (-1: matches no column)
@@ -202,6 +239,9 @@ def _cross_entropy_row(x_row, g_row, target, loss_ptr, stats_ptr, stats_stride, 
             cols = tl.arange(0, BLOCK_V)
             x, mask, slope = _load_logits(x_row, cols, n_cols, softcap, HAS_SOFTCAP, "")
             m, s_other, sum_x = _tile_stats(x, mask, cols, t_col, HAS_SMOOTHING)
+        elif LANE_STATS:
+            m, s_other, sum_x = _row_stats_lanes(x_row, n_cols, t_col, softcap, HAS_SOFTCAP, HAS_SMOOTHING,
+                                                 BLOCK_V, VEC, PREFETCH, STATS_EVICT)
         else:
             m, s_other, sum_x = _row_stats_looped(x_row, n_cols, t_col, softcap, HAS_SOFTCAP, HAS_SMOOTHING,
                                                   BLOCK_V, STATS_EVICT)
@@ -251,6 +291,7 @@ def cross_entropy_fwd_kernel(
     loss_ptr,           # *[n_rows] fp32 loss per row before reduction (0 on ignored rows)
     scale_ptr,          # *fp32 gradient scale per row (1/n_valid for mean, grad_output rows, ...)
     stats_ptr,          # *fp32 [3, n_rows] (m, log2 s, q) per row, written with SAVE_STATS
+    skip_ptr,           # *bool: when set (a failed target check, HAS_SKIP) the kernel writes nothing
     logits_row_stride,  # elements between rows of logits
     grad_row_stride,    # elements between rows of grad
     scale_stride,       # 0: one scale shared by every row, 1: one per row
@@ -263,6 +304,7 @@ def cross_entropy_fwd_kernel(
     HAS_SOFTCAP: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
     HAS_Z_LOSS: tl.constexpr,
+    HAS_SKIP: tl.constexpr,     # read *skip_ptr first
     WRITE_GRAD: tl.constexpr,   # False: loss only (nothing needs the gradient, or it is deferred)
     SAVE_STATS: tl.constexpr,   # write the row statistics of the deferred backward
     SINGLE_TILE: tl.constexpr,  # the whole row is one register tile: read once
@@ -270,10 +312,16 @@ def cross_entropy_fwd_kernel(
     STATS_EVICT: tl.constexpr,  # L2 policy of the looped stats walk's loads ("evict_last": kept for the gradient walk)
     GRAD_EVICT: tl.constexpr,   # the gradient walk's loads ("evict_first": the row's last use)
     STORE_EVICT: tl.constexpr,  # the gradient's stores
+    LANE_STATS: tl.constexpr,   # looped stats walk with per-thread running maxima (_row_stats_lanes)
+    VEC: tl.constexpr,          # elements per 16-byte load (its lanes' width)
+    PREFETCH: tl.constexpr,     # _row_stats_lanes loads the next tile before the current one's math
 ):
     # one row per program by default; with fewer programs than rows (config programs_per_sm) the
     # grid is persistent and bounds the rows in flight, for the looped rows' second read from L2
-    for row in range(tl.program_id(0).to(tl.int64), n_rows, tl.num_programs(0)):   # int64 offsets
+    rows_to_do = n_rows
+    if HAS_SKIP:
+        rows_to_do = tl.where(tl.load(skip_ptr) != 0, 0, n_rows)
+    for row in range(tl.program_id(0).to(tl.int64), rows_to_do, tl.num_programs(0)):   # int64 offsets
         target = tl.load(target_ptr + row).to(tl.int64)
         scale = 0.0
         if WRITE_GRAD:
@@ -281,7 +329,8 @@ def cross_entropy_fwd_kernel(
         _cross_entropy_row(logits_ptr + row * logits_row_stride, grad_ptr + row * grad_row_stride, target,
                            loss_ptr + row, stats_ptr + row, n_rows, scale, n_cols, ignore_index,
                            label_smoothing, z_loss, softcap, HAS_SOFTCAP, HAS_SMOOTHING, HAS_Z_LOSS,
-                           WRITE_GRAD, SAVE_STATS, SINGLE_TILE, BLOCK_V, STATS_EVICT, GRAD_EVICT, STORE_EVICT)
+                           WRITE_GRAD, SAVE_STATS, SINGLE_TILE, BLOCK_V, STATS_EVICT, GRAD_EVICT, STORE_EVICT,
+                           LANE_STATS, VEC, PREFETCH)
 
 
 @fast_launch
@@ -406,10 +455,11 @@ def default_config(n_cols: int, write_grad: bool = True) -> dict:
 
 
 def launch_cross_entropy_rows(logits, target, row_scale, loss_rows, grad, opts: CEOptions, config=None,
-                              stats=None):
+                              stats=None, skip_if=None):
     """Per-row loss into ``loss_rows`` (fp32 [n]) and, unless ``grad`` is None, the gradient
     times ``row_scale`` ([1] shared or [n]) into ``grad`` ([n, V], may be ``logits`` itself);
-    ``stats`` (fp32 [3, n]) receives the deferred backward's row statistics."""
+    ``stats`` (fp32 [3, n]) receives the deferred backward's row statistics. ``skip_if`` (a 0-d
+    bool device tensor): when it holds True the kernel writes nothing."""
     n_rows, n_cols = logits.shape
     if n_rows == 0:
         return
@@ -420,16 +470,18 @@ def launch_cross_entropy_rows(logits, target, row_scale, loss_rows, grad, opts: 
     extra = {"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] else {}
     cross_entropy_fwd_kernel[(programs,)](
         logits, logits if grad is None else grad, target, loss_rows, row_scale,
-        loss_rows if stats is None else stats,
+        loss_rows if stats is None else stats, loss_rows if skip_if is None else skip_if,
         logits.stride(0), logits.stride(0) if grad is None else grad.stride(0),
         0 if row_scale.numel() == 1 else row_scale.stride(0),
         n_rows, n_cols, opts.ignore_index,
         float(opts.label_smoothing), float(opts.z_loss), float(opts.softcap or 1.0),
         HAS_SOFTCAP=opts.softcap is not None, HAS_SMOOTHING=opts.label_smoothing > 0,
-        HAS_Z_LOSS=opts.z_loss > 0, WRITE_GRAD=grad is not None, SAVE_STATS=stats is not None,
+        HAS_Z_LOSS=opts.z_loss > 0, HAS_SKIP=skip_if is not None, WRITE_GRAD=grad is not None,
+        SAVE_STATS=stats is not None,
         SINGLE_TILE=cfg["single_tile"], BLOCK_V=cfg["BLOCK_V"], num_warps=cfg["num_warps"],
         STATS_EVICT=cfg.get("STATS_EVICT", ""), GRAD_EVICT=cfg.get("GRAD_EVICT", ""),
-        STORE_EVICT=cfg.get("STORE_EVICT", ""), **extra,
+        STORE_EVICT=cfg.get("STORE_EVICT", ""), LANE_STATS=cfg.get("LANE_STATS", False),
+        VEC=max(1, 16 // logits.element_size()), PREFETCH=cfg.get("PREFETCH", False), **extra,
     )
 
 

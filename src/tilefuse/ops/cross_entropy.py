@@ -31,8 +31,10 @@ row so it starts on the tiles the first walk touched last, still in L2 (the firs
 evict_last, the second's and the gradient's stores evict_first). Kernels and their numerics:
 ops/_cross_entropy_kernels.py.
 
-Out-of-range targets raise a ``ValueError`` before the launch: that check is one host sync
-(``check_targets=False`` skips it; a bad row then gets a NaN loss, never an out-of-bounds read).
+Out-of-range targets raise a ``ValueError``. On CUDA the range test is queued before the kernel
+and awaited after it is queued (one host sync, with the GPU busy); the kernel reads the test's
+flag and writes nothing when it failed, so an in-place call leaves the logits intact for the error
+(``check_targets=False`` skips the test; a bad row then gets a NaN loss, never an out-of-bounds read).
 """
 
 from __future__ import annotations
@@ -137,11 +139,13 @@ def _cross_entropy_rows_torch(logits, target, row_scale, loss_rows, grad, opts: 
     grad.copy_(g)
 
 
-def cross_entropy_rows(logits, target, row_scale, loss_rows, grad, opts: CEOptions, config=None, stats=None):
+def cross_entropy_rows(logits, target, row_scale, loss_rows, grad, opts: CEOptions, config=None, stats=None,
+                       skip_if=None):
     """Kernel on CUDA (and under the interpreter), closed-form torch otherwise. Shared with
-    linear_cross_entropy, which calls it on each chunk of logits."""
+    linear_cross_entropy, which calls it on each chunk of logits. ``skip_if``: a device flag (0-d
+    bool) that, when set, makes the kernel write nothing (a failed target check: see TargetCheck)."""
     if use_triton(logits):
-        launch_cross_entropy_rows(logits, target, row_scale, loss_rows, grad, opts, config, stats)
+        launch_cross_entropy_rows(logits, target, row_scale, loss_rows, grad, opts, config, stats, skip_if)
     else:
         _cross_entropy_rows_torch(logits, target, row_scale, loss_rows, grad, opts, stats)
 
@@ -162,27 +166,40 @@ def check_targets_in_range(target: torch.Tensor, n_classes: int, ignore_index: i
         _raise_bad_target(target, bad, n_classes, ignore_index)
 
 
-def start_target_check(target: torch.Tensor, n_classes: int, ignore_index: int) -> Callable[[], None]:
+class TargetCheck:
     """:func:`check_targets_in_range` in two halves, so that the GPU need not drain: the test is
-    queued now and its result copied to pinned host memory behind an event; the function returned
-    waits for that event alone (work queued after the test keeps running) and raises as
-    check_targets_in_range does. Call it before launching anything that reads the targets.
-    linear_cross_entropy queues its first logits GEMM in between, so the host's work up to that
-    GEMM no longer runs on an idle GPU (a 0.6 ms gap per step under the profiler, H200 s29)."""
-    if target.device.type != "cuda" or target.numel() == 0:
-        check_targets_in_range(target, n_classes, ignore_index)
-        return lambda: None
-    bad = _bad_targets(target, n_classes, ignore_index)
-    flag = torch.empty((), dtype=torch.bool, pin_memory=True)
-    flag.copy_(bad.any(), non_blocking=True)
-    tested = torch.cuda.Event()
-    tested.record()
+    queued at construction and its result copied to pinned host memory behind an event; calling
+    the object waits for that event alone (work queued after the test keeps running) and raises as
+    check_targets_in_range does. ``any_bad`` is the test's result on the device (a 0-d bool, None
+    off CUDA): a kernel queued before the call can read it and write nothing when it is set, so
+    even an in-place kernel may be launched before the host knows (cross_entropy's in-place mode).
+    linear_cross_entropy queues its first logits GEMM before the call, so the host's work up to
+    that GEMM no longer runs on an idle GPU (a 0.6 ms gap per step under the profiler, H200 s29)."""
 
-    def finish() -> None:
-        tested.synchronize()
-        if bool(flag):
-            _raise_bad_target(target, bad, n_classes, ignore_index)
-    return finish
+    def __init__(self, target: torch.Tensor, n_classes: int, ignore_index: int):
+        self.target, self.n_classes, self.ignore_index = target, n_classes, ignore_index
+        self.any_bad = None
+        if target.device.type != "cuda" or target.numel() == 0:
+            check_targets_in_range(target, n_classes, ignore_index)
+            return
+        self.bad = _bad_targets(target, n_classes, ignore_index)
+        self.any_bad = self.bad.any()
+        self.flag = torch.empty((), dtype=torch.bool, pin_memory=True)
+        self.flag.copy_(self.any_bad, non_blocking=True)
+        self.tested = torch.cuda.Event()
+        self.tested.record()
+
+    def __call__(self) -> None:
+        if self.any_bad is None:
+            return
+        self.tested.synchronize()
+        if bool(self.flag):
+            _raise_bad_target(self.target, self.bad, self.n_classes, self.ignore_index)
+
+
+def start_target_check(target: torch.Tensor, n_classes: int, ignore_index: int) -> TargetCheck:
+    """Queue the target range test; call the result before anything that needs it passed."""
+    return TargetCheck(target, n_classes, ignore_index)
 
 
 def _bad_targets(target: torch.Tensor, n_classes: int, ignore_index: int) -> torch.Tensor:
@@ -219,9 +236,10 @@ def _forward_into(logits, target, grad, ignore_index, label_smoothing, z_loss, s
     x2 = rows_view(logits)
     t1 = target.reshape(-1)
     finish_check = start_target_check(t1, x2.shape[1], ignore_index) if check else None
-    if finish_check is not None and grad is not None and grad.data_ptr() == logits.data_ptr():
-        finish_check()          # in place: the caller's logits must be intact when the error is raised
-        finish_check = None
+    # in place, the caller's logits must be intact when the error is raised: the kernel reads the
+    # test's device flag and writes nothing when it is set (an out-of-place kernel only masks the
+    # bad rows), so no mode waits for the test before its launch
+    skip_if = finish_check.any_bad if finish_check is not None else None
     loss_rows = empty((x2.shape[0],), torch.float32, logits.device)
     if reduction == "mean":
         scale = mean_scale(t1, ignore_index)
@@ -230,7 +248,7 @@ def _forward_into(logits, target, grad, ignore_index, label_smoothing, z_loss, s
     g2 = None if grad is None else grad.view(x2.shape)
     # the kernel masks an out-of-range target (its row's loss is NaN), so it may be queued before
     # the range test's result is awaited: the GPU does not drain while the host launches it
-    cross_entropy_rows(x2, t1, scale, loss_rows, g2, opts, stats=stats)
+    cross_entropy_rows(x2, t1, scale, loss_rows, g2, opts, stats=stats, skip_if=skip_if)
     if finish_check is not None:
         finish_check()
     return reduce_loss_rows(loss_rows, scale, reduction, target.shape, logits.dtype)
