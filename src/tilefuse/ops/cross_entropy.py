@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
