@@ -163,6 +163,16 @@ def test_one_dim_logits():
         assert out.shape == ()
 
 
+@pytest.mark.parametrize("inplace", [False, True], ids=["buffered", "inplace"])
+@pytest.mark.parametrize("defer", [False, True], ids=["grad-in-fwd", "deferred"])
+def test_confident_two_class_row(inplace, defer):
+    """1 - p_t = 1e-14: the target's gradient -q·go must match the other class's +q·go. The GPU
+    run of test_hypothesis that drew these logits failed on the reference: F.cross_entropy's
+    fp64 backward forms p_t - 1 (a 0.6 % error here); reference_cross_entropy does not."""
+    logits = torch.tensor([[11.8455, 21.7600], [-15.3440, 16.8767]], device=DEVICE)
+    _check(logits, torch.tensor([IGNORE, 1], device=DEVICE), inplace=inplace, reduction="sum", defer_grad=defer)
+
+
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
 @pytest.mark.parametrize("softcap", [None, 20.0])
 def test_huge_logits(dtype, softcap):

@@ -52,6 +52,7 @@ from .cross_entropy import (
     mean_scale,
     random_targets,
     reduce_loss_rows,
+    reference_cross_entropy,
     scale_saved_grads_,
     softcap_reference,
     start_target_check,
@@ -196,7 +197,7 @@ def linear_cross_entropy_reference(hidden, weight, target, bias=None, ignore_ind
     logits = F.linear(_wide(hidden), _wide(weight), _wide(bias))
     if softcap is not None:
         logits = softcap_reference(logits, softcap)
-    out = torch_cross_entropy(logits, target, ignore_index, label_smoothing, z_loss, None, reduction)
+    out = reference_cross_entropy(logits, target, ignore_index, label_smoothing, z_loss, reduction)
     return out.to(hidden.dtype)
 
 
