@@ -31,6 +31,7 @@ from ._common import LN2, LOG2E
 
 MAX_SINGLE_TILE = 8192    # a row this long sits in registers (16 warps x 16 values per thread): one read
 LOOPED_BLOCK_V = 8192     # tile of the looped tier: 16 values per thread at 16 warps, 16-byte loads
+LOOPED_STATS_BLOCK_V = 4096   # ... when it writes no gradient (the deferred forward): 16 values at 8 warps
 LOOPED_GRAD_EVICT = {"STATS_EVICT": "evict_last", "GRAD_EVICT": "evict_first", "STORE_EVICT": "evict_first"}
 SCALE_BLOCK = 4096        # tile of the in-place scaling pass (8 warps, 16 values per thread)
 SCALE_PROGRAMS_PER_SM = 4 # its persistent grid: 4 x 8 warps at ~40 registers all fit on an SM at once
@@ -432,18 +433,21 @@ def _single_tile_config(n_cols: int) -> dict:
 
 
 def _looped_config(write_grad: bool) -> dict:
-    """Long rows, one program per row. Loss and statistics only (the deferred mode): 8K tiles at
-    8 warps, no register cap (H200 sweep, 8192 x 128256: 544 us = 90 % of copy, against 732 us
-    at 16 warps capped to 64 registers). With the gradient written in the same kernel: 8K tiles
-    at 16 warps, the stats walk's loads evict_last (the row stays in L2 for the gradient walk),
-    the gradient walk's loads and stores evict_first (their last use: they must not push rows
-    still to be re-read out of L2). H200 sweep at 8192 x 128256 (session 31, same run): 1,441 us
-    = 69 % of copy against 1,546 (64 %) without the hints; persistent grids of 1-2 programs per
-    SM, 4K tiles and a 64-register cap were all slower with the hints."""
+    """Long rows, one program per row; the stats walk keeps a running max per thread
+    (LANE_STATS: no cross-warp step per tile). Loss and statistics only (the deferred mode): 4K
+    tiles at 8 warps (H200 sweep, 8192 x 128256, session 32: 470 us = 105 % of copy, a read-only
+    pass, against 544 us with the per-tile max). With the gradient written in the same kernel:
+    8K tiles at 16 warps, the next tile's load issued before the current one's math (PREFETCH),
+    the stats walk's loads evict_last (the row stays in L2 for the gradient walk), the gradient
+    walk's loads and stores evict_first (their last use: they must not push rows still to be
+    re-read out of L2): 1,283 us = 77 % of copy against 1,426 (69 %) with the per-tile max and
+    the same hints (s31: 1,546 without them). Persistent grids of 1-4 programs per SM, fewer rows
+    in flight, were slower in both modes."""
     if write_grad:
         return {"single_tile": False, "BLOCK_V": LOOPED_BLOCK_V, "num_warps": 16, "maxnreg": None,
-                "programs_per_sm": None, **LOOPED_GRAD_EVICT}
-    return {"single_tile": False, "BLOCK_V": LOOPED_BLOCK_V, "num_warps": 8, "maxnreg": None, "programs_per_sm": None}
+                "programs_per_sm": None, "LANE_STATS": True, "PREFETCH": True, **LOOPED_GRAD_EVICT}
+    return {"single_tile": False, "BLOCK_V": LOOPED_STATS_BLOCK_V, "num_warps": 8, "maxnreg": None,
+            "programs_per_sm": None, "LANE_STATS": True, "PREFETCH": False}
 
 
 def default_config(n_cols: int, write_grad: bool = True) -> dict:
