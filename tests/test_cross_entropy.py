@@ -401,6 +401,30 @@ def test_kernel_skip_flag_writes_nothing(n_cols, skip):
         assert torch.isfinite(loss).all() and not torch.equal(x, before)
 
 
+@pytest.mark.parametrize("n", [1, 7, 2048, 5001])   # one step, a ragged step, several steps
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_target_scan_kernel(n, dtype):
+    """One launch gives the range test's flag and 1 / n_valid: against torch on the same targets,
+    with the bad target last (the final step) and with every target ignored."""
+    if not ce_mod.use_triton(torch.empty(0, device=DEVICE)):
+        pytest.skip("kernel path only (CUDA or TRITON_INTERPRET=1)")
+    t = _targets(n, 50, dtype=dtype)
+    for case in ("good", "bad-last", "bad-negative", "all-ignored"):
+        tc = t.clone()
+        if case == "bad-last":
+            tc[-1] = 50
+        elif case == "bad-negative":
+            tc[-1] = -1
+        elif case == "all-ignored":
+            tc[:] = IGNORE
+        for mean in (True, False):
+            bad, scale = kernels.launch_target_scan(tc, 50, IGNORE, mean)
+            n_valid = int((tc != IGNORE).sum())
+            assert bool(bad) == (case.startswith("bad")), case
+            expect = 1.0 / max(n_valid, 1) if mean else 1.0
+            assert scale.shape == (1,) and abs(float(scale) - expect) <= 1e-7 * expect, (case, float(scale), expect)
+
+
 def test_unchecked_bad_target_is_nan_not_a_crash():
     x = torch.randn(3, 10, device=DEVICE, requires_grad=True)
     out = cross_entropy(x, torch.tensor([1, 99, 2], device=DEVICE), reduction="none", check_targets=False)

@@ -22,10 +22,11 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
+import torch
 import triton
 import triton.language as tl
 
-from .._dispatch import next_power_of_2, num_sms
+from .._dispatch import empty, next_power_of_2, num_sms
 from .._launch import fast_launch
 from ._common import LN2, LOG2E
 
@@ -35,6 +36,8 @@ LOOPED_STATS_BLOCK_V = 4096   # ... when it writes no gradient (the deferred for
 LOOPED_GRAD_EVICT = {"STATS_EVICT": "evict_last", "GRAD_EVICT": "evict_first", "STORE_EVICT": "evict_first"}
 SCALE_BLOCK = 4096        # tile of the in-place scaling pass (8 warps, 16 values per thread)
 SCALE_PROGRAMS_PER_SM = 4 # its persistent grid: 4 x 8 warps at ~40 registers all fit on an SM at once
+TARGET_SCAN_MAX = 1 << 16 # target_scan_kernel's one program takes up to this many targets (a few us)
+TARGET_SCAN_BLOCK = 2048
 
 
 class CEOptions(NamedTuple):
@@ -419,6 +422,35 @@ def _scale_row(row_ptr, factor, n_cols, BLOCK: tl.constexpr):
         tl.store(row_ptr + cols, (x * factor).to(row_ptr.dtype.element_ty), mask=mask)
 
 
+@fast_launch
+@triton.jit
+def target_scan_kernel(
+    target_ptr,         # *[n] int32/int64 class ids
+    bad_ptr,            # *bool out: some target is neither ignore_index nor in [0, n_classes)
+    scale_ptr,          # *fp32 out: 1 / max(valid targets, 1) with MEAN, else 1
+    n,                  # targets
+    n_classes,          # V
+    ignore_index,       # target value of rows that contribute nothing
+    MEAN: tl.constexpr,         # reduction="mean": the gradient scale counts the valid rows
+    BLOCK: tl.constexpr,        # targets per step of the one program
+):
+    """One program over every target: the range test's flag and the mean's 1 / n_valid, in one
+    launch instead of a dozen small torch ones (their launches were ~60 us of an 8192-row step)."""
+    n_valid = tl.zeros([BLOCK], dtype=tl.int32)
+    n_bad = tl.zeros([BLOCK], dtype=tl.int32)
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        t = tl.load(target_ptr + offs, mask=offs < n, other=ignore_index).to(tl.int64)
+        valid = t != ignore_index
+        n_valid += valid.to(tl.int32)
+        n_bad += (valid & ((t < 0) | (t >= n_classes))).to(tl.int32)
+    tl.store(bad_ptr, tl.sum(n_bad, axis=0) > 0)
+    scale = 1.0
+    if MEAN:
+        scale = 1.0 / tl.maximum(tl.sum(n_valid, axis=0), 1).to(tl.float32)
+    tl.store(scale_ptr, scale)
+
+
 # ----------------------------------------------------------------------------------------------
 # launch heuristics
 # ----------------------------------------------------------------------------------------------
@@ -524,3 +556,16 @@ def launch_scale_rows(x2, applied, grad_output):
         x2, applied, grad_output, x2.stride(0), 0 if shared else grad_output.stride(0), n_rows, n_cols,
         SHARED_SCALE=shared, BLOCK=block, num_warps=max(1, min(8, block // 512)),
     )
+
+
+def launch_target_scan(target, n_classes: int, ignore_index: int, mean: bool):
+    """(bad, scale): a 0-d bool (some target out of range and not ignore_index) and a [1] fp32
+    gradient scale (1 / max(n_valid, 1) when ``mean``, else 1), both on target's device, in one
+    launch; ``target`` is 1-D with 1 <= numel <= TARGET_SCAN_MAX."""
+    bad = torch.empty((), dtype=torch.bool, device=target.device)
+    scale = empty(1, torch.float32, target.device)
+    target_scan_kernel[(1,)](
+        target, bad, scale, target.numel(), n_classes, ignore_index,
+        MEAN=mean, BLOCK=TARGET_SCAN_BLOCK, num_warps=4,
+    )
+    return bad, scale

@@ -50,7 +50,14 @@ from .._checks import check_same_device, check_shape, check_tensor
 from .._dispatch import empty, rows_view, use_triton
 from .._op import custom_op
 from ..registry import Inputs, OpSpec, register, tensor_bytes
-from ._cross_entropy_kernels import CEOptions, launch_cross_entropy_bwd, launch_cross_entropy_rows, launch_scale_rows
+from ._cross_entropy_kernels import (
+    TARGET_SCAN_MAX,
+    CEOptions,
+    launch_cross_entropy_bwd,
+    launch_cross_entropy_rows,
+    launch_scale_rows,
+    launch_target_scan,
+)
 
 REDUCTIONS = ("mean", "sum", "none")
 TARGET_DTYPES = (torch.int64, torch.int32)
@@ -201,14 +208,14 @@ class TargetCheck:
     linear_cross_entropy queues its first logits GEMM before the call, so the host's work up to
     that GEMM no longer runs on an idle GPU (a 0.6 ms gap per step under the profiler, H200 s29)."""
 
-    def __init__(self, target: torch.Tensor, n_classes: int, ignore_index: int):
+    def __init__(self, target: torch.Tensor, n_classes: int, ignore_index: int, any_bad=None):
+        """``any_bad``: the test's device result when already queued (scan_targets), else None."""
         self.target, self.n_classes, self.ignore_index = target, n_classes, ignore_index
         self.any_bad = None
         if target.device.type != "cuda" or target.numel() == 0:
             check_targets_in_range(target, n_classes, ignore_index)
             return
-        self.bad = _bad_targets(target, n_classes, ignore_index)
-        self.any_bad = self.bad.any()
+        self.any_bad = _bad_targets(target, n_classes, ignore_index).any() if any_bad is None else any_bad
         self.flag = torch.empty((), dtype=torch.bool, pin_memory=True)
         self.flag.copy_(self.any_bad, non_blocking=True)
         self.tested = torch.cuda.Event()
@@ -219,12 +226,27 @@ class TargetCheck:
             return
         self.tested.synchronize()
         if bool(self.flag):
-            _raise_bad_target(self.target, self.bad, self.n_classes, self.ignore_index)
+            _raise_bad_target(self.target, _bad_targets(self.target, self.n_classes, self.ignore_index),
+                              self.n_classes, self.ignore_index)
 
 
 def start_target_check(target: torch.Tensor, n_classes: int, ignore_index: int) -> TargetCheck:
     """Queue the target range test; call the result before anything that needs it passed."""
     return TargetCheck(target, n_classes, ignore_index)
+
+
+def scan_targets(target: torch.Tensor, n_classes: int, ignore_index: int, reduction: str,
+                 check: bool) -> tuple[torch.Tensor, Optional[TargetCheck]]:
+    """(row scale, range test or None) of 1-D targets: the gradient scale ([1] fp32: 1 / n_valid
+    for ``mean``, else 1) and, with ``check``, the queued range test. On the kernel path both come
+    from one launch (launch_target_scan) for up to TARGET_SCAN_MAX targets; else torch ops."""
+    mean = reduction == "mean"
+    if use_triton(target) and 0 < target.numel() <= TARGET_SCAN_MAX:
+        any_bad, scale = launch_target_scan(target, n_classes, ignore_index, mean)
+        return scale, (TargetCheck(target, n_classes, ignore_index, any_bad) if check else None)
+    finish = start_target_check(target, n_classes, ignore_index) if check else None
+    scale = mean_scale(target, ignore_index) if mean else torch.ones(1, dtype=torch.float32, device=target.device)
+    return scale, finish
 
 
 def _bad_targets(target: torch.Tensor, n_classes: int, ignore_index: int) -> torch.Tensor:
@@ -260,16 +282,13 @@ def _forward_into(logits, target, grad, ignore_index, label_smoothing, z_loss, s
     opts = CEOptions(ignore_index, label_smoothing, z_loss, softcap)
     x2 = rows_view(logits)
     t1 = target.reshape(-1)
-    finish_check = start_target_check(t1, x2.shape[1], ignore_index) if check else None
+    scale, finish_check = scan_targets(t1, x2.shape[1], ignore_index, reduction, check)
     # in place, the caller's logits must be intact when the error is raised: the kernel reads the
     # test's device flag and writes nothing when it is set (an out-of-place kernel only masks the
     # bad rows), so no mode waits for the test before its launch
     skip_if = finish_check.any_bad if finish_check is not None else None
     loss_rows = empty((x2.shape[0],), torch.float32, logits.device)
-    if reduction == "mean":
-        scale = mean_scale(t1, ignore_index)
-    else:   # sum / none: the stored gradient is unscaled, backward multiplies by grad_output
-        scale = torch.ones(1, dtype=torch.float32, device=logits.device)
+    # sum / none: scale 1, the stored gradient is unscaled, backward multiplies by grad_output
     g2 = None if grad is None else grad.view(x2.shape)
     # the kernel masks an out-of-range target (its row's loss is NaN), so it may be queued before
     # the range test's result is awaited: the GPU does not drain while the host launches it

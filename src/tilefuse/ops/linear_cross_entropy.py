@@ -49,13 +49,12 @@ from .cross_entropy import (
     check_ce_options,
     check_target,
     cross_entropy_rows,
-    mean_scale,
     random_targets,
     reduce_loss_rows,
     reference_cross_entropy,
+    scan_targets,
     scale_saved_grads_,
     softcap_reference,
-    start_target_check,
     torch_cross_entropy,
 )
 
@@ -113,7 +112,7 @@ def _chunked_pass(h2, weight, bias, target, row_scale, opts: CEOptions, loss_row
     scaled by ``row_scale`` ([1] shared, or one per token). ``chunk``/``config`` override the
     chunk size and the CE kernel's launch config (GPU sweeps). ``before_targets``: called once
     the first logits GEMM is queued, before the first kernel that reads the targets (the second
-    half of cross_entropy.start_target_check)."""
+    half of cross_entropy.TargetCheck)."""
     n_tokens, vocab = h2.shape[0], weight.shape[0]
     want_grad = grad_hidden is not None or grad_weight is not None or grad_bias32 is not None
     chunk = chunk or _chunk_tokens(n_tokens, vocab, h2.element_size())
@@ -216,11 +215,7 @@ def _lce_fwd_op(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor
     opts = CEOptions(ignore_index, label_smoothing, z_loss, softcap)
     t1 = target.reshape(-1)
     # the range test's result is awaited only once the first logits GEMM is queued
-    finish_check = start_target_check(t1, weight.shape[0], ignore_index) if check_targets else None
-    if reduction == "mean":
-        scale = mean_scale(t1, ignore_index)
-    else:
-        scale = torch.ones(1, dtype=torch.float32, device=hidden.device)
+    scale, finish_check = scan_targets(t1, weight.shape[0], ignore_index, reduction, check_targets)
     in_fwd = reduction != "none"
     loss_rows, gh, gw, gb = _grads_and_pass(hidden, weight, target, bias, scale, opts,
                                             need_h and in_fwd, need_w and in_fwd, need_b and in_fwd, chunk_tokens,
