@@ -12,8 +12,8 @@ torch and timed in both of the op's modes:
   L2), with and without L2 eviction hints;
 
 then the deferred backward kernel (read logits, write gradient) for a few tiles. ``--lanes``
-instead times the per-thread-maximum stats walk (LANE_STATS, with and without PREFETCH) over tiles,
-warps and persistent grids against the default, in both modes. GB/s over the
+instead times the gradient-writing kernel's tiles and warps with and without GRAD_PREFETCH (session
+32's sweep of LANE_STATS / PREFETCH over persistent grids is in git history). GB/s over the
 ideal bytes, and % of a same-size device copy measured in the same run.
 """
 
@@ -85,15 +85,12 @@ grad_cfgs = [dict(c, STATS_EVICT="", GRAD_EVICT="", STORE_EVICT="") for c in fwd
     for bv, w, r, pps, se in itertools.product((4096, 8192), (8, 16), (64, None), (None, 1, 2), ("", "evict_first"))
     if bv // (32 * w) >= 8
 ]
-if LANES:
-    lane_cfgs = [
-        {"single_tile": False, "BLOCK_V": bv, "num_warps": w, "maxnreg": None, "programs_per_sm": pps,
-         "LANE_STATS": True, "PREFETCH": pf}
-        for bv, w, pps, pf in itertools.product((4096, 8192), (8, 16), (None, 1, 2, 4), (False, True))
-        if bv // (32 * w) >= 8
+if LANES:   # the gradient-writing kernel's prefetch of the gradient walk, around the default's tile / warps
+    fwd_cfgs = [None]
+    grad_cfgs = [
+        {**k.default_config(V, True), "BLOCK_V": bv, "num_warps": w, "GRAD_PREFETCH": gp}
+        for (bv, w), gp in itertools.product(((8192, 16), (16384, 16), (16384, 32), (8192, 8), (4096, 8)), (False, True))
     ]
-    fwd_cfgs = [None] + lane_cfgs
-    grad_cfgs = [dict(c, **k.LOOPED_GRAD_EVICT) for c in lane_cfgs]
 best = {}
 for mode in ("stats", "grad"):
     for cfg in (fwd_cfgs if mode == "stats" else [None] + grad_cfgs):

@@ -116,7 +116,9 @@ def test_looped_tier(monkeypatch, n_cols, inplace, defer):
     {"single_tile": False, "BLOCK_V": 256, "STATS_EVICT": "", "GRAD_EVICT": "", "STORE_EVICT": ""},
     {"single_tile": False, "BLOCK_V": 128, "LANE_STATS": True, "PREFETCH": False},
     {"single_tile": False, "BLOCK_V": 256, "LANE_STATS": True, "PREFETCH": True, "programs_per_sm": 1},
-], ids=["persistent", "looped-128", "single-1024", "looped-256-no-hints", "lanes-128", "lanes-256-prefetch"])
+    {"single_tile": False, "BLOCK_V": 128, "LANE_STATS": True, "PREFETCH": True, "GRAD_PREFETCH": True},
+], ids=["persistent", "looped-128", "single-1024", "looped-256-no-hints", "lanes-128", "lanes-256-prefetch",
+        "lanes-128-grad-prefetch"])
 def test_launch_configs(config):
     """The sweep's config overrides give the same rows as the closed form (CPU path)."""
     logits = torch.randn(13, 1000, device=DEVICE) * 3
@@ -139,7 +141,7 @@ def test_looped_minus_inf_prefix_and_tail(lanes):
     logits[:, 700::7] = -float("inf")
     target = torch.tensor([300, 500, 999, IGNORE], device=DEVICE)
     opts = kernels.CEOptions(IGNORE, 0.0, 0.0, None)
-    config = {"single_tile": False, "BLOCK_V": 128, "LANE_STATS": lanes, "PREFETCH": lanes}
+    config = {"single_tile": False, "BLOCK_V": 128, "LANE_STATS": lanes, "PREFETCH": lanes, "GRAD_PREFETCH": lanes}
     loss, grad = torch.empty(4, device=DEVICE), torch.empty_like(logits)
     kernels.launch_cross_entropy_rows(logits, target, torch.ones(1, device=DEVICE), loss, grad, opts, config)
     finite = torch.where(torch.isinf(logits), torch.full_like(logits, -1e30), logits)

@@ -192,17 +192,27 @@ def _zero_row(g_row, n_cols, BLOCK_V: tl.constexpr):
 @triton.jit
 def _grad_walk(x_row, g_row, n_cols, m, log2_s, scale, z_coef, uniform, softcap,
                HAS_SOFTCAP: tl.constexpr, HAS_Z_LOSS: tl.constexpr, REVERSE: tl.constexpr, BLOCK_V: tl.constexpr,
-               EVICT: tl.constexpr, STORE_EVICT: tl.constexpr):
+               EVICT: tl.constexpr, STORE_EVICT: tl.constexpr, PREFETCH: tl.constexpr):
     """scale·dloss/dx of every non-target class of a row, tile by tile (g_row may be x_row: each
-    tile is read before it is overwritten). REVERSE walks from the row's end, whose tiles a
-    preceding stats walk left in L2. EVICT / STORE_EVICT: L2 policies of the loads and stores."""
+    tile is read before it is overwritten, also with PREFETCH: the next tile's load is issued
+    before this tile's math and store, and tiles never overlap). REVERSE walks from the row's
+    end, whose tiles a preceding stats walk left in L2. EVICT / STORE_EVICT: L2 policies of the
+    loads and stores."""
     last = (n_cols - 1) // BLOCK_V * BLOCK_V
-    for start in range(0, n_cols, BLOCK_V):
-        if REVERSE:
-            cols = (last - start) + tl.arange(0, BLOCK_V)
+    x_next, _, slope_next = _load_logits(x_row, tl.arange(0, BLOCK_V) + (last if REVERSE else 0), n_cols,
+                                         softcap, HAS_SOFTCAP, EVICT)
+    for i in range(0, n_cols, BLOCK_V):
+        start = last - i if REVERSE else i
+        cols = start + tl.arange(0, BLOCK_V)
+        if PREFETCH:
+            x, slope, mask = x_next, slope_next, cols < n_cols
+            # the next tile; past the row's end (or, reversed, its start) a limit that masks it all
+            nxt = start - BLOCK_V if REVERSE else start + BLOCK_V
+            limit = tl.where(nxt >= 0, n_cols, -BLOCK_V)
+            x_next, _, slope_next = _load_logits(x_row, nxt + tl.arange(0, BLOCK_V), limit, softcap, HAS_SOFTCAP,
+                                                 EVICT)
         else:
-            cols = start + tl.arange(0, BLOCK_V)
-        x, mask, slope = _load_logits(x_row, cols, n_cols, softcap, HAS_SOFTCAP, EVICT)
+            x, mask, slope = _load_logits(x_row, cols, n_cols, softcap, HAS_SOFTCAP, EVICT)
         g = _grad_tile(x, slope, m, log2_s, scale, z_coef, uniform, HAS_SOFTCAP, HAS_Z_LOSS)
         tl.store(g_row + cols, g.to(g_row.dtype.element_ty), mask=mask, eviction_policy=STORE_EVICT)
 
@@ -229,7 +239,7 @@ def _cross_entropy_row(x_row, g_row, target, loss_ptr, stats_ptr, stats_stride, 
                        HAS_Z_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr, SAVE_STATS: tl.constexpr,
                        SINGLE_TILE: tl.constexpr, BLOCK_V: tl.constexpr, STATS_EVICT: tl.constexpr,
                        GRAD_EVICT: tl.constexpr, STORE_EVICT: tl.constexpr, LANE_STATS: tl.constexpr,
-                       VEC: tl.constexpr, PREFETCH: tl.constexpr):
+                       VEC: tl.constexpr, PREFETCH: tl.constexpr, GRAD_PREFETCH: tl.constexpr):
     """One row: its loss into *loss_ptr; with WRITE_GRAD scale·dloss/dx into g_row; with
     SAVE_STATS (m, log2 s, q) into stats_ptr[0 | 1 | 2 · stats_stride] for the deferred backward."""
     # the target as an int32 column for the per-element compares (-1: matches no column)
@@ -281,7 +291,7 @@ def _cross_entropy_row(x_row, g_row, target, loss_ptr, stats_ptr, stats_stride, 
                 tl.store(g_row + cols, g.to(g_row.dtype.element_ty), mask=mask)
             else:
                 _grad_walk(x_row, g_row, n_cols, m, log2_s, scale, z_coef, uniform, softcap,
-                           HAS_SOFTCAP, HAS_Z_LOSS, True, BLOCK_V, GRAD_EVICT, STORE_EVICT)
+                           HAS_SOFTCAP, HAS_Z_LOSS, True, BLOCK_V, GRAD_EVICT, STORE_EVICT, GRAD_PREFETCH)
             _store_target_grad(g_row, target, in_range, q, e_t / s, slope_t, scale, z_coef, uniform,
                                label_smoothing, HAS_SOFTCAP, HAS_Z_LOSS)
 
@@ -319,6 +329,7 @@ def cross_entropy_fwd_kernel(
     LANE_STATS: tl.constexpr,   # looped stats walk with per-thread running maxima (_row_stats_lanes)
     VEC: tl.constexpr,          # elements per 16-byte load (its lanes' width)
     PREFETCH: tl.constexpr,     # _row_stats_lanes loads the next tile before the current one's math
+    GRAD_PREFETCH: tl.constexpr,  # ... and so does the gradient walk
 ):
     # one row per program by default; with fewer programs than rows (config programs_per_sm) the
     # grid is persistent and bounds the rows in flight, for the looped rows' second read from L2
@@ -334,7 +345,7 @@ def cross_entropy_fwd_kernel(
                            loss_ptr + row, stats_ptr + row, n_rows, scale, n_cols, ignore_index,
                            label_smoothing, z_loss, softcap, HAS_SOFTCAP, HAS_SMOOTHING, HAS_Z_LOSS,
                            WRITE_GRAD, SAVE_STATS, SINGLE_TILE, BLOCK_V, STATS_EVICT, GRAD_EVICT, STORE_EVICT,
-                           LANE_STATS, VEC, PREFETCH)
+                           LANE_STATS, VEC, PREFETCH, GRAD_PREFETCH)
 
 
 @fast_launch
@@ -379,7 +390,7 @@ def cross_entropy_bwd_kernel(
             z_coef = scale * (2.0 * z_loss) * lse
             uniform = scale * (label_smoothing / n_cols)
             _grad_walk(x_row, g_row, n_cols, m, log2_s, scale, z_coef, uniform, softcap,
-                       HAS_SOFTCAP, HAS_Z_LOSS, False, BLOCK_V, "", "")
+                       HAS_SOFTCAP, HAS_Z_LOSS, False, BLOCK_V, "", "", False)
             _store_target_grad(g_row, target, in_range, q, 1.0 - q, slope_t, scale, z_coef, uniform,
                                label_smoothing, HAS_SOFTCAP, HAS_Z_LOSS)
 
@@ -517,7 +528,8 @@ def launch_cross_entropy_rows(logits, target, row_scale, loss_rows, grad, opts: 
         SINGLE_TILE=cfg["single_tile"], BLOCK_V=cfg["BLOCK_V"], num_warps=cfg["num_warps"],
         STATS_EVICT=cfg.get("STATS_EVICT", ""), GRAD_EVICT=cfg.get("GRAD_EVICT", ""),
         STORE_EVICT=cfg.get("STORE_EVICT", ""), LANE_STATS=cfg.get("LANE_STATS", False),
-        VEC=max(1, 16 // logits.element_size()), PREFETCH=cfg.get("PREFETCH", False), **extra,
+        VEC=max(1, 16 // logits.element_size()), PREFETCH=cfg.get("PREFETCH", False),
+        GRAD_PREFETCH=cfg.get("GRAD_PREFETCH", False), **extra,
     )
 
 
