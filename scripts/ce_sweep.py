@@ -89,7 +89,7 @@ if LANES:   # the gradient-writing kernel's prefetch of the gradient walk, aroun
     fwd_cfgs = [None]
     grad_cfgs = [
         {**k.default_config(V, True), "BLOCK_V": bv, "num_warps": w, "GRAD_PREFETCH": gp}
-        for (bv, w), gp in itertools.product(((8192, 16), (16384, 16), (16384, 32), (8192, 8), (4096, 8)), (False, True))
+        for (bv, w), gp in itertools.product(((8192, 16), (16384, 32), (32768, 32)), (False, True))
     ]
 best = {}
 for mode in ("stats", "grad"):

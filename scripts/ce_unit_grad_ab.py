@@ -3,10 +3,11 @@ gradient-in-forward mode is built for: its backward then moves no bytes. Interle
 do_bench medians, and the peak extra memory of one step, for each mode and for torch.compile and
 Liger (when installed) on the same logits (GPU; PYTHONPATH=src).
 
-    python scripts/ce_unit_grad_ab.py [T V] [--rounds 5] [--config JSON]
+    python scripts/ce_unit_grad_ab.py [T V] [--rounds 5] [--config JSON] [--stats-config JSON]
 
 ``--config`` adds a row: the in-place gradient-in-forward mode with that override of the looped
-tier's launch config (e.g. '{"LANE_STATS": true, "programs_per_sm": 2}'), interleaved with the rest.
+tier's launch config (e.g. '{"LANE_STATS": true, "programs_per_sm": 2}'), interleaved with the rest;
+``--stats-config`` likewise a row of the deferred mode with the loss-only forward's config overridden.
 
 The benchmark (``tilefuse bench cross_entropy``) draws a random grad_output instead, which costs the
 gradient-in-forward mode a scaling pass (4 passes over [T, V] against the deferred mode's 3).
@@ -28,11 +29,12 @@ import tilefuse.ops._cross_entropy_kernels as kernels
 import tilefuse.ops.cross_entropy as ce
 
 
-def _with_config(fn, override: dict):
-    """fn run with the gradient-writing looped tier's config overridden."""
+def _with_config(fn, override: dict, write_grad: bool = True):
+    """fn run with the looped tier's config overridden for the gradient-writing kernel (or, with
+    write_grad=False, the loss-only one)."""
     def run():
         base = kernels._looped_config
-        kernels._looped_config = lambda write_grad: {**base(write_grad), **(override if write_grad else {})}
+        kernels._looped_config = lambda wg: {**base(wg), **(override if wg == write_grad else {})}
         try:
             return fn()
         finally:
@@ -45,6 +47,7 @@ def main() -> None:
     ap.add_argument("shape", nargs="*", type=int, default=[8192, 128256])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--config", type=json.loads, default=None)
+    ap.add_argument("--stats-config", type=json.loads, default=None)
     args = ap.parse_args()
     t, v = args.shape
     x = torch.randn(t, v, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -59,6 +62,9 @@ def main() -> None:
     if args.config:
         variants[f"in place, {json.dumps(args.config)}"] = _with_config(
             lambda: ce.cross_entropy(x, target, logits_inplace_grad=True), args.config)
+    if args.stats_config:
+        variants[f"deferred in place, {json.dumps(args.stats_config)}"] = _with_config(
+            lambda: ce.cross_entropy(x, target, defer_grad=True, logits_inplace_grad=True), args.stats_config, False)
     try:
         from liger_kernel.transformers.functional import liger_cross_entropy
         variants["liger"] = lambda: liger_cross_entropy(x, target)

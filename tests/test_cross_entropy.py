@@ -101,6 +101,7 @@ def test_looped_tier(monkeypatch, n_cols, inplace, defer):
     monkeypatch.setattr(kernels, "MAX_SINGLE_TILE", 32)
     monkeypatch.setattr(kernels, "LOOPED_BLOCK_V", 64)
     monkeypatch.setattr(kernels, "LOOPED_STATS_BLOCK_V", 64)
+    monkeypatch.setattr(kernels, "BWD_BLOCK_V", 64)
     logits = torch.randn(5, n_cols, device=DEVICE) * 3
     # not at V=1: there the exact gradient is 0 (or 2z·lse) and fp32 rounding of p - eps - (1 - eps)
     # is all that is left, an ill-posed relative error

@@ -107,6 +107,7 @@ def test_long_vocab_rows_take_the_looped_kernel(monkeypatch):
     monkeypatch.setattr(kernels, "MAX_SINGLE_TILE", 32)
     monkeypatch.setattr(kernels, "LOOPED_BLOCK_V", 64)
     monkeypatch.setattr(kernels, "LOOPED_STATS_BLOCK_V", 64)
+    monkeypatch.setattr(kernels, "BWD_BLOCK_V", 64)
     _tiny_chunks(monkeypatch, 200, 4, 2)
     _check(*_inputs(5, 8, 200), label_smoothing=0.1)
 

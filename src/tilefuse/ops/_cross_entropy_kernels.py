@@ -31,7 +31,8 @@ from .._launch import fast_launch
 from ._common import LN2, LOG2E
 
 MAX_SINGLE_TILE = 8192    # a row this long sits in registers (16 warps x 16 values per thread): one read
-LOOPED_BLOCK_V = 8192     # tile of the looped tier: 16 values per thread at 16 warps, 16-byte loads
+LOOPED_BLOCK_V = 16384    # tile of the looped tier: 16 values per thread at 32 warps, 16-byte loads
+BWD_BLOCK_V = 8192        # ... of the deferred backward: 16 values per thread at 16 warps
 LOOPED_STATS_BLOCK_V = 4096   # ... when it writes no gradient (the deferred forward): 16 values at 8 warps
 LOOPED_GRAD_EVICT = {"STATS_EVICT": "evict_last", "GRAD_EVICT": "evict_first", "STORE_EVICT": "evict_first"}
 SCALE_BLOCK = 4096        # tile of the in-place scaling pass (8 warps, 16 values per thread)
@@ -480,15 +481,17 @@ def _looped_config(write_grad: bool) -> dict:
     (LANE_STATS: no cross-warp step per tile). Loss and statistics only (the deferred mode): 4K
     tiles at 8 warps (H200 sweep, 8192 x 128256, session 32: 470 us = 105 % of copy, a read-only
     pass, against 544 us with the per-tile max). With the gradient written in the same kernel:
-    8K tiles at 16 warps, the next tile's load issued before the current one's math (PREFETCH),
-    the stats walk's loads evict_last (the row stays in L2 for the gradient walk), the gradient
+    16K tiles at 32 warps (49 registers: one program, i.e. one row in flight, per SM), each walk
+    issuing the next tile's load before the current one's math (PREFETCH, GRAD_PREFETCH), the
+    stats walk's loads evict_last (the row stays in L2 for the gradient walk), the gradient
     walk's loads and stores evict_first (their last use: they must not push rows still to be
-    re-read out of L2): 1,283 us = 77 % of copy against 1,426 (69 %) with the per-tile max and
-    the same hints (s31: 1,546 without them). Persistent grids of 1-4 programs per SM, fewer rows
-    in flight, were slower in both modes."""
+    re-read out of L2): 1,178 us = 84 % of copy, against 1,286 us at 8K / 16 warps and 1,426 us
+    (69 %) with the per-tile max and the same hints (s31: 1,546 without them). Persistent grids
+    of 1-4 programs per SM were slower in both modes."""
     if write_grad:
-        return {"single_tile": False, "BLOCK_V": LOOPED_BLOCK_V, "num_warps": 16, "maxnreg": None,
-                "programs_per_sm": None, "LANE_STATS": True, "PREFETCH": True, **LOOPED_GRAD_EVICT}
+        return {"single_tile": False, "BLOCK_V": LOOPED_BLOCK_V, "num_warps": 32, "maxnreg": None,
+                "programs_per_sm": None, "LANE_STATS": True, "PREFETCH": True, "GRAD_PREFETCH": True,
+                **LOOPED_GRAD_EVICT}
     return {"single_tile": False, "BLOCK_V": LOOPED_STATS_BLOCK_V, "num_warps": 8, "maxnreg": None,
             "programs_per_sm": None, "LANE_STATS": True, "PREFETCH": False}
 
@@ -534,11 +537,13 @@ def launch_cross_entropy_rows(logits, target, row_scale, loss_rows, grad, opts: 
 
 
 def _bwd_config(n_cols: int) -> dict:
-    """The deferred backward streams each row once (read logits, write grad): the gradient-writing
-    forward's tile and warps, no register cap (nothing is kept across tiles but four scalars;
-    H200: 98 % of copy at 8192 x 128256, 95 % at 8 warps)."""
-    cfg = default_config(n_cols, write_grad=True)
-    return {"BLOCK_V": cfg["BLOCK_V"], "num_warps": cfg["num_warps"]}
+    """The deferred backward streams each row once (read logits, write grad): a short row's
+    single tile, else 8K tiles at 16 warps, no register cap (nothing is kept across tiles but
+    four scalars; H200: 97-98 % of copy at 8192 x 128256, 95 % at 8 warps)."""
+    if next_power_of_2(max(n_cols, 1)) <= MAX_SINGLE_TILE:
+        cfg = _single_tile_config(n_cols)
+        return {"BLOCK_V": cfg["BLOCK_V"], "num_warps": cfg["num_warps"]}
+    return {"BLOCK_V": BWD_BLOCK_V, "num_warps": 16}
 
 
 def launch_cross_entropy_bwd(logits, target, stats, row_scale, grad, opts: CEOptions, config=None):
