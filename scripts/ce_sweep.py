@@ -90,6 +90,7 @@ if LANES:   # the gradient-writing kernel's prefetch of the gradient walk, aroun
     grad_cfgs = [
         {**k.default_config(V, True), "BLOCK_V": bv, "num_warps": w, "GRAD_PREFETCH": gp}
         for (bv, w), gp in itertools.product(((8192, 16), (16384, 32), (32768, 32)), (False, True))
+        if (bv, w, gp) != (k.default_config(V, True)["BLOCK_V"], k.default_config(V, True)["num_warps"], False)
     ]
 best = {}
 for mode in ("stats", "grad"):

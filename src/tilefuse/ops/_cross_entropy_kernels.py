@@ -31,7 +31,6 @@ from .._launch import fast_launch
 from ._common import LN2, LOG2E
 
 MAX_SINGLE_TILE = 8192    # a row this long sits in registers (16 warps x 16 values per thread): one read
-LOOPED_BLOCK_V = 16384    # tile of the looped tier: 16 values per thread at 32 warps, 16-byte loads
 BWD_BLOCK_V = 8192        # ... of the deferred backward: 16 values per thread at 16 warps
 LOOPED_STATS_BLOCK_V = 4096   # ... when it writes no gradient (the deferred forward): 16 values at 8 warps
 LOOPED_GRAD_EVICT = {"STATS_EVICT": "evict_last", "GRAD_EVICT": "evict_first", "STORE_EVICT": "evict_first"}
@@ -476,21 +475,31 @@ def _single_tile_config(n_cols: int) -> dict:
             "maxnreg": None, "programs_per_sm": None}
 
 
-def _looped_config(write_grad: bool) -> dict:
+def _looped_grad_tile(n_cols: int) -> tuple:
+    """(BLOCK_V, num_warps) of the gradient-writing looped kernel. Rows of 64K+ classes: 32K tiles
+    at 32 warps, 60 registers, so one program (one row in flight) per SM with 64 KB of loads per
+    walk step: H200 session 32, 1,097 us = 90 % of copy at V = 128256 and 83 % at 256000, against
+    84 / 77 % at 16K tiles. Shorter rows: 8K at 16 warps (57 registers, two rows per SM): 83 % at
+    V = 32000, where a 32K tile is the whole row and one row per SM reached 63 %."""
+    return (32768, 32) if n_cols >= 65536 else (8192, 16)
+
+
+def _looped_config(write_grad: bool, n_cols: int) -> dict:
     """Long rows, one program per row; the stats walk keeps a running max per thread
-    (LANE_STATS: no cross-warp step per tile). Loss and statistics only (the deferred mode): 4K
-    tiles at 8 warps (H200 sweep, 8192 x 128256, session 32: 470 us = 105 % of copy, a read-only
-    pass, against 544 us with the per-tile max). With the gradient written in the same kernel:
-    16K tiles at 32 warps (49 registers: one program, i.e. one row in flight, per SM), each walk
-    issuing the next tile's load before the current one's math (PREFETCH, GRAD_PREFETCH), the
-    stats walk's loads evict_last (the row stays in L2 for the gradient walk), the gradient
-    walk's loads and stores evict_first (their last use: they must not push rows still to be
-    re-read out of L2): 1,178 us = 84 % of copy, against 1,286 us at 8K / 16 warps and 1,426 us
-    (69 %) with the per-tile max and the same hints (s31: 1,546 without them). Persistent grids
-    of 1-4 programs per SM were slower in both modes."""
+    (LANE_STATS: no cross-warp step per tile) and loads the next tile before the current one's
+    math (PREFETCH). Loss and statistics only (the deferred mode): 4K tiles at 8 warps, no
+    prefetch (H200 sweep, 8192 x 128256, session 32: 448-470 us = 105-110 % of copy, a
+    read-only pass, against 544 us with the per-tile max). With the gradient written in the same
+    kernel: _looped_grad_tile; the stats walk's loads evict_last (the row stays in L2 for the
+    gradient walk), the gradient walk's loads and stores evict_first (their last use: they must
+    not push rows still to be re-read out of L2); s31's per-tile max with the same hints: 69 %
+    of copy (1,426 us), 64 % without them. Prefetching in the gradient walk too (GRAD_PREFETCH)
+    lost at 32K tiles (1,206 us) and was within 2 % at the others. Persistent grids of 1-4
+    programs per SM were slower in both modes."""
     if write_grad:
-        return {"single_tile": False, "BLOCK_V": LOOPED_BLOCK_V, "num_warps": 32, "maxnreg": None,
-                "programs_per_sm": None, "LANE_STATS": True, "PREFETCH": True, "GRAD_PREFETCH": True,
+        block, warps = _looped_grad_tile(n_cols)
+        return {"single_tile": False, "BLOCK_V": block, "num_warps": warps, "maxnreg": None,
+                "programs_per_sm": None, "LANE_STATS": True, "PREFETCH": True, "GRAD_PREFETCH": False,
                 **LOOPED_GRAD_EVICT}
     return {"single_tile": False, "BLOCK_V": LOOPED_STATS_BLOCK_V, "num_warps": 8, "maxnreg": None,
             "programs_per_sm": None, "LANE_STATS": True, "PREFETCH": False}
@@ -501,7 +510,7 @@ def default_config(n_cols: int, write_grad: bool = True) -> dict:
     for sweeps that bound the rows in flight further."""
     if next_power_of_2(max(n_cols, 1)) <= MAX_SINGLE_TILE:
         return _single_tile_config(n_cols)
-    return _looped_config(write_grad)
+    return _looped_config(write_grad, n_cols)
 
 
 def launch_cross_entropy_rows(logits, target, row_scale, loss_rows, grad, opts: CEOptions, config=None,
