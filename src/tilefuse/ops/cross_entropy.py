@@ -26,10 +26,12 @@ Bytes counted (ideal): forward reads the logits once and writes the gradient onc
 plus the int64 targets and the loss); backward reads and writes the stored gradient (2·T·V).
 Deferred: forward reads the logits (T·V) and writes 3·T fp32; backward reads logits and stats and
 writes the gradient (2·T·V).
-Rows up to 16K classes are read once; longer ones twice, the second walk running backwards over the
-row so it starts on the tiles the first walk touched last, still in L2 (the first walk's loads are
-evict_last, the second's and the gradient's stores evict_first). Kernels and their numerics:
-ops/_cross_entropy_kernels.py.
+Rows up to 8K classes are read once; longer ones twice from DRAM's point of view only if the
+row left L2 in between: the first walk (running max and sum per thread, next tile prefetched)
+loads evict_last, the second runs backwards over the row so it starts on the tiles the first
+touched last, its loads and the gradient's stores evict_first, and one row is in flight per SM
+(32K tiles at 32 warps for V >= 64K). H200, 8192 x 128256 bf16, grad_output 1: 1.14 ms, 2.27x
+torch.compile. Kernels and their numerics: ops/_cross_entropy_kernels.py.
 
 Out-of-range targets raise a ``ValueError``. On CUDA the range test is queued before the kernel
 and awaited after it is queued (one host sync, with the GPU busy); the kernel reads the test's
