@@ -13,7 +13,8 @@ torch and timed in both of the op's modes:
 
 then the deferred backward kernel (read logits, write gradient) for a few tiles. ``--lanes``
 instead times the gradient-writing kernel's tiles and warps with and without GRAD_PREFETCH (session
-32's sweep of LANE_STATS / PREFETCH over persistent grids is in git history). GB/s over the
+32's sweep of the per-thread-max walk (LANE_STATS then) and PREFETCH over persistent grids is in
+git history, commit "per-thread-max stats walk ... as a sweepable config"). GB/s over the
 ideal bytes, and % of a same-size device copy measured in the same run.
 """
 

@@ -6,7 +6,7 @@ Liger (when installed) on the same logits (GPU; PYTHONPATH=src).
     python scripts/ce_unit_grad_ab.py [T V] [--rounds 5] [--config JSON] [--stats-config JSON]
 
 ``--config`` adds a row: the in-place gradient-in-forward mode with that override of the looped
-tier's launch config (e.g. '{"LANE_STATS": true, "programs_per_sm": 2}'), interleaved with the rest;
+tier's launch config (e.g. '{"BLOCK_V": 8192, "num_warps": 16}'), interleaved with the rest;
 ``--stats-config`` likewise a row of the deferred mode with the loss-only forward's config overridden.
 
 The benchmark (``tilefuse bench cross_entropy``) draws a random grad_output instead, which costs the

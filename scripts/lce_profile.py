@@ -11,7 +11,7 @@ between consecutive kernels with the kernel that follows each.
 
 ``--ab ROUNDS``: instead, interleaved rounds of step wall times (CUDA events, median of 3 steps per
 round) and do_bench medians of back-to-back steps (as the benchmark times them) for tilefuse with
-its default cross-entropy row config and with session 31's (the per-tile max stats walk), and eager:
+its default cross-entropy row config and with 8K tiles at 16 warps (the default below 64K classes), and eager:
 the same process and GPU for all. (Session 29's variants -- Gluon or cuBLAS GEMMs, the target test
 awaited late or up front -- are in git history.)
 """
@@ -95,10 +95,10 @@ def ab(rounds: int, h, w, target) -> None:
     import tilefuse.ops._cross_entropy_kernels as cek
 
     # the cross-entropy rows' launch config per variant (None: the default); "eager": no tilefuse
-    s31_rows = {"single_tile": False, "BLOCK_V": 8192, "num_warps": 16, "maxnreg": None, "programs_per_sm": None,
-                "LANE_STATS": False, "PREFETCH": False, **cek.LOOPED_GRAD_EVICT}
+    rows_8k = {"single_tile": False, "BLOCK_V": 8192, "num_warps": 16, "maxnreg": None, "programs_per_sm": None,
+               "PREFETCH": True, "GRAD_PREFETCH": False, **cek.LOOPED_GRAD_EVICT}
     variants = {"tilefuse (default)": None,
-                "tilefuse (s31 CE rows: per-tile max)": s31_rows,
+                "tilefuse (CE rows in 8K tiles at 16 warps)": rows_8k,
                 "eager": "eager"}
     looped = cek._looped_config
     times = {name: [] for name in variants}

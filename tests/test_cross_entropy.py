@@ -115,11 +115,11 @@ def test_looped_tier(monkeypatch, n_cols, inplace, defer):
     {"single_tile": False, "BLOCK_V": 128, "programs_per_sm": 2},
     {"single_tile": True, "BLOCK_V": 1024, "num_warps": 2},
     {"single_tile": False, "BLOCK_V": 256, "STATS_EVICT": "", "GRAD_EVICT": "", "STORE_EVICT": ""},
-    {"single_tile": False, "BLOCK_V": 128, "LANE_STATS": True, "PREFETCH": False},
-    {"single_tile": False, "BLOCK_V": 256, "LANE_STATS": True, "PREFETCH": True, "programs_per_sm": 1},
-    {"single_tile": False, "BLOCK_V": 128, "LANE_STATS": True, "PREFETCH": True, "GRAD_PREFETCH": True},
-], ids=["persistent", "looped-128", "single-1024", "looped-256-no-hints", "lanes-128", "lanes-256-prefetch",
-        "lanes-128-grad-prefetch"])
+    {"single_tile": False, "BLOCK_V": 128, "PREFETCH": False},
+    {"single_tile": False, "BLOCK_V": 256, "PREFETCH": True, "programs_per_sm": 1},
+    {"single_tile": False, "BLOCK_V": 128, "PREFETCH": True, "GRAD_PREFETCH": True},
+], ids=["persistent", "looped-128", "single-1024", "looped-256-no-hints", "looped-128-no-prefetch",
+        "looped-256-prefetch-persistent", "looped-128-grad-prefetch"])
 def test_launch_configs(config):
     """The sweep's config overrides give the same rows as the closed form (CPU path)."""
     logits = torch.randn(13, 1000, device=DEVICE) * 3
@@ -133,8 +133,8 @@ def test_launch_configs(config):
     assert rel_err(loss, ref_loss) <= 1e-5 and rel_err(grad, ref_grad) <= 1e-5
 
 
-@pytest.mark.parametrize("lanes", [False, True], ids=["tile-max", "lane-max"])
-def test_looped_minus_inf_prefix_and_tail(lanes):
+@pytest.mark.parametrize("prefetch", [False, True], ids=["plain", "prefetch"])
+def test_looped_minus_inf_prefix_and_tail(prefetch):
     """Looped stats walks over rows whose first tiles (and some lanes throughout) are all -inf:
     no NaN from an -inf running max, zero gradient there."""
     logits = torch.randn(4, 1000, device=DEVICE) * 3
@@ -142,7 +142,7 @@ def test_looped_minus_inf_prefix_and_tail(lanes):
     logits[:, 700::7] = -float("inf")
     target = torch.tensor([300, 500, 999, IGNORE], device=DEVICE)
     opts = kernels.CEOptions(IGNORE, 0.0, 0.0, None)
-    config = {"single_tile": False, "BLOCK_V": 128, "LANE_STATS": lanes, "PREFETCH": lanes, "GRAD_PREFETCH": lanes}
+    config = {"single_tile": False, "BLOCK_V": 128, "PREFETCH": prefetch, "GRAD_PREFETCH": prefetch}
     loss, grad = torch.empty(4, device=DEVICE), torch.empty_like(logits)
     kernels.launch_cross_entropy_rows(logits, target, torch.ones(1, device=DEVICE), loss, grad, opts, config)
     finite = torch.where(torch.isinf(logits), torch.full_like(logits, -1e30), logits)
