@@ -34,7 +34,7 @@ def _with_config(fn, override: dict, write_grad: bool = True):
     write_grad=False, the loss-only one)."""
     def run():
         base = kernels._looped_config
-        kernels._looped_config = lambda wg, n: {**base(wg, n), **(override if wg == write_grad else {})}
+        kernels._looped_config = lambda wg, *shape: {**base(wg, *shape), **(override if wg == write_grad else {})}
         try:
             return fn()
         finally:

@@ -106,7 +106,7 @@ def ab(rounds: int, h, w, target) -> None:
     for _ in range(rounds):
         for name, rows_cfg in variants.items():
             cek._looped_config = looped if rows_cfg in (None, "eager") else (
-                lambda write_grad, n_cols, c=rows_cfg: dict(c) if write_grad else looped(write_grad, n_cols))
+                lambda write_grad, *shape, c=rows_cfg: dict(c) if write_grad else looped(write_grad, *shape))
             step = step_fn("eager" if rows_cfg == "eager" else "tilefuse", h, w, target)
             step()
             times[name].append(statistics.median(wall_ms(step, 3)))

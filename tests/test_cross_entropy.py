@@ -99,7 +99,7 @@ def test_matches_torch_cross_entropy(reduction, label_smoothing):
 def test_looped_tier(monkeypatch, n_cols, inplace, defer):
     """Rows walked in 64-wide tiles: V below, at, just past and far past one tile."""
     monkeypatch.setattr(kernels, "MAX_SINGLE_TILE", 32)
-    monkeypatch.setattr(kernels, "_looped_grad_tile", lambda n_cols: (64, 4))
+    monkeypatch.setattr(kernels, "_looped_grad_tile", lambda n_cols, elem_bytes: (64, 4))
     monkeypatch.setattr(kernels, "LOOPED_STATS_BLOCK_V", 64)
     monkeypatch.setattr(kernels, "BWD_BLOCK_V", 64)
     logits = torch.randn(5, n_cols, device=DEVICE) * 3

@@ -8,7 +8,8 @@ the kernel fast and correct to launch: no register spills (the attention backwar
 an accumulator while a wgmma that writes registers is in flight). Their results are checked on the
 GPU (test_attention.py, test_attention_bwd.py, test_fp8.py). Each compile (and the import of the
 Gluon modules) runs in a child process without TRITON_INTERPRET: under the interpreter the
-kernels' @triton.jit helpers are interpreted functions, which do not compile.
+kernels' @triton.jit helpers are interpreted functions, which do not compile. One ``tl`` kernel is
+here for a property the interpreter cannot see: the cross-entropy rows kernel's register budget.
 """
 
 import os
@@ -377,12 +378,58 @@ def compile_int4_wgmma(case):
     assert "HGMMA" in sass and "LDGSTS" in sass and per_value < bound, per_value
 
 
+CE_CASES = {"v128256-bf16": (128256, torch.bfloat16), "v32000-bf16": (32000, torch.bfloat16),
+            "v256000-fp32": (256000, torch.float32)}
+
+
+@pytest.mark.parametrize("case", list(CE_CASES))
+def test_cross_entropy_rows_compile_for_sm90(case):
+    _in_child("cross-entropy", case)
+
+
+def compile_cross_entropy(case):
+    """The gradient-writing cross-entropy kernel (a ``tl`` kernel) at its default looped config:
+    its stats walk reduces inside each thread (no convert_layout or shared-memory staging in the
+    TTGIR), no spills, and registers within 64K / (32 · num_warps), so that a program of 32 warps
+    launches at all and one fits on an SM (the config's premise)."""
+    from triton.compiler import ASTSource
+
+    from tilefuse.ops import _cross_entropy_kernels as ce
+    n_cols, dtype = CE_CASES[case]
+    logits = torch.empty(4, n_cols, dtype=dtype)
+    cfg = ce.default_config(n_cols, True, logits.element_size())
+    kernel = ce.cross_entropy_fwd_kernel.fn
+    args = dict(logits_ptr=logits, grad_ptr=logits, target_ptr=torch.empty(4, dtype=torch.int64),
+                loss_ptr=torch.empty(4), scale_ptr=torch.empty(1), stats_ptr=torch.empty(4),
+                skip_ptr=torch.empty((), dtype=torch.bool), logits_row_stride=n_cols, grad_row_stride=n_cols,
+                scale_stride=0, n_rows=8192, n_cols=n_cols, ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
+                softcap=1.0)
+    constexprs = dict(HAS_SOFTCAP=False, HAS_SMOOTHING=False, HAS_Z_LOSS=False, HAS_SKIP=True, WRITE_GRAD=True,
+                      SAVE_STATS=False, SINGLE_TILE=False, BLOCK_V=cfg["BLOCK_V"], STATS_EVICT=cfg["STATS_EVICT"],
+                      GRAD_EVICT=cfg["GRAD_EVICT"], STORE_EVICT=cfg["STORE_EVICT"], VEC=16 // logits.element_size(),
+                      PREFETCH=cfg["PREFETCH"], GRAD_PREFETCH=cfg["GRAD_PREFETCH"])
+    names = [p.name for p in kernel.params]
+    signature = {name: "constexpr" if name in constexprs else mangle_type(args[name]) for name in names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names)
+               if name.endswith("_ptr") or (type(args.get(name)) is int and args[name] % 16 == 0)}
+    src = ASTSource(fn=kernel, signature=signature, attrs=aligned,
+                    constexprs={(names.index(k),): v for k, v in constexprs.items()})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=cfg["num_warps"]))
+    ttgir = compiled.asm["ttgir"]
+    assert "convert_layout" not in ttgir and "local_alloc" not in ttgir, "a layout conversion in the row walks"
+    report, _ = _ptxas_and_sass(compiled)
+    regs = int(re.search(r"Used (\d+) registers", report).group(1))
+    print(f"{case}: BLOCK_V {cfg['BLOCK_V']}, {cfg['num_warps']} warps, {regs} registers")
+    assert _spill_bytes(report) == 0, report
+    assert regs <= 65536 // (32 * cfg["num_warps"]), report
+
+
 if __name__ == "__main__":
     kind, name = sys.argv[1:]
     {"attention": compile_attention, "attention-bwd": compile_attention_bwd, "attention-dq": compile_attention_dq,
      "fp8": compile_fp8,
      "int4-mma": compile_int4_mma, "int4-wgmma": compile_int4_wgmma, "gemm": compile_gemm,
-     "gemm-accumulate": compile_gemm_accumulate}[kind](name)
+     "gemm-accumulate": compile_gemm_accumulate, "cross-entropy": compile_cross_entropy}[kind](name)
     print("OK")
 
 

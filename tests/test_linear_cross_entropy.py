@@ -105,7 +105,7 @@ def test_long_vocab_rows_take_the_looped_kernel(monkeypatch):
     """Vocabulary rows longer than one kernel tile (the looped tier) inside the chunk loop."""
     import tilefuse.ops._cross_entropy_kernels as kernels
     monkeypatch.setattr(kernels, "MAX_SINGLE_TILE", 32)
-    monkeypatch.setattr(kernels, "_looped_grad_tile", lambda n_cols: (64, 4))
+    monkeypatch.setattr(kernels, "_looped_grad_tile", lambda n_cols, elem_bytes: (64, 4))
     monkeypatch.setattr(kernels, "LOOPED_STATS_BLOCK_V", 64)
     monkeypatch.setattr(kernels, "BWD_BLOCK_V", 64)
     _tiny_chunks(monkeypatch, 200, 4, 2)

@@ -450,16 +450,20 @@ def _single_tile_config(n_cols: int) -> dict:
             "maxnreg": None, "programs_per_sm": None}
 
 
-def _looped_grad_tile(n_cols: int) -> tuple:
-    """(BLOCK_V, num_warps) of the gradient-writing looped kernel. Rows of 64K+ classes: 32K tiles
-    at 32 warps, 60 registers, so one program (one row in flight) per SM with 64 KB of loads per
-    walk step: H200 session 32, 1,097 us = 90 % of copy at V = 128256 and 83 % at 256000, against
-    84 / 77 % at 16K tiles. Shorter rows: 8K at 16 warps (57 registers, two rows per SM): 83 % at
-    V = 32000, where a 32K tile is the whole row and one row per SM reached 63 %."""
-    return (32768, 32) if n_cols >= 65536 else (8192, 16)
+def _looped_grad_tile(n_cols: int, elem_bytes: int = 2) -> tuple:
+    """(BLOCK_V, num_warps) of the gradient-writing looped kernel, tiles sized in bytes (fp32
+    logits take half the columns: a bf16-sized tile of fp32 spills). Rows of 64K+ classes: 64 KB
+    tiles (32K bf16) at 32 warps, 60 registers, so one program (one row in flight) per SM with
+    64 KB of loads per walk step: H200 session 32, 1,097 us = 90 % of copy at V = 128256 and 83 %
+    at 256000, against 84 / 77 % at 16K tiles. Shorter rows: 16 KB (8K bf16) at 16 warps (59
+    registers, two rows per SM): 83 % at V = 32000, where a 32K tile is the whole row and one
+    row per SM reached 63 %."""
+    if n_cols >= 65536:
+        return 65536 // elem_bytes, 32
+    return 16384 // elem_bytes, 16
 
 
-def _looped_config(write_grad: bool, n_cols: int) -> dict:
+def _looped_config(write_grad: bool, n_cols: int, elem_bytes: int = 2) -> dict:
     """Long rows, one program per row; the stats walk keeps a running max per thread (no
     cross-warp step per tile, _row_stats_looped) and loads the next tile before the current one's
     math (PREFETCH). Loss and statistics only (the deferred mode): 4K tiles at 8 warps, no
@@ -472,7 +476,7 @@ def _looped_config(write_grad: bool, n_cols: int) -> dict:
     lost at 32K tiles (1,206 us) and was within 2 % at the others. Persistent grids of 1-4
     programs per SM were slower in both modes."""
     if write_grad:
-        block, warps = _looped_grad_tile(n_cols)
+        block, warps = _looped_grad_tile(n_cols, elem_bytes)
         return {"single_tile": False, "BLOCK_V": block, "num_warps": warps, "maxnreg": None,
                 "programs_per_sm": None, "PREFETCH": True, "GRAD_PREFETCH": False,
                 **LOOPED_GRAD_EVICT}
@@ -480,12 +484,13 @@ def _looped_config(write_grad: bool, n_cols: int) -> dict:
             "programs_per_sm": None, "PREFETCH": False}
 
 
-def default_config(n_cols: int, write_grad: bool = True) -> dict:
-    """Launch config; ``programs_per_sm`` (None: one program per row) makes the grid persistent,
-    for sweeps that bound the rows in flight further."""
+def default_config(n_cols: int, write_grad: bool = True, elem_bytes: int = 2) -> dict:
+    """Launch config for rows of ``n_cols`` logits of ``elem_bytes`` each; ``programs_per_sm``
+    (None: one program per row) makes the grid persistent, for sweeps that bound the rows in
+    flight further."""
     if next_power_of_2(max(n_cols, 1)) <= MAX_SINGLE_TILE:
         return _single_tile_config(n_cols)
-    return _looped_config(write_grad, n_cols)
+    return _looped_config(write_grad, n_cols, elem_bytes)
 
 
 def launch_cross_entropy_rows(logits, target, row_scale, loss_rows, grad, opts: CEOptions, config=None,
@@ -497,7 +502,7 @@ def launch_cross_entropy_rows(logits, target, row_scale, loss_rows, grad, opts: 
     n_rows, n_cols = logits.shape
     if n_rows == 0:
         return
-    cfg = {**default_config(n_cols, write_grad=grad is not None), **(config or {})}
+    cfg = {**default_config(n_cols, grad is not None, logits.element_size()), **(config or {})}
     if cfg["single_tile"] and cfg["BLOCK_V"] < n_cols:
         raise ValueError(f"config: a single tile of {cfg['BLOCK_V']} cannot hold rows of {n_cols}")
     programs = n_rows if not cfg["programs_per_sm"] else min(n_rows, num_sms(logits) * cfg["programs_per_sm"])
