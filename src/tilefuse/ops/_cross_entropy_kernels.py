@@ -28,7 +28,7 @@ import triton.language as tl
 
 from .._dispatch import empty, next_power_of_2, num_sms
 from .._launch import fast_launch
-from ._common import LN2, LOG2E
+from ._common import LN2, LOG2E, lane_max_sum_merge, lane_max_sum_step, lane_view
 
 MAX_SINGLE_TILE = 8192    # a row this long sits in registers (16 warps x 16 values per thread): one read
 BWD_BLOCK_V = 8192        # ... of the deferred backward: 16 values per thread at 16 warps
@@ -97,8 +97,7 @@ def _row_stats_looped(row_ptr, n_cols, t_col, softcap,
     m = tl.full([LANES], -float("inf"), tl.float32)
     s_other = tl.zeros([LANES], dtype=tl.float32)
     sum_x = tl.zeros([LANES], dtype=tl.float32)
-    cols = tl.arange(0, BLOCK_V)
-    x_next, _, _ = _load_logits(row_ptr, cols, n_cols, softcap, HAS_SOFTCAP, EVICT)
+    x_next, _, _ = _load_logits(row_ptr, tl.arange(0, BLOCK_V), n_cols, softcap, HAS_SOFTCAP, EVICT)
     for start in range(0, n_cols, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         if PREFETCH:
@@ -106,18 +105,13 @@ def _row_stats_looped(row_ptr, n_cols, t_col, softcap,
             x_next, _, _ = _load_logits(row_ptr, cols + BLOCK_V, n_cols, softcap, HAS_SOFTCAP, EVICT)
         else:
             x, _, _ = _load_logits(row_ptr, cols, n_cols, softcap, HAS_SOFTCAP, EVICT)
-        x2 = tl.reshape(x, [LANES, VEC])
-        c2 = tl.reshape(cols, [LANES, VEC])
-        m_new = tl.maximum(m, tl.max(x2, axis=1))
-        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)   # an all -inf prefix stays 0, not NaN
-        e = tl.exp2((x2 - m_safe[:, None]) * LOG2E)
-        s_other = s_other * tl.exp2((m - m_safe) * LOG2E) + tl.sum(tl.where(c2 == t_col, 0.0, e), axis=1)
+        x2 = lane_view(x, VEC)
+        c2 = lane_view(cols, VEC)
+        m, s_other = lane_max_sum_step(m, s_other, x2, c2, t_col, True)
         if HAS_SMOOTHING:
             sum_x += tl.sum(tl.where(c2 < n_cols, x2, 0.0), axis=1)
-        m = m_new
-    m_row = tl.max(m, axis=0)
-    m_row_safe = tl.where(m_row == -float("inf"), 0.0, m_row)
-    return m_row, tl.sum(s_other * tl.exp2((m - m_row_safe) * LOG2E), axis=0), tl.sum(sum_x, axis=0)
+    m_row, s_row = lane_max_sum_merge(m, s_other)
+    return m_row, s_row, tl.sum(sum_x, axis=0)
 
 
 @triton.jit
