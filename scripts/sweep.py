@@ -1,6 +1,6 @@
 """Launch-config sweeps for the row kernels, on the GPU: which tile / warps / grid hit the most GB/s.
 
-    python scripts/sweep.py softmax [--dtype bf16]
+    python scripts/sweep.py softmax [--dtype bf16] [--min-cols 16384]
 
 Per shape and pass: every config once, then the best few re-timed interleaved (median); prints the top configs in GB/s (ideal bytes from the op
 registry), the default's GB/s, a copy of the same byte count for scale, and a summary table last.
@@ -79,6 +79,9 @@ def report(label, shape, pass_, results, default, copy, eager):
     return (shape, pass_, results[0][0], results[0][2], dflt[0][0] if dflt else float("nan"), copy, eager)
 
 
+MIN_COLS = 0   # --min-cols
+
+
 def softmax_base_configs(n_rows, n_cols):
     """The fused tier around the default tile (1-2x its rows and warps); from 16K columns the looped
     tier's tiles, with and without L2 hints on its two walks."""
@@ -95,6 +98,11 @@ def softmax_base_configs(n_rows, n_cols):
             if 4 <= bn // (32 * w) <= 64:
                 hints = sm.LOOPED_EVICT if evict else {"FIRST_EVICT": "", "SECOND_EVICT": ""}
                 out.append({"looped": True, "BLOCK_M": 1, "BLOCK_N": bn, "num_warps": w, **hints})
+        # session 32: walk 1 prefetching its next tile, walk 2 from the row's end (with the hints)
+        for bn, w, pf, rev in itertools.product((8192, 16384, 32768), (16, 32), (False, True), (False, True)):
+            if (pf or rev) and 8 <= bn // (32 * w) <= 32:
+                out.append({"looped": True, "BLOCK_M": 1, "BLOCK_N": bn, "num_warps": w, **sm.LOOPED_EVICT,
+                            "PREFETCH": pf, "REVERSE": rev})
     return out
 
 
@@ -103,6 +111,8 @@ def sweep_softmax(dtype):
     spec = registry.get("softmax")
     rows = []
     for shape in spec.bench_shapes:
+        if shape[-1] < MIN_COLS:
+            continue
         x = (torch.randn(shape, device="cuda") * 4).to(dtype)
         y_ref = torch.softmax(x.float(), -1)
         y = y_ref.to(dtype)
@@ -290,7 +300,10 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("ops", nargs="+", choices=sorted(SWEEPS))
     ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--min-cols", type=int, default=0, help="softmax: only bench shapes with rows this long")
     a = ap.parse_args(argv)
+    global MIN_COLS
+    MIN_COLS = a.min_cols
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[a.dtype]
     ceiling = copy_gbps(2 * 2**30)
     print(f"device {torch.cuda.get_device_name()} copy {ceiling:.0f} GB/s (2 GiB moved)", flush=True)

@@ -53,6 +53,21 @@ def test_row_of_neg_inf_except_one(n, monkeypatch):
     assert torch.all(g.abs() < 1e-6)
 
 
+@pytest.mark.parametrize("config", [{}, {"PREFETCH": True, "REVERSE": True}], ids=["default", "prefetch-reverse"])
+def test_looped_neg_inf_prefix_and_lanes(config):
+    """The looped forward's per-thread maxima: rows whose first tiles, and some lanes throughout,
+    are all -inf (an -inf running max must not make NaN)."""
+    x = torch.randn(3, 1000, device=DEVICE) * 3
+    x[:, :300] = -math.inf
+    x[:, 700::7] = -math.inf
+    cfg = {"looped": True, "BLOCK_N": 128, "num_warps": 4, **config}
+    for log in (False, True):
+        ref = (torch.log_softmax if log else torch.softmax)(x.double(), -1)
+        y = sm._launch_fwd(x, log, cfg)
+        finite = torch.isfinite(ref)
+        assert torch.equal(torch.isfinite(y), finite) and rel_err(y[finite], ref[finite]) <= 1e-5
+
+
 def test_all_neg_inf_row_matches_torch():
     x = torch.full((2, 9), -math.inf, device=DEVICE)
     assert torch.isnan(tilefuse.softmax(x)).all() and torch.isnan(torch.softmax(x, -1)).all()
@@ -139,6 +154,8 @@ def test_random_shapes(rows, cols, log, half, scale):
     {"BLOCK_M": 1, "num_warps": 4},
     {"looped": True, "BLOCK_N": 64, "num_warps": 4},    # the looped tier on a short row, many tiles
     {"looped": True, "BLOCK_N": 64, "num_warps": 4, **sm.LOOPED_EVICT},   # with the L2 hints
+    {"looped": True, "BLOCK_N": 64, "num_warps": 4, **sm.LOOPED_EVICT, "PREFETCH": True, "REVERSE": True},
+    {"looped": True, "BLOCK_N": 128, "num_warps": 4, "PREFETCH": False, "REVERSE": True},
 ])
 def test_launch_configs_agree(config):
     """Every launch configuration a sweep may pick computes the same function (fwd and bwd)."""

@@ -31,7 +31,7 @@ from .._dispatch import cdiv, empty_like, next_power_of_2, rows_view, use_triton
 from .._launch import FastKernel, PreparedArgs, config_key, fast_launch
 from .._op import custom_op
 from ..registry import Inputs, OpSpec, register, tensor_bytes
-from ._common import LN2, LOG2E, row_tile_mask_offsets
+from ._common import LN2, LOG2E, lane_max_sum_merge, lane_max_sum_step, lane_view, row_tile_mask_offsets
 
 # Widest row kept whole in registers, per pass. Measured on an H200 (benchmarks/NOTES.md): at
 # N = 32768 the forward runs faster looped (session 9: 4.00 TB/s with 8 warps and L2 hints, against
@@ -89,25 +89,35 @@ def softmax_fwd_looped_kernel(
     BLOCK_N: tl.constexpr,  # tile walked per step
     FIRST_EVICT: tl.constexpr,   # L2 policy of walk 1's loads: "evict_last" keeps the row for walk 2
     SECOND_EVICT: tl.constexpr,  # walk 2's: "evict_first" (the row's last use)
+    PREFETCH: tl.constexpr,      # walk 1 issues tile i + 1's load before tile i's math
+    REVERSE: tl.constexpr,       # walk 2 from the row's end, the tiles walk 1 left in L2 last
 ):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_row_stride
     y_row = y_ptr + row * y_row_stride
-    # walk 1: online max and sum, one exp per element (the running sum is rescaled per tile)
-    m = -float("inf")
-    s = 0.0
+    # walk 1: online max and sum per thread (ops/_common.py: no cross-warp step per tile), one exp
+    # per element and one per 16-byte load to rescale; the threads' partials merged after the walk
+    VEC: tl.constexpr = 128 // x_ptr.dtype.element_ty.primitive_bitwidth
+    m = tl.full([BLOCK_N // VEC], -float("inf"), tl.float32)
+    s = tl.zeros([BLOCK_N // VEC], dtype=tl.float32)
+    cols = tl.arange(0, BLOCK_N)
+    x_next = tl.load(x_row + cols, mask=cols < n_cols, other=-float("inf"), eviction_policy=FIRST_EVICT)
     for start in range(0, n_cols, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
-        x = tl.load(x_row + cols, mask=cols < n_cols, other=-float("inf"), eviction_policy=FIRST_EVICT).to(tl.float32)
-        m_new = tl.maximum(m, tl.max(x, axis=0))
-        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)   # an all -inf prefix stays 0, not NaN
-        s = s * tl.exp2((m - m_safe) * LOG2E) + tl.sum(tl.exp2((x - m_safe) * LOG2E), axis=0)
-        m = m_new
+        if PREFETCH:
+            x = x_next
+            x_next = tl.load(x_row + cols + BLOCK_N, mask=cols + BLOCK_N < n_cols, other=-float("inf"),
+                             eviction_policy=FIRST_EVICT)
+        else:
+            x = tl.load(x_row + cols, mask=cols < n_cols, other=-float("inf"), eviction_policy=FIRST_EVICT)
+        m, s = lane_max_sum_step(m, s, lane_view(x.to(tl.float32), VEC), None, 0, False)
+    m, s = lane_max_sum_merge(m, s)
     log2_s = tl.log2(s)
     inv_s = 1.0 / s
     # walk 2: normalize and write
-    for start in range(0, n_cols, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
+    last = (n_cols - 1) // BLOCK_N * BLOCK_N
+    for i in range(0, n_cols, BLOCK_N):
+        cols = (last - i if REVERSE else i) + tl.arange(0, BLOCK_N)
         mask = cols < n_cols
         x = tl.load(x_row + cols, mask=mask, other=0.0, eviction_policy=SECOND_EVICT).to(tl.float32)
         z = (x - m) * LOG2E
@@ -176,28 +186,44 @@ def softmax_bwd_looped_kernel(
     BLOCK_N: tl.constexpr,  # tile walked per step
     FIRST_EVICT: tl.constexpr,   # as the forward's
     SECOND_EVICT: tl.constexpr,  # as the forward's
+    PREFETCH: tl.constexpr,      # as the forward's (both inputs of walk 1)
+    REVERSE: tl.constexpr,       # as the forward's
 ):
     row = tl.program_id(0).to(tl.int64)
     y_row = y_ptr + row * y_row_stride
     dy_row = dy_ptr + row * dy_row_stride
     dx_row = dx_ptr + row * dx_row_stride
+    # walk 1: per-element partial sums, one cross-warp reduction after the walk
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    cols = tl.arange(0, BLOCK_N)
+    dy_next, y_next = _softmax_bwd_loads(y_row, dy_row, cols, n_cols, LOG, FIRST_EVICT)
     for start in range(0, n_cols, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
-        mask = cols < n_cols
-        dy = tl.load(dy_row + cols, mask=mask, other=0.0, eviction_policy=FIRST_EVICT).to(tl.float32)
-        if LOG:
-            acc += dy
+        if PREFETCH:
+            dy, y = dy_next, y_next
+            dy_next, y_next = _softmax_bwd_loads(y_row, dy_row, cols + BLOCK_N, n_cols, LOG, FIRST_EVICT)
         else:
-            y = tl.load(y_row + cols, mask=mask, other=0.0, eviction_policy=FIRST_EVICT).to(tl.float32)
-            acc += y * dy
+            dy, y = _softmax_bwd_loads(y_row, dy_row, cols, n_cols, LOG, FIRST_EVICT)
+        acc += _softmax_bwd_terms(y, dy, LOG)
     row_sum = tl.sum(acc, axis=0)
-    for start in range(0, n_cols, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
+    last = (n_cols - 1) // BLOCK_N * BLOCK_N
+    for i in range(0, n_cols, BLOCK_N):
+        cols = (last - i if REVERSE else i) + tl.arange(0, BLOCK_N)
         mask = cols < n_cols
         y = tl.load(y_row + cols, mask=mask, other=0.0, eviction_policy=SECOND_EVICT).to(tl.float32)
         dy = tl.load(dy_row + cols, mask=mask, other=0.0, eviction_policy=SECOND_EVICT).to(tl.float32)
         tl.store(dx_row + cols, _softmax_bwd_dx(y, dy, row_sum, LOG).to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _softmax_bwd_loads(y_row, dy_row, cols, n_cols, LOG: tl.constexpr, EVICT: tl.constexpr):
+    """(dy, y) of one tile in fp32, 0 past the row; log_softmax's walk 1 needs no y (0.0)."""
+    mask = cols < n_cols
+    dy = tl.load(dy_row + cols, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+    y = 0.0
+    if not LOG:
+        y = tl.load(y_row + cols, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+    return dy, y
 
 
 # ----------------------------------------------------------------------------------------------
@@ -277,7 +303,8 @@ def _plan(fused: FastKernel, looped: FastKernel, forward: bool, n_rows: int, n_c
         return _Plan(fused, (cdiv(n_rows, cfg["BLOCK_M"]),),
                      fused.prepare((*in_strides, n_cols, n_rows, n_cols), kwargs))
     evict = {k: cfg.get(k, "") for k in LOOPED_EVICT}     # a config forcing the looped tier may omit them
-    kwargs = dict(LOG=log, BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"], **evict)
+    kwargs = dict(LOG=log, BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"], **evict,
+                  PREFETCH=cfg.get("PREFETCH", False), REVERSE=cfg.get("REVERSE", False))
     return _Plan(looped, (n_rows,), looped.prepare((*in_strides, n_cols, n_cols), kwargs))
 
 
