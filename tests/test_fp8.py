@@ -32,6 +32,9 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 U = {E4M3: 2**-4, E5M2: 2**-3}                       # unit roundoff (normal range)
 SUBNORMAL_HALF_ULP = {E4M3: 2**-10, E5M2: 2**-17}
 OUT_U = {torch.float32: 2**-24, torch.float16: 2**-11, torch.bfloat16: 2**-8}
+# the output's rounding below its normal range: half its smallest subnormal, absolute (a CI run
+# had an fp16 result of -1.31e-5, where fp16's spacing is 2^-24: 2.02x the relative bound alone)
+OUT_SUBNORMAL_HALF_ULP = {torch.float32: 2**-150, torch.float16: 2**-25, torch.bfloat16: 2**-134}
 
 
 def _acc_rel(k: int) -> float:
@@ -70,7 +73,7 @@ def _elementwise_bound(a, b, dta, dtb, scale_a, scale_b, out_dtype):
              + eta_b * (1 + ua) * abs_a.sum(1)[:, None] + a.shape[1] * eta_a * eta_b)
     bound = bound + _acc_rel(a.shape[1]) * (prod + bound)
     exact = a @ b.t()
-    return exact, bound + OUT_U[out_dtype] * (exact.abs() + bound) + 1e-300
+    return exact, bound + OUT_U[out_dtype] * (exact.abs() + bound) + OUT_SUBNORMAL_HALF_ULP[out_dtype] + 1e-300
 
 
 def _scaled_gemm_bound(qa, sa, qb, sb, bias, out_dtype):
@@ -84,7 +87,7 @@ def _scaled_gemm_bound(qa, sa, qb, sb, bias, out_dtype):
     db = qb.double().abs() * sb.double().abs().reshape(-1, 1)
     terms = da @ db.t() + (bias.double().abs()[None, :] if bias is not None else 0.0)
     bound = (_acc_rel(k) + 4 * 2**-24) * terms
-    return exact, bound + OUT_U[out_dtype] * (exact.abs() + bound) + 1e-300
+    return exact, bound + OUT_U[out_dtype] * (exact.abs() + bound) + OUT_SUBNORMAL_HALF_ULP[out_dtype] + 1e-300
 
 
 def _assert_within(out, exact, bound, what):
