@@ -53,7 +53,8 @@ def test_row_of_neg_inf_except_one(n, monkeypatch):
     assert torch.all(g.abs() < 1e-6)
 
 
-@pytest.mark.parametrize("config", [{}, {"PREFETCH": True, "REVERSE": True}], ids=["default", "prefetch-reverse"])
+@pytest.mark.parametrize("config", [{}, {"LANE_STATS": True, "PREFETCH": True, "REVERSE": True}],
+                         ids=["tile-max", "lane-max-prefetch-reverse"])
 def test_looped_neg_inf_prefix_and_lanes(config):
     """The looped forward's per-thread maxima: rows whose first tiles, and some lanes throughout,
     are all -inf (an -inf running max must not make NaN)."""
@@ -66,6 +67,26 @@ def test_looped_neg_inf_prefix_and_lanes(config):
         y = sm._launch_fwd(x, log, cfg)
         finite = torch.isfinite(ref)
         assert torch.equal(torch.isfinite(y), finite) and rel_err(y[finite], ref[finite]) <= 1e-5
+
+
+def test_long_row_default_config(monkeypatch):
+    """The long-row defaults (per-thread maxima, prefetch, reversed second walks) through the public
+    API, with LONG_ROW lowered so a short row takes them; fp32 takes half the bf16 tile's columns."""
+    for cache in (sm._cached_config, sm._fwd_plan, sm._bwd_plan):
+        cache.cache_clear()
+    monkeypatch.setattr(sm, "LONG_ROW", 200)
+    try:
+        assert sm._launch_config(2, 40000, True, None, 4)["BLOCK_N"] == 16384
+        x = (torch.randn(3, 40000, device=DEVICE) * 3).requires_grad_(True)
+        ref_x = x.detach().double().requires_grad_(True)
+        y, ref = tilefuse.softmax(x), torch.softmax(ref_x, -1)
+        assert rel_err(y, ref) <= 1e-5
+        dy = torch.randn_like(y)
+        (g,), (rg,) = torch.autograd.grad(y, x, dy), torch.autograd.grad(ref, ref_x, dy.double())
+        assert rel_err(g, rg) <= 1e-5
+    finally:
+        for cache in (sm._cached_config, sm._fwd_plan, sm._bwd_plan):
+            cache.cache_clear()
 
 
 def test_all_neg_inf_row_matches_torch():
@@ -154,8 +175,10 @@ def test_random_shapes(rows, cols, log, half, scale):
     {"BLOCK_M": 1, "num_warps": 4},
     {"looped": True, "BLOCK_N": 64, "num_warps": 4},    # the looped tier on a short row, many tiles
     {"looped": True, "BLOCK_N": 64, "num_warps": 4, **sm.LOOPED_EVICT},   # with the L2 hints
-    {"looped": True, "BLOCK_N": 64, "num_warps": 4, **sm.LOOPED_EVICT, "PREFETCH": True, "REVERSE": True},
-    {"looped": True, "BLOCK_N": 128, "num_warps": 4, "PREFETCH": False, "REVERSE": True},
+    {"looped": True, "BLOCK_N": 64, "num_warps": 4, **sm.LOOPED_EVICT, "LANE_STATS": True, "PREFETCH": True,
+     "REVERSE": True},
+    {"looped": True, "BLOCK_N": 128, "num_warps": 4, "LANE_STATS": True, "PREFETCH": False, "REVERSE": True},
+    {"looped": True, "BLOCK_N": 128, "num_warps": 4, "PREFETCH": True, "REVERSE": True},   # the backward prefetching
 ])
 def test_launch_configs_agree(config):
     """Every launch configuration a sweep may pick computes the same function (fwd and bwd)."""

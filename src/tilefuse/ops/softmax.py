@@ -89,29 +89,44 @@ def softmax_fwd_looped_kernel(
     BLOCK_N: tl.constexpr,  # tile walked per step
     FIRST_EVICT: tl.constexpr,   # L2 policy of walk 1's loads: "evict_last" keeps the row for walk 2
     SECOND_EVICT: tl.constexpr,  # walk 2's: "evict_first" (the row's last use)
-    PREFETCH: tl.constexpr,      # walk 1 issues tile i + 1's load before tile i's math
+    LANE_STATS: tl.constexpr,    # walk 1 keeps a max per thread (no cross-warp step per tile)
+    PREFETCH: tl.constexpr,      # ... and issues tile i + 1's load before tile i's math
     REVERSE: tl.constexpr,       # walk 2 from the row's end, the tiles walk 1 left in L2 last
 ):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_row_stride
     y_row = y_ptr + row * y_row_stride
-    # walk 1: online max and sum per thread (ops/_common.py: no cross-warp step per tile), one exp
-    # per element and one per 16-byte load to rescale; the threads' partials merged after the walk
-    VEC: tl.constexpr = 128 // x_ptr.dtype.element_ty.primitive_bitwidth
-    m = tl.full([BLOCK_N // VEC], -float("inf"), tl.float32)
-    s = tl.zeros([BLOCK_N // VEC], dtype=tl.float32)
-    cols = tl.arange(0, BLOCK_N)
-    x_next = tl.load(x_row + cols, mask=cols < n_cols, other=-float("inf"), eviction_policy=FIRST_EVICT)
-    for start in range(0, n_cols, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        if PREFETCH:
-            x = x_next
-            x_next = tl.load(x_row + cols + BLOCK_N, mask=cols + BLOCK_N < n_cols, other=-float("inf"),
-                             eviction_policy=FIRST_EVICT)
-        else:
-            x = tl.load(x_row + cols, mask=cols < n_cols, other=-float("inf"), eviction_policy=FIRST_EVICT)
-        m, s = lane_max_sum_step(m, s, lane_view(x.to(tl.float32), VEC), None, 0, False)
-    m, s = lane_max_sum_merge(m, s)
+    if LANE_STATS:
+        # walk 1: online max and sum per thread (ops/_common.py), one exp per element and one per
+        # 16-byte load to rescale; the threads' partials merged after the walk
+        VEC: tl.constexpr = 128 // x_ptr.dtype.element_ty.primitive_bitwidth
+        m = tl.full([BLOCK_N // VEC], -float("inf"), tl.float32)
+        s = tl.zeros([BLOCK_N // VEC], dtype=tl.float32)
+        cols = tl.arange(0, BLOCK_N)
+        x_next = tl.load(x_row + cols, mask=cols < n_cols, other=-float("inf"), eviction_policy=FIRST_EVICT)
+        for start in range(0, n_cols, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            if PREFETCH:
+                x = x_next
+                x_next = tl.load(x_row + cols + BLOCK_N, mask=cols + BLOCK_N < n_cols, other=-float("inf"),
+                                 eviction_policy=FIRST_EVICT)
+            else:
+                x = tl.load(x_row + cols, mask=cols < n_cols, other=-float("inf"), eviction_policy=FIRST_EVICT)
+            m, s = lane_max_sum_step(m, s, lane_view(x.to(tl.float32), VEC), None, 0, False)
+        m, s = lane_max_sum_merge(m, s)
+    else:
+        # walk 1: the tile's max, then the running sum rescaled per tile (one cross-warp max per
+        # tile; fewer exps: the faster walk while the row's second read hits L2, up to 64K)
+        m = -float("inf")
+        s = 0.0
+        for start in range(0, n_cols, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            x = tl.load(x_row + cols, mask=cols < n_cols, other=-float("inf"),
+                        eviction_policy=FIRST_EVICT).to(tl.float32)
+            m_new = tl.maximum(m, tl.max(x, axis=0))
+            m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)   # an all -inf prefix stays 0, not NaN
+            s = s * tl.exp2((m - m_safe) * LOG2E) + tl.sum(tl.exp2((x - m_safe) * LOG2E), axis=0)
+            m = m_new
     log2_s = tl.log2(s)
     inv_s = 1.0 / s
     # walk 2: normalize and write
@@ -249,7 +264,7 @@ def _num_warps(tile_elems: int) -> int:
     return max(4, min(32, tile_elems // (32 * 32)))
 
 
-LOOPED_BLOCK_N = 16384   # tile of the looped tier (best or tied-best at N = 32K and 256K)
+LOOPED_BLOCK_N = 16384   # tile of the looped tier up to LONG_ROW (best or tied-best at N = 32K)
 # L2 hints of the looped tier's two walks, as inductor's two-walk reductions: keep the row for
 # the second walk, then let it go (H200 session 9: 4.00 vs 3.44 TB/s at 4096x32768 forward
 # with 8 warps; +1.5 % at 1024x262144, whose rows in flight outgrow L2 anyway)
@@ -259,8 +274,26 @@ LOOPED_EVICT = {"FIRST_EVICT": "evict_last", "SECOND_EVICT": "evict_first"}
 def _looped_num_warps(n_cols: int, forward: bool) -> int:
     """Looped tier: 64 values per thread (8 warps) for forward rows up to 64K, so twice the programs
     stay resident and more rows' second walks hit L2 (4096x32768: 4.00 TB/s vs 3.45 at 16 warps);
-    longer rows and the backward keep 16 (1024x262144: within 1.5 % of the best tile tried)."""
+    the backward keeps 16."""
     return 8 if forward and n_cols <= 65536 else _num_warps(LOOPED_BLOCK_N)
+
+
+LONG_ROW = 65536   # rows longer than this: too many in flight for L2 at several programs per SM
+
+
+def _long_row_config(forward: bool, elem_bytes: int) -> dict:
+    """Rows past LONG_ROW (a 512 KB bf16 row at 262144): 64 KB tiles at 32 warps, one program (one
+    row) per SM, walk 2 running backwards from the tiles walk 1 read last; the forward's walk 1
+    keeps per-thread maxima and prefetches its next tile (the backward's walk 1 has no max, and
+    prefetching its two inputs lost). H200 session 32, 1024x262144 bf16, 3 interleaved rounds
+    against the previous tree: forward 354.8 us (3,026 GB/s) against 400.8 (2,679), backward
+    588.4 (2,737) against 640.5 (2,515). At 4096x32768 the same forward lost (190 us against 134:
+    there the 16K / 8-warp tiles' second read hits L2 already)."""
+    cfg = {"looped": True, "BLOCK_M": 1, "BLOCK_N": 65536 // elem_bytes, "num_warps": 32, **LOOPED_EVICT,
+           "REVERSE": True}
+    if forward:
+        cfg.update(LANE_STATS=True, PREFETCH=True)
+    return cfg
 
 
 # ----------------------------------------------------------------------------------------------
@@ -268,18 +301,21 @@ def _looped_num_warps(n_cols: int, forward: bool) -> int:
 # ----------------------------------------------------------------------------------------------
 
 
-def _launch_config(n_rows: int, n_cols: int, forward: bool, config: dict | None) -> dict:
-    """Tier and tile of one pass over a [n_rows, n_cols] problem; ``config`` overrides keys (GPU
-    sweeps). Cached per shape (host time); the returned dict is shared: read it, never change it."""
-    return _cached_config(n_rows, n_cols, forward, config_key(config))
+def _launch_config(n_rows: int, n_cols: int, forward: bool, config: dict | None, elem_bytes: int = 2) -> dict:
+    """Tier and tile of one pass over a [n_rows, n_cols] problem of ``elem_bytes`` values;
+    ``config`` overrides keys (GPU sweeps). Cached per shape (host time); the returned dict is
+    shared: read it, never change it."""
+    return _cached_config(n_rows, n_cols, forward, config_key(config), elem_bytes)
 
 
 @functools.lru_cache(maxsize=1024)
-def _cached_config(n_rows: int, n_cols: int, forward: bool, config: tuple) -> dict:
+def _cached_config(n_rows: int, n_cols: int, forward: bool, config: tuple, elem_bytes: int = 2) -> dict:
     if n_cols <= (FWD_MAX_FUSED_N if forward else BWD_MAX_FUSED_N):
         block_n = _fused_block_n(n_cols)
         block_m = _rows_per_program(block_n, n_rows)
         cfg = {"looped": False, "BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": _num_warps(block_m * block_n)}
+    elif n_cols > LONG_ROW:
+        cfg = _long_row_config(forward, elem_bytes)
     else:
         warps = _looped_num_warps(n_cols, forward)
         cfg = {"looped": True, "BLOCK_M": 1, "BLOCK_N": LOOPED_BLOCK_N, "num_warps": warps, **LOOPED_EVICT}
@@ -294,10 +330,10 @@ class _Plan(NamedTuple):
 
 
 def _plan(fused: FastKernel, looped: FastKernel, forward: bool, n_rows: int, n_cols: int, in_strides: tuple,
-          log: bool, config: tuple) -> _Plan:
+          log: bool, config: tuple, elem_bytes: int) -> _Plan:
     """One pass's launch. Both passes' kernels take the inputs' row strides, the output's (n_cols:
     it is contiguous), then n_rows (fused tier only) and n_cols."""
-    cfg = _cached_config(n_rows, n_cols, forward, config)
+    cfg = _cached_config(n_rows, n_cols, forward, config, elem_bytes)
     if not cfg["looped"]:
         kwargs = dict(LOG=log, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"])
         return _Plan(fused, (cdiv(n_rows, cfg["BLOCK_M"]),),
@@ -305,22 +341,25 @@ def _plan(fused: FastKernel, looped: FastKernel, forward: bool, n_rows: int, n_c
     evict = {k: cfg.get(k, "") for k in LOOPED_EVICT}     # a config forcing the looped tier may omit them
     kwargs = dict(LOG=log, BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"], **evict,
                   PREFETCH=cfg.get("PREFETCH", False), REVERSE=cfg.get("REVERSE", False))
+    if forward:
+        kwargs["LANE_STATS"] = cfg.get("LANE_STATS", False)
     return _Plan(looped, (n_rows,), looped.prepare((*in_strides, n_cols, n_cols), kwargs))
 
 
 @functools.lru_cache(maxsize=1024)
-def _fwd_plan(n_rows: int, n_cols: int, x_stride: int, log: bool, config: tuple = ()) -> _Plan:
+def _fwd_plan(n_rows: int, n_cols: int, x_stride: int, log: bool, config: tuple = (), elem_bytes: int = 2) -> _Plan:
     """The forward's launch, cached per shape (host time: a small softmax's kernel takes a few µs,
     and keying every integer of its launch on each call cost as much again)."""
     return _plan(softmax_fwd_fused_kernel, softmax_fwd_looped_kernel, True, n_rows, n_cols,
-                 (x_stride,), log, config)
+                 (x_stride,), log, config, elem_bytes)
 
 
 @functools.lru_cache(maxsize=1024)
-def _bwd_plan(n_rows: int, n_cols: int, y_stride: int, dy_stride: int, log: bool, config: tuple = ()) -> _Plan:
+def _bwd_plan(n_rows: int, n_cols: int, y_stride: int, dy_stride: int, log: bool, config: tuple = (),
+              elem_bytes: int = 2) -> _Plan:
     """The backward's launch, cached per shape."""
     return _plan(softmax_bwd_fused_kernel, softmax_bwd_looped_kernel, False, n_rows, n_cols,
-                 (y_stride, dy_stride), log, config)
+                 (y_stride, dy_stride), log, config, elem_bytes)
 
 
 def _launch_fwd(x: torch.Tensor, log: bool, config: dict | None = None) -> torch.Tensor:
@@ -329,7 +368,7 @@ def _launch_fwd(x: torch.Tensor, log: bool, config: dict | None = None) -> torch
     y = empty_like(x)                   # contiguous: row stride n_cols
     if n_rows == 0 or n_cols == 0:
         return y
-    plan = _fwd_plan(n_rows, n_cols, x2.stride(0), log, config_key(config))
+    plan = _fwd_plan(n_rows, n_cols, x2.stride(0), log, config_key(config), x.element_size())
     plan.kernel.launch_prepared(plan.grid, (x2, y), plan.prepared)
     return y
 
@@ -340,7 +379,7 @@ def _launch_bwd(y: torch.Tensor, dy: torch.Tensor, log: bool, config: dict | Non
     dx = empty_like(y)                  # contiguous: row stride n_cols
     if n_rows == 0 or n_cols == 0:
         return dx
-    plan = _bwd_plan(n_rows, n_cols, y2.stride(0), dy2.stride(0), log, config_key(config))
+    plan = _bwd_plan(n_rows, n_cols, y2.stride(0), dy2.stride(0), log, config_key(config), y.element_size())
     plan.kernel.launch_prepared(plan.grid, (y2, dy2, dx), plan.prepared)
     return dx
 
