@@ -62,8 +62,8 @@ def lane_view(x, VEC: tl.constexpr):
 def lane_max_sum_step(m, s, x2, c2, skip_col, SKIP: tl.constexpr):
     """One tile of the per-thread online max and exp-sum: (m, s) per row of x2 [LANES, VEC] fp32
     after adding exp(x - m), leaving out the entry whose column c2 is ``skip_col`` when SKIP (the
-    compare is made here, late, so that its predicates are not live across the exps). An all -inf prefix keeps m = -inf, s = 0 (never NaN). One extra
-    exp2 per VEC values rescales s."""
+    compare is made here, late, so that its predicates are not live across the exps). An all -inf
+    prefix keeps m = -inf, s = 0 (never NaN). One extra exp2 per VEC values rescales s."""
     m_new = tl.maximum(m, tl.max(x2, axis=1))
     m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
     e = tl.exp2((x2 - m_safe[:, None]) * LOG2E)

@@ -416,8 +416,8 @@ def target_scan_kernel(
     BLOCK: tl.constexpr,        # targets per step of the one program
 ):
     """One program over every target: the range test's flag and the mean's 1 / n_valid, in one
-    launch instead of a dozen small torch ones (its effect was not timed apart from session 32's
-    in-place change, measured together with it)."""
+    launch instead of a dozen small torch ones (its effect on a step was not timed apart from
+    session 32's kernel changes)."""
     n_valid = tl.zeros([BLOCK], dtype=tl.int32)
     n_bad = tl.zeros([BLOCK], dtype=tl.int32)
     for start in range(0, n, BLOCK):
