@@ -232,11 +232,6 @@ class TargetCheck:
                               self.n_classes, self.ignore_index)
 
 
-def start_target_check(target: torch.Tensor, n_classes: int, ignore_index: int) -> TargetCheck:
-    """Queue the target range test; call the result before anything that needs it passed."""
-    return TargetCheck(target, n_classes, ignore_index)
-
-
 def scan_targets(target: torch.Tensor, n_classes: int, ignore_index: int, reduction: str,
                  check: bool) -> tuple[torch.Tensor, Optional[TargetCheck]]:
     """(row scale, range test or None) of 1-D targets: the gradient scale ([1] fp32: 1 / n_valid
@@ -246,7 +241,7 @@ def scan_targets(target: torch.Tensor, n_classes: int, ignore_index: int, reduct
     if use_triton(target) and 0 < target.numel() <= TARGET_SCAN_MAX:
         any_bad, scale = launch_target_scan(target, n_classes, ignore_index, mean)
         return scale, (TargetCheck(target, n_classes, ignore_index, any_bad) if check else None)
-    finish = start_target_check(target, n_classes, ignore_index) if check else None
+    finish = TargetCheck(target, n_classes, ignore_index) if check else None
     scale = mean_scale(target, ignore_index) if mean else torch.ones(1, dtype=torch.float32, device=target.device)
     return scale, finish
 
