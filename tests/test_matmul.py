@@ -232,7 +232,10 @@ def test_empty(m, n, k):
         _rand((m, n), torch.float32)
     y = matmul(a, b, bias, "silu", res)
     assert y.shape == (m, n)
-    assert rel_err(y, F.silu(bias.detach().double()) + res.detach().double()) <= 1e-6
+    # elementwise against the terms: silu(bias) + residual cancels at random (CI: 0.3244 - 0.2945,
+    # where fp32's rounding of the two terms alone is 1.2e-6 of the sum); 4 roundings of each term
+    act, r = F.silu(bias.detach().double()), res.detach().double()
+    assert ((y.double() - (act + r)).abs() <= 4 * 2**-24 * (act.abs() + r.abs())).all()
     grads = torch.autograd.grad(y, (a, b, bias, res), torch.randn_like(y))
     for g, t in zip(grads, (a, b, bias, res)):
         assert g.shape == t.shape and not torch.isnan(g).any()
