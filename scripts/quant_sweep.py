@@ -23,6 +23,7 @@ cuBLAS ``F.linear`` on the dequantized weight, timed the same two ways (e2e / gr
 from __future__ import annotations
 
 import argparse
+import re
 import time
 
 import torch
@@ -82,6 +83,21 @@ WGMMA_ALTERNATIVES = {
     "wg-split2": dict(PATH="wgmma", SPLITS=2),
     "wg-w8-split2": dict(PATH="wgmma", num_warps=8, REPS=1, SPLITS=2),
 }
+# int4, M <= quant.STREAM_MAX_ROWS on sm_90: the streaming kernel (PATH="stream": TMA ring,
+# persistent grid) and its knobs: 4 warps on K's groups x 16 rows, 8 ring stages, 2 programs per SM
+STREAM_ALTERNATIVES = {
+    "st": dict(PATH="stream"),
+    "st-s4": dict(PATH="stream", STAGES=4),
+    "st-s12": dict(PATH="stream", STAGES=12),
+    "st-p1": dict(PATH="stream", PROGRAMS_PER_SM=1, STAGES=12),
+    "st-p3": dict(PATH="stream", PROGRAMS_PER_SM=3, STAGES=6),
+    "st-p4": dict(PATH="stream", PROGRAMS_PER_SM=4, STAGES=4),
+    "st-gps2": dict(PATH="stream", WARPS_K=2, WARPS_N=2, GROUPS_PER_STEP=2),
+    "st-wk8": dict(PATH="stream", WARPS_K=8, STAGES=6, PROGRAMS_PER_SM=1),
+    "st-wn2": dict(PATH="stream", WARPS_K=2, WARPS_N=2),
+    "st-r2": dict(PATH="stream", REPS=2),
+    "st-c4": dict(PATH="stream", CHUNK=4),
+}
 
 
 def bench_e2e(fn) -> float:
@@ -138,6 +154,9 @@ def _plan_text(x, bits, n, cfg) -> str:
     plan = quant.launch_plan(bits, GROUP_SIZE if bits == 4 else 0, m, n, k, x.dtype, quant.num_sms(x),
                              tuple(sorted(cfg.items())), True, torch.cuda.get_device_capability()[0] == 9)
     meta = plan.meta
+    if "BLOCK" in meta:
+        return (f"stream box{meta['BLOCK']} w{meta['num_warps']} chunk{meta['CHUNK']} stages{meta['STAGES']} "
+                f"mma_n{meta['MMA_N']} steps/unit {plan.chunks_per_split} grid{plan.grid}")
     if "ACC_LAYOUT" in meta:
         return (f"wgmma n{meta['BLOCK_N']} w{meta['num_warps']} chunk{meta['CHUNK']} stages{meta['STAGES']} "
                 f"mma_n{meta['MMA_N']} groups/split {plan.chunks_per_split} splits{plan.splits} grid{plan.grid}")
@@ -191,6 +210,11 @@ def sweep_shape(bits: int, m: int, n: int, k: int, copy_bw: float, args) -> dict
     if (bits == 4 and m <= quant.WGMMA_MAX_ROWS and not args.quick and dtype in (torch.bfloat16, torch.float16)
             and torch.cuda.get_device_capability()[0] == 9):
         alts = dict(alts, **WGMMA_ALTERNATIVES)
+    if (bits == 4 and m <= quant.STREAM_MAX_ROWS and not args.quick and dtype in (torch.bfloat16, torch.float16)
+            and torch.cuda.get_device_capability()[0] == 9):
+        alts = dict(alts, **STREAM_ALTERNATIVES)
+    if args.only:
+        alts = {name: cfg for name, cfg in alts.items() if re.search(args.only, name)}
     if bits != 4 or dtype != torch.bfloat16:
         alts = {name: cfg for name, cfg in alts.items() if not _x_pairs_only(cfg)}
     if args.grid:                                   # the named alternatives replaced by a grid
@@ -239,6 +263,7 @@ def main() -> None:
     p.add_argument("--graph-calls", type=int, default=20, help="calls per CUDA graph (weight copies cycled)")
     p.add_argument("--grid", default="", help='a config grid instead of the named alternatives: "SPLITS=2,4 BLOCK_K=128,256"')
     p.add_argument("--shapes", default="", help='N×K pairs instead of the three Llama ones: "14336x4096 4096x14336"')
+    p.add_argument("--only", default="", help="a regex: only the named alternatives it matches (and the default)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"], help="x (tinygemm takes bf16 only)")
     args = p.parse_args()
     args.dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
