@@ -83,21 +83,6 @@ WGMMA_ALTERNATIVES = {
     "wg-split2": dict(PATH="wgmma", SPLITS=2),
     "wg-w8-split2": dict(PATH="wgmma", num_warps=8, REPS=1, SPLITS=2),
 }
-# int4, M <= quant.STREAM_MAX_ROWS on sm_90: the streaming kernel (PATH="stream": TMA ring,
-# persistent grid) and its knobs: 4 warps on K's groups x 16 rows, 8 ring stages, 2 programs per SM
-STREAM_ALTERNATIVES = {
-    "st": dict(PATH="stream"),
-    "st-s4": dict(PATH="stream", STAGES=4),
-    "st-s12": dict(PATH="stream", STAGES=12),
-    "st-p1": dict(PATH="stream", PROGRAMS_PER_SM=1, STAGES=12),
-    "st-p3": dict(PATH="stream", PROGRAMS_PER_SM=3, STAGES=6),
-    "st-p4": dict(PATH="stream", PROGRAMS_PER_SM=4, STAGES=4),
-    "st-gps2": dict(PATH="stream", WARPS_K=2, WARPS_N=2, GROUPS_PER_STEP=2),
-    "st-wk8": dict(PATH="stream", WARPS_K=8, STAGES=6, PROGRAMS_PER_SM=1),
-    "st-wn2": dict(PATH="stream", WARPS_K=2, WARPS_N=2),
-    "st-r2": dict(PATH="stream", REPS=2),
-    "st-c4": dict(PATH="stream", CHUNK=4),
-}
 
 
 def bench_e2e(fn) -> float:
@@ -154,9 +139,6 @@ def _plan_text(x, bits, n, cfg) -> str:
     plan = quant.launch_plan(bits, GROUP_SIZE if bits == 4 else 0, m, n, k, x.dtype, quant.num_sms(x),
                              tuple(sorted(cfg.items())), True, torch.cuda.get_device_capability()[0] == 9)
     meta = plan.meta
-    if "BLOCK" in meta:
-        return (f"stream box{meta['BLOCK']} w{meta['num_warps']} chunk{meta['CHUNK']} stages{meta['STAGES']} "
-                f"mma_n{meta['MMA_N']} steps/unit {plan.chunks_per_split} grid{plan.grid}")
     if "ACC_LAYOUT" in meta:
         return (f"wgmma n{meta['BLOCK_N']} w{meta['num_warps']} chunk{meta['CHUNK']} stages{meta['STAGES']} "
                 f"mma_n{meta['MMA_N']} groups/split {plan.chunks_per_split} splits{plan.splits} grid{plan.grid}")
@@ -210,9 +192,6 @@ def sweep_shape(bits: int, m: int, n: int, k: int, copy_bw: float, args) -> dict
     if (bits == 4 and m <= quant.WGMMA_MAX_ROWS and not args.quick and dtype in (torch.bfloat16, torch.float16)
             and torch.cuda.get_device_capability()[0] == 9):
         alts = dict(alts, **WGMMA_ALTERNATIVES)
-    if (bits == 4 and m <= quant.STREAM_MAX_ROWS and not args.quick and dtype in (torch.bfloat16, torch.float16)
-            and torch.cuda.get_device_capability()[0] == 9):
-        alts = dict(alts, **STREAM_ALTERNATIVES)
     if args.only:
         alts = {name: cfg for name, cfg in alts.items() if re.search(args.only, name)}
     if bits != 4 or dtype != torch.bfloat16:

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from tilefuse.ops import _quant_kernels as quant_kernels
 from tilefuse.ops import quant   # registers int4_gemm / int8_gemm (until ops/__init__ imports it)
-from tilefuse.ops.quant import QuantizedWeight, dequantize_weight, quant_linear, quantize_weight, unpack_int4
+from tilefuse.ops.quant import dequantize_weight, quant_linear, quantize_weight, unpack_int4
 from tilefuse.quantization import QuantLinear, quantize
 from tilefuse.testing import rel_err
 
@@ -646,64 +646,6 @@ def test_gpu_int4_wgmma(dtype, m, config):
 def test_gpu_int4_wgmma_llm_shapes(m, nk):
     """The sweep's shapes (and a ragged N) with the Hopper kernel's default config, bf16, bias."""
     _check_launch(m, *nk, (4, 128), torch.bfloat16, dict(PATH="wgmma"))
-
-
-STREAM_CONFIGS = [{}, dict(STAGES=2), dict(CHUNK=1), dict(PROGRAMS_PER_SM=1, STAGES=3), dict(WARPS_K=2, WARPS_N=2),
-                  dict(WARPS_K=1, WARPS_N=4), dict(GROUPS_PER_STEP=2, WARPS_K=2, WARPS_N=2), dict(REPS=2),
-                  dict(WARPS_K=8, PROGRAMS_PER_SM=3, STAGES=3)]
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not _hopper(), reason="the streaming kernel needs sm_90")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("g", [32, 64, 128])
-@pytest.mark.parametrize("m", [1, 3, 8, 9, 16])
-@pytest.mark.parametrize("config", STREAM_CONFIGS, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()) or "default")
-def test_gpu_int4_stream(dtype, g, m, config):
-    """The streaming Hopper int4 kernel (``PATH="stream"``: TMA ring, persistent grid, up to 16 rows
-    of fp16 / bf16 x) against the fp64 product with the dequantized weight: N off every tile (201
-    rows: the last row block half past N, zero-filled by the TMA), 16 groups (several CHUNKs and
-    units per program with small rings: the ring's phases wrap), weights of both signs, bias on odd
-    M; y NaN-poisoned, every element checked; bitwise reproducible."""
-    n, k = 201, 16 * g
-    qw = _one_signed_rows_weight(n, k, dtype, g)
-    x = torch.randn(m, k, device=DEVICE).to(dtype)
-    bias = torch.randn(n, device=DEVICE).to(dtype) if m % 2 else None
-    config = dict(config, PATH="stream")
-    plan = _plan(x, qw, config)
-    assert plan.meta["MMA_N"] == max(8, 1 << (m - 1).bit_length()) and "BLOCK" in plan.meta
-    y = _launch(x, qw, bias, config)
-    assert y.dtype == dtype and y.shape == (m, n) and not y.isnan().any()
-    assert rel_err(y, _reference(x, qw, bias)) <= TOL[dtype], rel_err(y, _reference(x, qw, bias))
-    assert torch.equal(y, _launch(x, qw, bias, config))                # no atomics: reproducible
-    y_mma = _launch(x, qw, bias, dict(PATH="mma", SPLITS=1))
-    assert rel_err(y, y_mma) <= TOL[dtype] / 2, rel_err(y, y_mma)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not _hopper(), reason="the streaming kernel needs sm_90")
-@pytest.mark.parametrize("m", [1, 4, 16])
-@pytest.mark.parametrize("nk", [(4096, 4096), (14336, 4096), (4096, 14336), (4097, 1024), (11008, 4096), (4096, 11008)])
-@pytest.mark.parametrize("g", [32, 128])
-def test_gpu_int4_stream_llm_shapes(m, nk, g):
-    """The sweep's shapes (a ragged N; K = 11008: 86 groups of 128, 2 warps along K) with the
-    streaming kernel's default config, bf16, bias."""
-    _check_launch(m, *nk, (4, g), torch.bfloat16, dict(PATH="stream"))
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not _hopper(), reason="the streaming kernel needs sm_90")
-def test_gpu_int4_stream_unaligned_weight_falls_back():
-    """A packed weight whose rows are not 16-byte aligned (a view from row 1 of a [N, 72]-byte
-    buffer: TMA needs 16-byte rows) takes the default kernel, with the same result."""
-    base = quantize_weight(_weight(96, 256, torch.bfloat16, 256 ** -0.5), 4, 32)
-    wide = torch.zeros(96, 136, dtype=torch.uint8, device=DEVICE)
-    wide[:, 4:132] = base.qweight
-    qw = QuantizedWeight(wide[:, 4:132], base.scales, base.zeros, 4, 32, base.shape)
-    x = torch.randn(1, 256, device=DEVICE).bfloat16()
-    assert qw.qweight.data_ptr() % 16
-    y = _launch(x, qw, None, dict(PATH="stream"))
-    assert rel_err(y, _reference(x, qw)) <= TOL[torch.bfloat16]
 
 
 @pytest.mark.gpu

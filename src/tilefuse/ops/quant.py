@@ -49,7 +49,6 @@ import torch.nn.functional as F
 
 from .._checks import check_same_device, check_same_dtype, check_shape, check_tensor
 from .._dispatch import cdiv, device_major, empty, interpreting, is_ampere_or_newer, next_power_of_2, num_sms, rows_view, use_triton
-from .._launch import cached_descriptor
 from .._op import custom_op
 from ..registry import Inputs, OpSpec, register
 from ._quant_kernels import MAGIC_BITS, quant_dot_kernel, quant_gemv_kernel, splitk_reduce_kernel
@@ -169,9 +168,7 @@ WGMMA_DEFAULT_MAX_ROWS = 16  # ... and is the default up to here (at 32 rows it 
 WGMMA_GROUPS_PER_PROGRAM = 8   # groups of K per program (split-K beyond): more programs hide more latency
 WGMMA_SMEM = 200 * 1024    # its shared memory: x for the program's groups + the weight ring (sm_90: 227 KB)
 CONFIG_KEYS = ("PATH", "SWAP_AB", "BLOCK_M", "BLOCK_N", "BLOCK_K", "NUM_STAGES", "num_warps", "SPLITS", "PACKED",
-               "X_PAIRS", "WARPS_K", "WARPS_N", "REPS", "GROUPS_PER_STEP", "PRELOAD", "CHUNK", "STAGES",
-               "PROGRAMS_PER_SM")
-STREAM_MAX_ROWS = 16       # the streaming Hopper int4 kernel pads x to an MMA N of 8 or 16 rows
+               "X_PAIRS", "WARPS_K", "WARPS_N", "REPS", "GROUPS_PER_STEP", "PRELOAD", "CHUNK", "STAGES")
 
 
 class LaunchPlan(NamedTuple):
@@ -275,34 +272,6 @@ def _mma_config(m: int, n: int) -> dict:
     return dict(PATH="mma", WARPS_K=4, WARPS_N=1, REPS=1, GROUPS_PER_STEP=1)
 
 
-def _use_stream(bits: int, group_size: int, m: int, dtype: torch.dtype, wgmma_ok: bool) -> bool:
-    """What the streaming Hopper kernel (``_quant_stream``, ``PATH="stream"``: TMA ring, persistent
-    grid) takes: int4 groups of 32 / 64 / 128 with fp16 / bf16 x and up to STREAM_MAX_ROWS rows,
-    on an sm_90 GPU (TMA and warp specialization; not the interpreter)."""
-    return (wgmma_ok and bits == 4 and m <= STREAM_MAX_ROWS and dtype in (torch.float16, torch.bfloat16)
-            and group_size in (32, 64, 128))
-
-
-def _stream_slots(cfg: dict) -> int:
-    return cfg["WARPS_K"] * cfg["GROUPS_PER_STEP"]
-
-
-def _stream_config(m: int, n_groups: int) -> dict:
-    """4 warps on 16 weight rows, one group each per step (a step = 4 groups of 16 rows: a 4 KB
-    TMA box at group 128), 8 steps in the ring, 2 programs per SM; when K's groups are not a
-    multiple of 4, 2 (or 1) warps along K and 2 (4) row tiles of 16."""
-    warps_k = 4 if n_groups % 4 == 0 else 2 if n_groups % 2 == 0 else 1
-    return dict(PATH="stream", WARPS_K=warps_k, WARPS_N=4 // warps_k, REPS=1, GROUPS_PER_STEP=1, STAGES=8, CHUNK=8,
-                PROGRAMS_PER_SM=2)
-
-
-def _stream_regs(num_warps: int, programs_per_sm: int) -> int:
-    """Registers per thread at launch so that ``programs_per_sm`` programs fit an SM's 64K: the
-    consumer warps plus the loader warp's group (Triton pads it to 4 warps); the loader then gives
-    its share up to the consumers (``setmaxnreg``)."""
-    return min(248, 65536 // (programs_per_sm * (num_warps + 4) * 32) // 8 * 8)
-
-
 MMA_MAX_STEPS = 8          # the Gluon int4 kernel's steps are unrolled: 16 ran 1.8-16x slower (H200)
 
 
@@ -378,26 +347,21 @@ def launch_plan(bits: int, group_size: int, m: int, n: int, k: int, dtype: torch
     path = dict(overrides).get("PATH", cfg["PATH"])
     if path != cfg["PATH"]:
         cfg = {"gemv": lambda: _gemv_config(bits, n, sms), "dot": lambda: _dot_config(m, dtype),
-               "mma": lambda: _mma_config(m, n), "wgmma": lambda: _wgmma_config(m, n),
-               "stream": lambda: _stream_config(m, k // group_size)}.get(path, lambda: dict(PATH=path))()
+               "mma": lambda: _mma_config(m, n), "wgmma": lambda: _wgmma_config(m, n)}.get(path, lambda: dict(PATH=path))()
     cfg.update(overrides)
     unknown = set(cfg) - set(CONFIG_KEYS)
     if unknown:
         raise ValueError(f"config: unknown keys {sorted(unknown)}; known: {CONFIG_KEYS}")
-    if (cfg["PATH"] not in ("gemv", "dot", "mma", "wgmma", "stream") or (cfg["PATH"] == "gemv" and m > GEMV_MAX_ROWS)
+    if (cfg["PATH"] not in ("gemv", "dot", "mma", "wgmma") or (cfg["PATH"] == "gemv" and m > GEMV_MAX_ROWS)
             or (cfg["PATH"] == "mma" and not _use_mma(bits, m, dtype, mma_ok))
-            or (cfg["PATH"] == "wgmma" and not _use_wgmma(bits, group_size, m, dtype, wgmma_ok))
-            or (cfg["PATH"] == "stream" and not _use_stream(bits, group_size, m, dtype, wgmma_ok))):
-        needs = {"mma": (mma_ok, "an sm_80+ GPU"), "wgmma": (wgmma_ok, "an sm_90 GPU"),
-                 "stream": (wgmma_ok, "an sm_90 GPU")}.get(cfg["PATH"], (True, ""))
+            or (cfg["PATH"] == "wgmma" and not _use_wgmma(bits, group_size, m, dtype, wgmma_ok))):
+        needs = {"mma": (mma_ok, "an sm_80+ GPU"), "wgmma": (wgmma_ok, "an sm_90 GPU")}.get(cfg["PATH"], (True, ""))
         raise ValueError(f"config: PATH {cfg['PATH']!r} cannot serve M = {m}, {bits} bits, group {group_size}, {dtype}"
                          + ("" if needs[0] else f" here (the {cfg['PATH']} path needs {needs[1]})"))
     if cfg["PATH"] == "mma":
         return _mma_plan(cfg, group_size, m, n, k, sms)
     if cfg["PATH"] == "wgmma":
         return _wgmma_plan(cfg, m, n, k)
-    if cfg["PATH"] == "stream":
-        return _stream_plan(cfg, group_size, m, n, k, sms)
     block_k = _int4_block_k(cfg["BLOCK_K"], group_size, k // group_size) if bits == 4 else cfg["BLOCK_K"]
     n_chunks = cdiv(k, block_k)
     block_n = cfg["BLOCK_N"]
@@ -478,57 +442,6 @@ def _wgmma_plan(cfg: dict, m: int, n: int, k: int) -> LaunchPlan:
     return LaunchPlan(int4_wgmma_kernel, (blocks, splits), splits, n_groups, per_split, meta)
 
 
-def _stream_plan(cfg: dict, group_size: int, m: int, n: int, k: int, sms: int) -> LaunchPlan:
-    """The streaming kernel's plan: ``n_chunks`` counts groups, ``chunks_per_split`` = steps per
-    unit (K's groups over SLOTS); CHUNK shrinks to the largest power of two dividing the steps;
-    ``grid`` = min(units, PROGRAMS_PER_SM per SM). ``meta["BLOCK"]``: the TMA box."""
-    from ._quant_gluon import mma_layouts                   # Gluon: imported when first used
-    from ._quant_stream import int4_stream_kernel
-    warps_k, warps_n, reps = cfg["WARPS_K"], cfg["WARPS_N"], cfg["REPS"]
-    slots = _stream_slots(cfg)
-    n_groups = k // group_size
-    if warps_k * warps_n not in (4, 8):
-        raise ValueError(f"config: the streaming kernel takes 4 or 8 warps (WARPS_K x WARPS_N), got {warps_k * warps_n}")
-    if n_groups % slots:
-        raise ValueError(f"config: {slots} slots per step must divide K / group = {n_groups}")
-    steps = n_groups // slots
-    chunk = 1
-    while chunk * 2 <= cfg["CHUNK"] and steps % (chunk * 2) == 0:
-        chunk *= 2
-    mma_n = max(8, next_power_of_2(m))
-    block_n = 16 * warps_n * reps
-    units = cdiv(n, block_n)
-    programs = max(1, min(units, cfg["PROGRAMS_PER_SM"] * sms))
-    words, mma, xl, rows = mma_layouts(group_size, slots, warps_k, warps_n, reps, mma_n, chunk)
-    meta = dict(GROUP=group_size, MMA_N=mma_n, WORDS_LAYOUT=words, MMA_LAYOUT=mma, X_LAYOUT=xl, ROW_LAYOUT=rows,
-                CHUNK=chunk, STAGES=cfg["STAGES"], NUM_PROGRAMS=programs, num_warps=warps_k * warps_n,
-                maxnreg=_stream_regs(warps_k * warps_n, cfg["PROGRAMS_PER_SM"]), BLOCK=(slots, block_n, group_size // 8))
-    return LaunchPlan(int4_stream_kernel, (programs,), 1, n_groups, steps, meta)
-
-
-@functools.lru_cache(maxsize=None)
-def _stream_smem_layout():
-    from triton.experimental.gluon import language as gl
-    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3)
-
-
-def _launch_stream(plan: LaunchPlan, x2, qweight, scales, zeros, bias, y):
-    """The streaming kernel's launch: the packed weight's TMA descriptor (int32 words viewed as
-    ``[K / GROUP, N, GROUP / 8]``, cached) and the plain arguments."""
-    meta = dict(plan.meta)
-    block = meta.pop("BLOCK")
-    m, n = y.shape
-    words = block[2]
-    row_words = qweight.stride(0) // 4
-    desc = cached_descriptor(qweight.view(torch.int32), (plan.n_chunks, n, words), (words, row_words, 1), block, _stream_smem_layout())
-    plan.kernel[plan.grid](
-        desc, x2, scales, zeros, bias if bias is not None else y, y, m, n, cdiv(n, block[1]),
-        plan.chunks_per_split, x2.stride(0) if m > 1 else 0, scales.stride(0), y.stride(0),
-        **meta, HAS_BIAS=bias is not None,
-    )
-    return y
-
-
 _PREPARED: dict = {}      # (id(plan), integers, HAS_BIAS, SPLIT) -> (plan, PreparedArgs)
 
 
@@ -561,9 +474,6 @@ def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, bits: int, group_siz
     if "MMA_LAYOUT" in plan.meta and not _pairs_aligned(x2):
         # the Gluon kernel reads x as int32 pairs: an x off 4-byte rows takes the default tl kernel
         plan = launch_plan(bits, group_size, m, n, k, x2.dtype, num_sms(x2))
-    if "BLOCK" in plan.meta and (qweight.data_ptr() % 16 or qweight.stride(0) % 16):
-        # the streaming kernel's TMA needs 16-byte aligned rows: others take the default kernel
-        plan = launch_plan(bits, group_size, m, n, k, x2.dtype, num_sms(x2))
     if qweight.data_ptr() % 4:
         qweight = qweight.clone()                         # the kernels read 4-byte words
     split = plan.splits > 1
@@ -571,8 +481,6 @@ def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, bits: int, group_siz
     zeros_arg = zeros if zeros is not None else qweight   # never read for int8
     bias_arg = bias if bias is not None else y            # never read without HAS_BIAS
     meta = plan.meta
-    if "BLOCK" in meta:                                   # the streaming Hopper kernel (TMA: 16-byte rows)
-        return _launch_stream(plan, x2, qweight, scales, zeros, bias, y)
     if "ACC_LAYOUT" in meta:                              # the Hopper kernel: a prepared launch
         ints = (m, n, plan.n_chunks, plan.chunks_per_split, x2.stride(0), qweight.stride(0) // 4, scales.stride(0),
                 y.stride(0))
