@@ -303,6 +303,35 @@ def test_int4_chunk_of_several_groups():
     assert plan.meta["BLOCK_K"] == 64                  # 6 groups: chunks of 2
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("splits", [1, 2, 3])
+@pytest.mark.parametrize("groups,g", [(6, 32), (11, 32), (3, 64)])
+def test_gemv_ragged_last_chunk(dtype, splits, groups, g):
+    """The int4 GEMV keeps its 4-group chunks when they do not divide K's groups: the last chunk
+    is partial, masked per group (words, x, zero points and scales past K read as 0). 6 groups:
+    chunks of 4 + 2; 11: 4 + 4 + 3; 3 groups of 64: one chunk of 4 with one masked. Split 3 ways,
+    a split can also start past K. Bias on; y NaN-poisoned, every element checked."""
+    k = groups * g
+    plan = _check_launch(1, 37, k, (4, g), dtype, dict(PATH="gemv", BLOCK_K=4 * g, SPLITS=splits))
+    assert plan.meta["BLOCK_K"] == 4 * g and plan.meta["RAGGED_K"] and plan.n_chunks == -(-groups // 4)
+
+
+def test_gemv_chunk_rule():
+    """The GEMV's chunk stays at the wanted width when it does not divide K's groups (K = 11008:
+    86 groups of 128 -> 1024-column chunks, the last of 6 groups; it used to halve to 256), and
+    shrinks only to K's own size (2 groups -> 2 groups); the dot kernel keeps dividing chunks."""
+    plan = quant.launch_plan(4, 128, 1, 4096, 11008, torch.bfloat16, 132)
+    assert plan.kernel is quant.quant_gemv_kernel and plan.meta["BLOCK_K"] == 1024 and plan.meta["RAGGED_K"]
+    plan = quant.launch_plan(4, 128, 1, 4096, 4096, torch.bfloat16, 132)
+    assert plan.meta["BLOCK_K"] == 1024 and not plan.meta["RAGGED_K"]
+    plan = quant.launch_plan(4, 128, 1, 64, 256, torch.float16, 132)
+    assert plan.meta["BLOCK_K"] == 256 and not plan.meta["RAGGED_K"]
+    plan = quant.launch_plan(4, 128, 1, 64, 384, torch.float16, 132)
+    assert plan.meta["BLOCK_K"] == 512 and plan.meta["RAGGED_K"]
+    plan = quant.launch_plan(4, 128, 16, 4096, 11008, torch.float16, 132)
+    assert plan.kernel is quant.quant_dot_kernel and 11008 % plan.meta["BLOCK_K"] == 0
+
+
 def test_unaligned_packed_weight():
     """A packed weight that is a view off a 4-byte boundary is read from an aligned copy."""
     qw = quantize_weight(_weight(8, 64, torch.float32), 4, 32)
@@ -646,6 +675,21 @@ def test_gpu_int4_wgmma(dtype, m, config):
 def test_gpu_int4_wgmma_llm_shapes(m, nk):
     """The sweep's shapes (and a ragged N) with the Hopper kernel's default config, bf16, bias."""
     _check_launch(m, *nk, (4, 128), torch.bfloat16, dict(PATH="wgmma"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("nk", [(4096, 11008), (5120, 13824), (1000, 11008 + 64)])
+@pytest.mark.parametrize("g", [32, 64, 128])
+def test_gpu_gemv_ragged_k(dtype, nk, g):
+    """The default M = 1 GEMV on K whose groups its 1024-column chunks do not divide (Llama-2's
+    11008, 13824; 11072 = 173 groups of 64 or 346 of 32), bf16 x read as int32 pairs or fp16, bias."""
+    n, k = nk
+    if k % g:
+        pytest.skip("K is not a multiple of the group")
+    plan = _check_launch(1, n, k, (4, g), dtype)
+    assert plan.kernel is quant.quant_gemv_kernel and plan.meta["BLOCK_K"] == 1024
+    assert plan.meta["RAGGED_K"] == (k % 1024 != 0)
 
 
 @pytest.mark.gpu

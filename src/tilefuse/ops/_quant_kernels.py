@@ -190,22 +190,32 @@ def _int8_chunk(qw_ptr, rows, row_mask, k0, K, magic, BLOCK_N: tl.constexpr, BLO
 
 
 @triton.jit
-def _group_params(scales_ptr, zeros_ptr, sz_rows, row_mask, chunk, n_chunks, GROUPS: tl.constexpr):
-    """(zero points, scales) ``[BLOCK_N, GROUPS]`` fp32 of chunk ``chunk`` (0 past ``n_chunks``)."""
-    offs = sz_rows[:, None] + (chunk * GROUPS + tl.arange(0, GROUPS))[None, :]
-    mask = row_mask[:, None] & (chunk < n_chunks)
+def _group_params(scales_ptr, zeros_ptr, sz_rows, row_mask, chunk, n_chunks, GROUPS: tl.constexpr, n_groups=0,
+                  RAGGED: tl.constexpr = False):
+    """(zero points, scales) ``[BLOCK_N, GROUPS]`` fp32 of chunk ``chunk`` (0 past ``n_chunks``;
+    RAGGED: 0 past group ``n_groups``, the last chunk being partial)."""
+    groups = chunk * GROUPS + tl.arange(0, GROUPS)
+    offs = sz_rows[:, None] + groups[None, :]
+    if RAGGED:
+        mask = row_mask[:, None] & (groups < n_groups)[None, :]
+    else:
+        mask = row_mask[:, None] & (chunk < n_chunks)
     z = tl.load(zeros_ptr + offs, mask=mask, other=0).to(tl.float32)
     s = tl.load(scales_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     return z, s
 
 
 @triton.jit
-def _x_chunk(x_row, chunk, valid, GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr, X_PAIRS: tl.constexpr):
-    """``[GROUPS, GROUP_SIZE]`` fp32 x of K chunk ``chunk``; 0 if not ``valid``. X_PAIRS (bf16 x): read
+def _x_chunk(x_row, chunk, valid, GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr, X_PAIRS: tl.constexpr, K=0,
+             RAGGED: tl.constexpr = False):
+    """``[GROUPS, GROUP_SIZE]`` fp32 x of K chunk ``chunk``; 0 if not ``valid`` (RAGGED: 0 past
+    column ``K``, the last chunk being partial; K a multiple of GROUP_SIZE). X_PAIRS (bf16 x): read
     as int32 pairs; a bf16 is the top half of an fp32, so the even k is ``pair << 16`` and the odd
     k ``pair & 0xFFFF0000``: one instruction per value (the same values) where converting bf16
     takes a PRMT and a shift for every second one. The row must start on a 4-byte boundary (the
     launcher turns X_PAIRS off for an x that does not)."""
+    if RAGGED:      # whole groups are in or out: the mask is uniform along a group's columns
+        valid = ((chunk * GROUPS + tl.arange(0, GROUPS)) * GROUP_SIZE < K)[:, None]
     if X_PAIRS:
         pairs = tl.load(x_row.to(tl.pointer_type(tl.int32)) + chunk * (GROUPS * GROUP_SIZE // 2)
                         + tl.arange(0, GROUPS)[:, None] * (GROUP_SIZE // 2) + tl.arange(0, GROUP_SIZE // 2)[None, :],
@@ -263,6 +273,7 @@ def quant_gemv_kernel(
     BLOCK_N: tl.constexpr,        # weight rows per program
     BLOCK_K: tl.constexpr,        # K columns per loop step
     NUM_STAGES: tl.constexpr,     # software-pipeline depth of the K loop
+    RAGGED_K: tl.constexpr = False,  # int4: the last chunk holds fewer groups (masks per group)
 ):
     """``y[m, n] = sum_k x[m, k] * W[n, k]`` for one row m per program (grid ``(M * n_blocks,
     splits)``, m fastest so that the rows sharing a weight block read it back to back from L2).
@@ -280,16 +291,26 @@ def quant_gemv_kernel(
         GROUPS: tl.constexpr = BLOCK_K // GROUP_SIZE
         WORDS: tl.constexpr = BLOCK_K // 8
         sz_rows = offs_n.to(tl.int64) * stride_sn
-        z_next, s_next = _group_params(scales_ptr, zeros_ptr, sz_rows, row_mask, chunk, n_chunks, GROUPS)
+        n_groups = K // GROUP_SIZE
+        z_next, s_next = _group_params(scales_ptr, zeros_ptr, sz_rows, row_mask, chunk, n_chunks, GROUPS, n_groups,
+                                       RAGGED_K)
     for _ in tl.range(0, chunks_per_split, num_stages=NUM_STAGES):
         if BITS == 4:
             valid = chunk < n_chunks
             z, s = z_next, s_next                   # this chunk's; the next chunk's are read now
-            z_next, s_next = _group_params(scales_ptr, zeros_ptr, sz_rows, row_mask, chunk + 1, n_chunks, GROUPS)
-            words = tl.load(qw_ptr.to(tl.pointer_type(tl.int32)) + (rows // 4)[:, None]
-                            + (chunk * WORDS + tl.arange(0, WORDS))[None, :], mask=row_mask[:, None] & valid, other=0)
+            z_next, s_next = _group_params(scales_ptr, zeros_ptr, sz_rows, row_mask, chunk + 1, n_chunks, GROUPS,
+                                           n_groups, RAGGED_K)
+            word = chunk * WORDS + tl.arange(0, WORDS)
+            if RAGGED_K:    # the words of groups past K read as 0 (their scale is 0 too); a mask by group
+                # is constant over a group's words, so the loads stay 16-byte vectors
+                w_group = chunk * GROUPS + tl.arange(0, WORDS) // (GROUP_SIZE // 8)
+                w_mask = row_mask[:, None] & (w_group < n_groups)[None, :]
+            else:
+                w_mask = row_mask[:, None] & valid
+            words = tl.load(qw_ptr.to(tl.pointer_type(tl.int32)) + (rows // 4)[:, None] + word[None, :], mask=w_mask,
+                            other=0)
             q = tl.reshape(_join_nibbles(words, magic_bits, 0.0, 1.0, False), (BLOCK_N, GROUPS, GROUP_SIZE))
-            xg = _x_chunk(x_row, chunk, valid, GROUPS, GROUP_SIZE, X_PAIRS)                # [GROUPS, GROUP_SIZE]
+            xg = _x_chunk(x_row, chunk, valid, GROUPS, GROUP_SIZE, X_PAIRS, K, RAGGED_K)    # [GROUPS, GROUP_SIZE]
             group_dot = tl.sum(q * xg[None, :, :], axis=2) - z * tl.sum(xg, axis=1)[None, :]     # [BLOCK_N, GROUPS]
             acc += tl.sum(group_dot * s, axis=1)
         else:

@@ -1,0 +1,48 @@
+"""M = 1 int4: the GEMV kernel against the Gluon mma kernel, per group size and x dtype (GPU).
+
+    PYTHONPATH=src:scripts python scripts/int4_m1_path_probe.py
+
+Graph time of 20 calls cycling 20 weight copies (reads DRAM, as scripts/quant_sweep.py), each
+path checked against the fp32 product with the dequantized weight first. Decides which M = 1
+shapes ``quant._default_config`` sends to the mma kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tilefuse.ops import quant
+from tilefuse.testing import rel_err
+
+import quant_sweep as qs   # scripts/ on PYTHONPATH
+
+SHAPES = [(4096, 4096), (6144, 4096), (11008, 4096), (14336, 4096), (4096, 11008), (4096, 14336), (5120, 13824)]
+PATHS = {"gemv": dict(PATH="gemv"), "mma": dict(PATH="mma")}
+
+
+def main():
+    print(torch.cuda.get_device_name(0))
+    for dtype in (torch.bfloat16, torch.float16):
+        for g in (32, 64, 128):
+            for n, k in SHAPES:
+                w = (torch.randn(n, k, device="cuda") / k ** 0.5).to(dtype)
+                qw = quant.quantize_weight(w, 4, g)
+                copies = [qw] + [quant.QuantizedWeight(qw.qweight.clone(), qw.scales.clone(), qw.zeros.clone(), 4, g,
+                                                       qw.shape) for _ in range(19)]
+                x = torch.randn(1, k, device="cuda").to(dtype)
+                ref = F.linear(x.float(), quant.dequantize_weight(qw, dtype).float())
+                row = []
+                for name, cfg in PATHS.items():
+                    call = lambda c, cfg=cfg: quant._launch(x, c.qweight, c.scales, c.zeros, None, 4, g, cfg)  # noqa: E731
+                    err = rel_err(call(qw), ref)
+                    assert err < 1e-2, (name, err)
+                    row.append(qs.bench_graph([lambda c=c, call=call: call(c) for c in copies]))
+                plan = quant.launch_plan(4, g, 1, n, k, dtype, quant.num_sms(x), (), True, True)
+                print(f"{str(dtype)[6:]:8s} g{g:<3d} {n:5d}x{k:<5d} gemv {row[0]:6.1f} us  mma {row[1]:6.1f} us  "
+                      f"gemv/mma {row[0] / row[1]:4.2f}   default: {'mma' if 'MMA_N' in plan.meta else 'gemv'} "
+                      f"(gemv BLOCK_K {quant.launch_plan(4, g, 1, n, k, dtype, 132, (('PATH', 'gemv'),)).meta['BLOCK_K']})")
+
+
+if __name__ == "__main__":
+    main()
