@@ -3,8 +3,9 @@
     PYTHONPATH=src:scripts python scripts/int4_m1_path_probe.py
 
 Graph time of 20 calls cycling 20 weight copies (reads DRAM, as scripts/quant_sweep.py), each
-path checked against the fp32 product with the dequantized weight first. Decides which M = 1
-shapes ``quant._default_config`` sends to the mma kernel.
+path checked against the fp32 product with the dequantized weight first. The data behind the
+M = 1 default (the GEMV: the mma kernel wins only with bf16 x, group 128 and N >= 2.7 K; NOTES
+session 33), and the check of the GEMV's chunk on K that 1024 columns do not divide.
 """
 
 from __future__ import annotations
