@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tilefuse.ops import _quant_plan as quant_plan
 from tilefuse.ops import quant
 from tilefuse.testing import rel_err
 
@@ -35,14 +36,14 @@ def main():
                 ref = F.linear(x.float(), quant.dequantize_weight(qw, dtype).float())
                 row = []
                 for name, cfg in PATHS.items():
-                    call = lambda c, cfg=cfg: quant._launch(x, c.qweight, c.scales, c.zeros, None, 4, g, cfg)  # noqa: E731
+                    call = lambda c, cfg=cfg: quant_plan.launch(x, c.qweight, c.scales, c.zeros, None, 4, g, cfg)  # noqa: E731
                     err = rel_err(call(qw), ref)
                     assert err < 1e-2, (name, err)
                     row.append(qs.bench_graph([lambda c=c, call=call: call(c) for c in copies]))
-                plan = quant.launch_plan(4, g, 1, n, k, dtype, quant.num_sms(x), (), True, True)
+                plan = quant_plan.launch_plan(4, g, 1, n, k, dtype, quant_plan.num_sms(x), (), True, True)
                 print(f"{str(dtype)[6:]:8s} g{g:<3d} {n:5d}x{k:<5d} gemv {row[0]:6.1f} us  mma {row[1]:6.1f} us  "
                       f"gemv/mma {row[0] / row[1]:4.2f}   default: {'mma' if 'MMA_N' in plan.meta else 'gemv'} "
-                      f"(gemv BLOCK_K {quant.launch_plan(4, g, 1, n, k, dtype, 132, (('PATH', 'gemv'),)).meta['BLOCK_K']})")
+                      f"(gemv BLOCK_K {quant_plan.launch_plan(4, g, 1, n, k, dtype, 132, (('PATH', 'gemv'),)).meta['BLOCK_K']})")
 
 
 if __name__ == "__main__":

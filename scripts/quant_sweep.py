@@ -2,7 +2,7 @@
 
     python scripts/quant_sweep.py [--bits 4 8] [--m 1 4 16 64] [--quick] [--graph-calls 20] [--dtype bf16]
 
-Per (bits, M, N, K), bf16 x, int4 group 128: the default launch (``quant.launch_plan``) and the
+Per (bits, M, N, K), bf16 x, int4 group 128: the default launch (``quant_plan.launch_plan``) and the
 declared alternatives (config overrides passed to the launcher, as scripts/matmul_sweep.py does
 for matmul), each checked against the fp32 product with the dequantized weight (rel err <= 1e-2)
 and timed two ways:
@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 import triton.testing
 
+from tilefuse.ops import _quant_plan as quant_plan
 from tilefuse.ops import quant
 from tilefuse.testing import rel_err
 
@@ -58,8 +59,8 @@ DOT_ALTERNATIVES = {
     "wx-n128-w8": dict(SWAP_AB=True, BLOCK_N=128, BLOCK_K=128, num_warps=8),
     "xw-m64-n64": dict(SWAP_AB=False, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128),
 }
-SMALL_M_ALTERNATIVES = {"gemv": dict(PATH="gemv")}     # M <= quant.GEMV_MAX_ROWS: one program per row
-# int4, M <= quant.MMA_MAX_ROWS: the Gluon kernel (PATH="mma", not a default) and its knobs, added
+SMALL_M_ALTERNATIVES = {"gemv": dict(PATH="gemv")}     # M <= quant_plan.GEMV_MAX_ROWS: one program per row
+# int4, M <= quant_plan.MMA_MAX_ROWS: the Gluon kernel (PATH="mma", not a default) and its knobs, added
 # to the tl kernels' alternatives. 4 warps on groups (WARPS_K), 1 row tile of 16 per warp (REPS),
 # 1 group per warp and step, up to 8 steps, split-K to ~2 programs per SM unless named.
 MMA_ALTERNATIVES = {
@@ -71,7 +72,7 @@ MMA_ALTERNATIVES = {
     "mma-wk1-wn4": dict(PATH="mma", WARPS_K=1, WARPS_N=4),
     "mma-split1": dict(PATH="mma", SPLITS=1),
 }
-# int4 group 128, M <= quant.WGMMA_MAX_ROWS on sm_90: the Hopper kernel (PATH="wgmma") and its knobs:
+# int4 group 128, M <= quant_plan.WGMMA_MAX_ROWS on sm_90: the Hopper kernel (PATH="wgmma") and its knobs:
 # 4 warps x 2 row blocks of 64 (128 rows), z / s for 4 steps per body, 4 ring stages unless named
 WGMMA_ALTERNATIVES = {
     "wg": dict(PATH="wgmma"),
@@ -125,7 +126,7 @@ def _full_config(cfg: dict, bits: int, x: torch.Tensor, n: int) -> dict:
     """BLOCK_K "half": half the GEMV's default (launch_plan applies the rest of an override on
     top of its PATH's defaults)."""
     if cfg.get("BLOCK_K") == "half":
-        cfg = dict(cfg, BLOCK_K=quant._gemv_config(bits, n, quant.num_sms(x))["BLOCK_K"] // 2)
+        cfg = dict(cfg, BLOCK_K=quant_plan._gemv_config(bits, n, quant_plan.num_sms(x))["BLOCK_K"] // 2)
     return cfg
 
 
@@ -136,7 +137,7 @@ def _x_pairs_only(cfg: dict) -> bool:
 
 def _plan_text(x, bits, n, cfg) -> str:
     m, k = x.shape
-    plan = quant.launch_plan(bits, GROUP_SIZE if bits == 4 else 0, m, n, k, x.dtype, quant.num_sms(x),
+    plan = quant_plan.launch_plan(bits, GROUP_SIZE if bits == 4 else 0, m, n, k, x.dtype, quant_plan.num_sms(x),
                              tuple(sorted(cfg.items())), True, torch.cuda.get_device_capability()[0] == 9)
     meta = plan.meta
     if "ACC_LAYOUT" in meta:
@@ -145,7 +146,7 @@ def _plan_text(x, bits, n, cfg) -> str:
     if "MMA_N" in meta:
         return (f"mma n{meta['BLOCK_N']} slots{meta['SLOTS']} steps{meta['STEPS']} w{meta['num_warps']} mma_n{meta['MMA_N']} "
                 f"groups/split {plan.chunks_per_split} splits{plan.splits} grid{plan.grid}")
-    path = ("gemv" if plan.kernel is quant.quant_gemv_kernel
+    path = ("gemv" if plan.kernel is quant_plan.quant_gemv_kernel
             else f"dot-{'wx' if meta['SWAP_AB'] else 'xw'} m{meta['BLOCK_M']}")
     xp = " xpairs" if meta.get("X_PAIRS") else ""
     return (f"{path} n{meta['BLOCK_N']} k{meta['BLOCK_K']} s{meta['NUM_STAGES']} w{meta['num_warps']}{xp} "
@@ -187,9 +188,9 @@ def sweep_shape(bits: int, m: int, n: int, k: int, copy_bw: float, args) -> dict
     print("  " + "  ".join(f"{p} {e:.1f} / {gr:.1f} us" for p, (e, gr) in peers.items()) + "   (e2e / graph)")
 
     alts = {} if args.quick else dict(GEMV_ALTERNATIVES if m == 1 else DOT_ALTERNATIVES)
-    if bits == 4 and m <= quant.MMA_MAX_ROWS and not args.quick:
+    if bits == 4 and m <= quant_plan.MMA_MAX_ROWS and not args.quick:
         alts = dict(alts, **MMA_ALTERNATIVES)
-    if (bits == 4 and m <= quant.WGMMA_MAX_ROWS and not args.quick and dtype in (torch.bfloat16, torch.float16)
+    if (bits == 4 and m <= quant_plan.WGMMA_MAX_ROWS and not args.quick and dtype in (torch.bfloat16, torch.float16)
             and torch.cuda.get_device_capability()[0] == 9):
         alts = dict(alts, **WGMMA_ALTERNATIVES)
     if args.only:
@@ -198,7 +199,7 @@ def sweep_shape(bits: int, m: int, n: int, k: int, copy_bw: float, args) -> dict
         alts = {name: cfg for name, cfg in alts.items() if not _x_pairs_only(cfg)}
     if args.grid:                                   # the named alternatives replaced by a grid
         alts = {"-".join(f"{k}{v}" for k, v in cfg.items()): cfg for cfg in _grid(args.grid)}
-    elif 1 < m <= quant.GEMV_MAX_ROWS and not args.quick:
+    elif 1 < m <= quant_plan.GEMV_MAX_ROWS and not args.quick:
         alts.update(SMALL_M_ALTERNATIVES)
     rows = {}
     for name, cfg in {"default": {}, **alts}.items():
@@ -207,7 +208,7 @@ def sweep_shape(bits: int, m: int, n: int, k: int, copy_bw: float, args) -> dict
             if name == "default":
                 call = lambda c=qw: quant.quant_linear(x, c)                       # noqa: E731
             else:
-                call = lambda c=qw, cfg=cfg: quant._launch(x, c.qweight, c.scales, c.zeros, None, bits,  # noqa: E731
+                call = lambda c=qw, cfg=cfg: quant_plan.launch(x, c.qweight, c.scales, c.zeros, None, bits,  # noqa: E731
                                                            GROUP_SIZE if bits == 4 else 0, cfg)
             err = rel_err(call(), ref)
             if err > 1e-2:

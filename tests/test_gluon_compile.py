@@ -335,12 +335,12 @@ def compile_int4_mma(case):
     the MMA fragments (``convert_layout(..., assert_trivial=True)``), ptxas must not spill, and
     the kernel (unrolled steps, prologue and epilogue included) must issue about 3 instructions per
     weight value or fewer at group 128 (the point of the kernel)."""
-    from tilefuse.ops import quant
+    from tilefuse.ops import _quant_plan as quant_plan
     dtype, g, m, warps_k, warps_n, reps, gps, _ = INT4_MMA_CASES[case]
     n, k = 256, 8 * g * warps_k * gps                  # unsplit: 8 steps
     cfg = (("GROUPS_PER_STEP", gps), ("PATH", "mma"), ("REPS", reps), ("SPLITS", 1), ("WARPS_K", warps_k),
            ("WARPS_N", warps_n))
-    plan = quant.launch_plan(4, g, m, n, k, dtype, 132, cfg, True)
+    plan = quant_plan.launch_plan(4, g, m, n, k, dtype, 132, cfg, True)
     _, sass = _compile_int4_plan(plan, dtype, g, m, n, k)
     # a thread's values: 2·REPS rows x GROUP/4 columns per group, GROUPS_PER_STEP groups a step
     per_value = _sass_count(sass) / (2 * reps * gps * g // 4 * plan.meta["STEPS"])
@@ -365,10 +365,10 @@ def compile_int4_wgmma(case):
     """The Hopper int4 kernel as the launcher builds it: the dequantized words are wgmma's A
     fragment (``assert_trivial``), no spills, no wgmma serialized by ptxas (its accumulator read
     while one is in flight), and a bound on instructions per weight value."""
-    from tilefuse.ops import quant
+    from tilefuse.ops import _quant_plan as quant_plan
     dtype, m, cfg, bound = INT4_WGMMA_CASES[case]
     n, k = 256, 8 * 128                                  # one program's 8 groups, unsplit
-    plan = quant.launch_plan(4, 128, m, n, k, dtype, 132, (("PATH", "wgmma"), ("SPLITS", 1)) + cfg, True, True)
+    plan = quant_plan.launch_plan(4, 128, m, n, k, dtype, 132, (("PATH", "wgmma"), ("SPLITS", 1)) + cfg, True, True)
     report, sass = _compile_int4_plan(plan, dtype, 128, m, n, k)
     assert "serialized" not in report, report
     reps = plan.meta["BLOCK_N"] // (16 * plan.meta["num_warps"])

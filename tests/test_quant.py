@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tilefuse.ops import _quant_kernels as quant_kernels
+from tilefuse.ops import _quant_plan as quant_plan
 from tilefuse.ops import quant   # registers int4_gemm / int8_gemm (until ops/__init__ imports it)
 from tilefuse.ops.quant import dequantize_weight, quant_linear, quantize_weight, unpack_int4
 from tilefuse.quantization import QuantLinear, quantize
@@ -216,7 +217,7 @@ def test_quant_linear_random_shapes(m, n, groups, fmt, bias):
 
 def _launch(x, qw, bias=None, config=None):
     """The launcher itself with a config override (the path quant_linear takes, minus checks)."""
-    return quant._launch(x, qw.qweight, qw.scales, qw.zeros, bias, qw.bits, qw.group_size or 0, config)
+    return quant_plan.launch(x, qw.qweight, qw.scales, qw.zeros, bias, qw.bits, qw.group_size or 0, config)
 
 
 def _reference(x, qw, bias=None):
@@ -226,9 +227,9 @@ def _reference(x, qw, bias=None):
 def _plan(x, qw, config=None):
     """The plan the launcher makes for x (the Gluon mma path allowed where _launch allows it)."""
     m, k = x.shape
-    mma_ok = quant.is_ampere_or_newer(x) and not quant.interpreting()
-    return quant.launch_plan(qw.bits, qw.group_size or 0, m, qw.shape[0], k, x.dtype, quant.num_sms(x),
-                             tuple(sorted((config or {}).items())), mma_ok, mma_ok and quant.device_major(x) == 9)
+    mma_ok = quant_plan.is_ampere_or_newer(x) and not quant_plan.interpreting()
+    return quant_plan.launch_plan(qw.bits, qw.group_size or 0, m, qw.shape[0], k, x.dtype, quant_plan.num_sms(x),
+                             tuple(sorted((config or {}).items())), mma_ok, mma_ok and quant_plan.device_major(x) == 9)
 
 
 def _check_launch(m, n, k, fmt, dtype, config=None, bias=True):
@@ -257,11 +258,14 @@ def test_paths_and_split_k(fmt, path, m, splits, monkeypatch):
     reduce_grids = []
 
     class CountingReduce:
-        def __getitem__(self, grid):
+        def launch_prepared(self, grid, tensors, prepared):
             reduce_grids.append(grid)
-            return quant_kernels.splitk_reduce_kernel[grid]
+            return quant_kernels.splitk_reduce_kernel.launch_prepared(grid, tensors, prepared)
 
-    monkeypatch.setattr(quant, "splitk_reduce_kernel", CountingReduce())
+        def __getattr__(self, name):
+            return getattr(quant_kernels.splitk_reduce_kernel, name)
+
+    monkeypatch.setattr(quant_plan, "splitk_reduce_kernel", CountingReduce())
     plan = _check_launch(m, 19, k, fmt, torch.float32, config, bias=m % 2 == 1)
     assert len(reduce_grids) == (splits > 1)           # unsplit: the main kernel writes y, one launch
     assert plan.splits == splits and plan.n_chunks == 7
@@ -275,7 +279,7 @@ def test_default_plans_every_m(m, fmt):
     """The default launch for each M class (GEMV, 16/32/64-row dot tiles, the 128-row tile above 64),
     N not a multiple of the tile (19)."""
     plan = _check_launch(m, 19, 64, fmt, torch.float16, bias=m % 2 == 0)
-    assert (plan.kernel is quant.quant_gemv_kernel) == (m == 1)
+    assert (plan.kernel is quant_plan.quant_gemv_kernel) == (m == 1)
     if m > 1:
         assert plan.meta["BLOCK_M"] == (16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128)
 
@@ -320,16 +324,16 @@ def test_gemv_chunk_rule():
     """The GEMV's chunk stays at the wanted width when it does not divide K's groups (K = 11008:
     86 groups of 128 -> 1024-column chunks, the last of 6 groups; it used to halve to 256), and
     shrinks only to K's own size (2 groups -> 2 groups); the dot kernel keeps dividing chunks."""
-    plan = quant.launch_plan(4, 128, 1, 4096, 11008, torch.bfloat16, 132)
-    assert plan.kernel is quant.quant_gemv_kernel and plan.meta["BLOCK_K"] == 1024 and plan.meta["RAGGED_K"]
-    plan = quant.launch_plan(4, 128, 1, 4096, 4096, torch.bfloat16, 132)
+    plan = quant_plan.launch_plan(4, 128, 1, 4096, 11008, torch.bfloat16, 132)
+    assert plan.kernel is quant_plan.quant_gemv_kernel and plan.meta["BLOCK_K"] == 1024 and plan.meta["RAGGED_K"]
+    plan = quant_plan.launch_plan(4, 128, 1, 4096, 4096, torch.bfloat16, 132)
     assert plan.meta["BLOCK_K"] == 1024 and not plan.meta["RAGGED_K"]
-    plan = quant.launch_plan(4, 128, 1, 64, 256, torch.float16, 132)
+    plan = quant_plan.launch_plan(4, 128, 1, 64, 256, torch.float16, 132)
     assert plan.meta["BLOCK_K"] == 256 and not plan.meta["RAGGED_K"]
-    plan = quant.launch_plan(4, 128, 1, 64, 384, torch.float16, 132)
+    plan = quant_plan.launch_plan(4, 128, 1, 64, 384, torch.float16, 132)
     assert plan.meta["BLOCK_K"] == 512 and plan.meta["RAGGED_K"]
-    plan = quant.launch_plan(4, 128, 16, 4096, 11008, torch.float16, 132)
-    assert plan.kernel is quant.quant_dot_kernel and 11008 % plan.meta["BLOCK_K"] == 0
+    plan = quant_plan.launch_plan(4, 128, 16, 4096, 11008, torch.float16, 132)
+    assert plan.kernel is quant_plan.quant_dot_kernel and 11008 % plan.meta["BLOCK_K"] == 0
 
 
 def test_unaligned_packed_weight():
@@ -359,16 +363,16 @@ def test_launch_plans_for_an_h100():
     16-row tiles about 6 programs per SM (8 splits of 4 chunks at 4096², 4 at 14336 x 4096), and
     at 64 rows stays within the partials' traffic cap (K·bits / (128·M) = 2)."""
     args = (4, 128, 1, 4096, 4096, torch.bfloat16, 132)
-    assert quant.launch_plan(*args) is quant.launch_plan(*args)
-    plan = quant.launch_plan(*args)
-    assert plan.splits == 1 and plan.kernel is quant.quant_gemv_kernel and plan.grid == (256, 1)
+    assert quant_plan.launch_plan(*args) is quant_plan.launch_plan(*args)
+    plan = quant_plan.launch_plan(*args)
+    assert plan.splits == 1 and plan.kernel is quant_plan.quant_gemv_kernel and plan.grid == (256, 1)
     assert plan.meta["X_PAIRS"] and plan.meta["BLOCK_N"] == 16 and plan.meta["BLOCK_K"] == 1024
-    plan = quant.launch_plan(4, 128, 16, 4096, 4096, torch.bfloat16, 132)
+    plan = quant_plan.launch_plan(4, 128, 16, 4096, 4096, torch.bfloat16, 132)
     assert plan.meta["SWAP_AB"] and plan.grid == (64, 8) and plan.chunks_per_split == 4
-    plan = quant.launch_plan(4, 128, 64, 4096, 4096, torch.bfloat16, 132)
+    plan = quant_plan.launch_plan(4, 128, 64, 4096, 4096, torch.bfloat16, 132)
     assert not plan.meta["SWAP_AB"] and plan.splits == 2
-    assert quant.launch_plan(4, 128, 16, 14336, 4096, torch.bfloat16, 132).splits == 4
-    assert quant.launch_plan(4, 128, 32, 4096, 4096, torch.bfloat16, 132).splits == 4    # the cap
+    assert quant_plan.launch_plan(4, 128, 16, 14336, 4096, torch.bfloat16, 132).splits == 4
+    assert quant_plan.launch_plan(4, 128, 32, 4096, 4096, torch.bfloat16, 132).splits == 4    # the cap
 
 
 def test_mma_plans():
@@ -378,8 +382,8 @@ def test_mma_plans():
     (int8, fp32 x, 33+ rows, no GPU) is an error."""
     mma = (("PATH", "mma"),)
     for m, n, k, g in [(1, 4096, 4096, 128), (16, 14336, 4096, 128), (3, 4096, 14336, 128), (32, 4097, 4096, 32)]:
-        assert "MMA_N" not in quant.launch_plan(4, g, m, n, k, torch.bfloat16, 132, (), True).meta
-        plan = quant.launch_plan(4, g, m, n, k, torch.bfloat16, 132, mma, True)
+        assert "MMA_N" not in quant_plan.launch_plan(4, g, m, n, k, torch.bfloat16, 132, (), True).meta
+        plan = quant_plan.launch_plan(4, g, m, n, k, torch.bfloat16, 132, mma, True)
         meta = plan.meta
         assert meta["MMA_N"] == max(8, 1 << (m - 1).bit_length()) and meta["BLOCK_N"] == 16 and meta["SLOTS"] == 4
         steps = meta["STEPS"]
@@ -388,14 +392,14 @@ def test_mma_plans():
         assert (plan.splits - 1) * plan.chunks_per_split < plan.n_chunks <= plan.splits * plan.chunks_per_split
         assert meta["EVEN_GROUPS"] == (plan.n_chunks % plan.chunks_per_split == 0)
         assert plan.grid[0] * plan.grid[1] >= 2 * 132 or steps == 1
-    plan = quant.launch_plan(4, 32, 32, 4096, 4096, torch.float16, 132, (("PATH", "mma"), ("SPLITS", 3)), True)
+    plan = quant_plan.launch_plan(4, 32, 32, 4096, 4096, torch.float16, 132, (("PATH", "mma"), ("SPLITS", 3)), True)
     assert plan.meta["STEPS"] == 8 and plan.splits == 4           # 128 groups / 3 splits -> 11 -> at most 8 steps of 4
     for bits, g, m, dtype in [(8, 0, 1, torch.bfloat16), (4, 128, 33, torch.bfloat16), (4, 128, 1, torch.float32)]:
         with pytest.raises(ValueError, match="mma"):
-            quant.launch_plan(bits, g, m, 4096, 4096, dtype, 132, mma, True)
-    assert quant.launch_plan(4, 128, 1, 4096, 4096, torch.bfloat16, 132, (), False).kernel is quant.quant_gemv_kernel
+            quant_plan.launch_plan(bits, g, m, 4096, 4096, dtype, 132, mma, True)
+    assert quant_plan.launch_plan(4, 128, 1, 4096, 4096, torch.bfloat16, 132, (), False).kernel is quant_plan.quant_gemv_kernel
     with pytest.raises(ValueError, match="mma"):
-        quant.launch_plan(4, 128, 1, 4096, 4096, torch.bfloat16, 132, mma, False)
+        quant_plan.launch_plan(4, 128, 1, 4096, 4096, torch.bfloat16, 132, mma, False)
 
 
 def test_wgmma_plans():
@@ -409,38 +413,134 @@ def test_wgmma_plans():
     cases = [(1, 4096, 4096, 4, 64), (16, 14336, 4096, 4, 224), (16, 4096, 14336, 14, 64),
              (64, 4096, 14336, 14, 64), (33, 4097, 1024, 1, 65), (5, 256, 128, 1, 4)]
     for m, n, k, splits, blocks in cases:
-        plan = quant.launch_plan(4, 128, m, n, k, torch.bfloat16, 132, wg, True, True)
+        plan = quant_plan.launch_plan(4, 128, m, n, k, torch.bfloat16, 132, wg, True, True)
         meta = plan.meta
         assert meta["MMA_N"] == max(8, 1 << (m - 1).bit_length()) and meta["BLOCK_N"] == 64
         assert plan.grid == (blocks, plan.splits) and plan.splits == splits, (m, n, k, plan.grid)
         assert plan.chunks_per_split % meta["CHUNK"] == 0 and meta["X_STEPS"] == plan.chunks_per_split
         assert (plan.splits - 1) * plan.chunks_per_split < plan.n_chunks == k // 128 <= plan.splits * plan.chunks_per_split
         x_bytes = meta["X_STEPS"] * meta["MMA_N"] * 128 * 2
-        assert x_bytes + meta["STAGES"] * meta["BLOCK_N"] * 64 <= quant.WGMMA_SMEM
-    plan = quant.launch_plan(4, 128, 16, 4096, 4096, torch.float16, 132, wg + (("SPLITS", 3),), True, True)
+        assert x_bytes + meta["STAGES"] * meta["BLOCK_N"] * 64 <= quant_plan.WGMMA_SMEM
+    plan = quant_plan.launch_plan(4, 128, 16, 4096, 4096, torch.float16, 132, wg + (("SPLITS", 3),), True, True)
     assert plan.splits == 3 and plan.chunks_per_split == 12                  # 32 groups: 12 + 12 + 8
-    plan = quant.launch_plan(4, 128, 64, 4096, 4096, torch.bfloat16, 132, wg + (("SPLITS", 1),), True, True)
+    plan = quant_plan.launch_plan(4, 128, 64, 4096, 4096, torch.bfloat16, 132, wg + (("SPLITS", 1),), True, True)
     assert plan.splits == 4 and plan.meta["X_STEPS"] == 8     # x of 32 groups would be 512 KB: 8 fit (128 KB)
-    plan = quant.launch_plan(4, 128, 9, 4096, 4096, torch.bfloat16, 132,
+    plan = quant_plan.launch_plan(4, 128, 9, 4096, 4096, torch.bfloat16, 132,
                              (("CHUNK", 8), ("PATH", "wgmma"), ("REPS", 1), ("STAGES", 8), ("num_warps", 8)), True, True)
     assert plan.meta["BLOCK_N"] == 128 and plan.meta["num_warps"] == 8 and plan.chunks_per_split % 8 == 0
     with pytest.raises(ValueError, match="STAGES"):
-        quant.launch_plan(4, 128, 9, 4096, 4096, torch.bfloat16, 132, wg + (("CHUNK", 4), ("STAGES", 8)), True, True)
+        quant_plan.launch_plan(4, 128, 9, 4096, 4096, torch.bfloat16, 132, wg + (("CHUNK", 4), ("STAGES", 8)), True, True)
     for bits, g, m, dtype in [(8, 0, 1, torch.bfloat16), (4, 64, 16, torch.bfloat16), (4, 128, 65, torch.bfloat16),
                               (4, 128, 1, torch.float32)]:
         with pytest.raises(ValueError, match="wgmma"):
-            quant.launch_plan(bits, g, m, 4096, 4096, dtype, 132, wg, True, True)
+            quant_plan.launch_plan(bits, g, m, 4096, 4096, dtype, 132, wg, True, True)
     with pytest.raises(ValueError, match="sm_90"):
-        quant.launch_plan(4, 128, 16, 4096, 4096, torch.bfloat16, 132, wg, True, False)
+        quant_plan.launch_plan(4, 128, 16, 4096, 4096, torch.bfloat16, 132, wg, True, False)
     # the default: 2..16 rows of int4 group 128 (fp16 / bf16) on sm_90; the GEMV at 1 row, the tl
     # kernel elsewhere (17+ rows, other groups, int8, fp32 x, no sm_90)
     for m in (2, 5, 16):
-        assert "ACC_LAYOUT" in quant.launch_plan(4, 128, m, 4096, 4096, torch.float16, 132, (), True, True).meta
-    assert quant.launch_plan(4, 128, 1, 4096, 4096, torch.bfloat16, 132, (), True, True).kernel is quant.quant_gemv_kernel
+        assert "ACC_LAYOUT" in quant_plan.launch_plan(4, 128, m, 4096, 4096, torch.float16, 132, (), True, True).meta
+    assert quant_plan.launch_plan(4, 128, 1, 4096, 4096, torch.bfloat16, 132, (), True, True).kernel is quant_plan.quant_gemv_kernel
     for args in [(4, 128, 17, torch.bfloat16, True), (4, 64, 16, torch.bfloat16, True), (8, 0, 16, torch.bfloat16, True),
                  (4, 128, 16, torch.float32, True), (4, 128, 16, torch.bfloat16, False)]:
         bits, g, m, dtype, ok = args
-        assert quant.launch_plan(bits, g, m, 4096, 4096, dtype, 132, (), ok, ok).kernel is quant.quant_dot_kernel, args
+        assert quant_plan.launch_plan(bits, g, m, 4096, 4096, dtype, 132, (), ok, ok).kernel is quant_plan.quant_dot_kernel, args
+
+
+# ------------------------------------------------------------------------------------------------
+# the eager fast path: a repeated call skips the checks and the plan (not their outcome)
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def checked_calls(monkeypatch):
+    """Counts the calls that take the checked path (they reach the custom op); empties the
+    fast path's cache first and last."""
+    calls = []
+    real = quant._quant_linear_op
+
+    def spy(*args):
+        calls.append(args[0].shape)
+        return real(*args)
+
+    quant._FAST.clear()
+    monkeypatch.setattr(quant, "_quant_linear_op", spy)
+    yield calls
+    quant._FAST.clear()
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=_fmt_id)
+@pytest.mark.parametrize("lead", [(1,), (5,), (2, 3)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("bias", [False, True])
+def test_fast_path_repeats_the_checked_launch(fmt, lead, bias, checked_calls):
+    """The second call of a layout launches what the first (checked) call launched, bitwise, on
+    the new values of x; splits and leading dims as the default plans make them."""
+    bits, g = fmt
+    n, k = 37, 3 * (g or 32)
+    qw = quantize_weight(_weight(n, k, torch.float16, k ** -0.5), bits, g)
+    b = torch.randn(n, device=DEVICE).to(torch.float16) if bias else None
+    x = torch.randn(*lead, k, device=DEVICE).to(torch.float16)
+    first = quant_linear(x, qw, b)
+    assert len(checked_calls) == 1 and len(quant._FAST) == 1
+    again = quant_linear(x, qw, b)
+    assert len(checked_calls) == 1, "the repeated call took the checked path"
+    assert again.shape == (*lead, n) and torch.equal(again, first)
+    x.copy_(torch.randn(*lead, k, device=DEVICE))         # new values, same layout: no stale result
+    y = quant_linear(x, qw, b)
+    assert len(checked_calls) == 1
+    assert rel_err(y, _reference(x.reshape(-1, k), qw, b).reshape(*lead, n)) <= TOL[torch.float16]
+    y2 = QuantLinear(qw, b)(x)                            # the module: same layout, same entry
+    assert torch.equal(y2, y) and len(checked_calls) == 1 + (b is not None)   # a bias Parameter needs grad
+
+
+def test_fast_path_keys_what_the_checks_read(checked_calls):
+    """Another layout (strides, dtype, K, weight) after a cached call is checked again: bad input
+    still raises, and a strided x gets its own entry with its own row stride."""
+    n, k = 24, 64
+    qw = quantize_weight(_weight(n, k, torch.float32), 4, 32)
+    x = torch.randn(3, k, device=DEVICE)
+    quant_linear(x, qw)
+    with pytest.raises(ValueError, match="K = 64"):
+        quant_linear(torch.randn(3, k + 2, device=DEVICE), qw)
+    with pytest.raises(TypeError):
+        quant_linear(x.half(), qw)                        # x's dtype differs from the scales'
+    wide = torch.randn(3, 2 * k, device=DEVICE)[:, :k]   # row stride 2K: same shape, another entry
+    assert rel_err(quant_linear(wide, qw), _reference(wide, qw)) <= TOL[torch.float32]
+    assert rel_err(quant_linear(wide, qw), _reference(wide, qw)) <= TOL[torch.float32]
+    assert len(quant._FAST) == 2 and len(checked_calls) == 2     # the bad calls raised before the op
+    other = quantize_weight(_weight(n, k, torch.float32), 4, 64)   # another group size: checked
+    assert rel_err(quant_linear(x, other), _reference(x, other)) <= TOL[torch.float32]
+    assert len(checked_calls) == 3
+
+
+def test_fast_path_not_for_autograd_or_copies(checked_calls):
+    """x that needs a gradient goes through the custom op's autograd every time (and its
+    backward is right); an x that rows_view must copy, and a weight off 4-byte words, are not
+    kept (the checked path copies them)."""
+    n, k = 19, 64
+    qw = quantize_weight(_weight(n, k, torch.float32), 4, 32)
+    x = torch.randn(2, k, device=DEVICE, requires_grad=True)
+    for _ in range(2):
+        y = quant_linear(x, qw)
+    assert len(checked_calls) == 2 and not quant._FAST
+    dy = torch.randn_like(y)
+    (dx,) = torch.autograd.grad(y, x, dy)
+    assert rel_err(dx, dy.double() @ dequantize_weight(qw, torch.float64)) <= TOL[torch.float32]
+    with torch.no_grad():
+        quant_linear(x, qw)
+        quant_linear(x, qw)
+    assert len(checked_calls) == 3 and len(quant._FAST) == 1
+    t = torch.randn(k, 4, 2, device=DEVICE).permute(1, 2, 0)      # [4, 2, K], K not the unit stride
+    for _ in range(2):
+        assert rel_err(quant_linear(t, qw), _reference(t.reshape(-1, k), qw).reshape(4, 2, n)) <= TOL[torch.float32]
+    assert len(checked_calls) == 5 and len(quant._FAST) == 1
+    raw = torch.empty(qw.qweight.numel() + 1, dtype=torch.uint8, device=DEVICE)[1:].view(qw.qweight.shape)
+    raw.copy_(qw.qweight)                                 # the packed weight one byte off its words
+    odd = quant.QuantizedWeight(raw, *qw[1:])
+    x1 = torch.randn(1, k, device=DEVICE)
+    for _ in range(2):
+        assert rel_err(quant_linear(x1, odd), _reference(x1, qw)) <= TOL[torch.float32]
+    assert len(checked_calls) == 7 and len(quant._FAST) == 1
 
 
 # ------------------------------------------------------------------------------------------------
@@ -484,7 +584,7 @@ def test_x_pairs_off_a_4_byte_boundary(m, view):
     else:
         wide[:, :k] = x
         shifted = wide[:, :k]
-    assert quant._pairs_aligned(x) and not quant._pairs_aligned(shifted)
+    assert quant_plan._pairs_aligned(x) and not quant_plan._pairs_aligned(shifted)
     config = dict(PATH="gemv")
     assert _plan(shifted, qw, config).meta["X_PAIRS"]                       # the plan is per shape
     assert torch.equal(_launch(shifted, qw, None, config), _launch(x, qw, None, config))
@@ -500,11 +600,11 @@ def test_x_pairs_config_rules():
     assert not _plan(x1, qw4, dict(X_PAIRS=True)).meta["X_PAIRS"]                   # fp32 x
     assert not _plan(x1.half(), quantize_weight(_weight(40, 256, torch.float16), 4, 32)).meta["X_PAIRS"]
     for n, k in [(4096, 4096), (14336, 4096), (4096, 14336)]:
-        default = quant.launch_plan(4, 128, 1, n, k, torch.bfloat16, 132)
-        assert default.kernel is quant.quant_gemv_kernel and default.meta["X_PAIRS"]
-        assert not quant.launch_plan(4, 128, 1, n, k, torch.bfloat16, 132, (("X_PAIRS", False),)).meta["X_PAIRS"]
-    assert not quant.launch_plan(8, 0, 1, 4096, 4096, torch.bfloat16, 132).meta["X_PAIRS"]       # int8
-    assert "X_PAIRS" not in quant.launch_plan(4, 128, 16, 4096, 4096, torch.bfloat16, 132).meta  # dot kernel
+        default = quant_plan.launch_plan(4, 128, 1, n, k, torch.bfloat16, 132)
+        assert default.kernel is quant_plan.quant_gemv_kernel and default.meta["X_PAIRS"]
+        assert not quant_plan.launch_plan(4, 128, 1, n, k, torch.bfloat16, 132, (("X_PAIRS", False),)).meta["X_PAIRS"]
+    assert not quant_plan.launch_plan(8, 0, 1, 4096, 4096, torch.bfloat16, 132).meta["X_PAIRS"]       # int8
+    assert "X_PAIRS" not in quant_plan.launch_plan(4, 128, 16, 4096, 4096, torch.bfloat16, 132).meta  # dot kernel
 
 
 @pytest.mark.gpu
@@ -523,7 +623,7 @@ def test_gpu_sweep_shapes_bf16(m, nk, fmt):
 @pytest.mark.parametrize("fmt", [(4, 128), (4, 32), (8, None)], ids=_fmt_id)
 @pytest.mark.parametrize("m", [1, 5, 33])
 def test_gpu_configs_bf16(config, fmt, m):
-    if config.get("PATH") == "gemv" and m > quant.GEMV_MAX_ROWS:
+    if config.get("PATH") == "gemv" and m > quant_plan.GEMV_MAX_ROWS:
         pytest.skip("the GEMV kernel takes up to GEMV_MAX_ROWS rows")
     _check_launch(m, 4097, 4096, fmt, torch.bfloat16, config)
 
@@ -608,7 +708,7 @@ def test_gpu_int4_mma(dtype, g, m, config):
     bias = torch.randn(n, device=DEVICE).to(dtype) if m % 2 else None
     config = dict(config, PATH="mma")
     plan = _plan_on_gpu(x, qw, config)
-    assert plan.meta["MMA_N"] == max(8, 1 << (m - 1).bit_length()) and plan.kernel is not quant.quant_dot_kernel
+    assert plan.meta["MMA_N"] == max(8, 1 << (m - 1).bit_length()) and plan.kernel is not quant_plan.quant_dot_kernel
     y = _launch(x, qw, bias, config)
     assert y.dtype == dtype and y.shape == (m, n) and not y.isnan().any()
     assert rel_err(y, _reference(x, qw, bias)) <= TOL[dtype], rel_err(y, _reference(x, qw, bias))
@@ -617,7 +717,7 @@ def test_gpu_int4_mma(dtype, g, m, config):
 
 def _plan_on_gpu(x, qw, config=None):
     m, k = x.shape
-    return quant.launch_plan(4, qw.group_size, m, qw.shape[0], k, x.dtype, quant.num_sms(x),
+    return quant_plan.launch_plan(4, qw.group_size, m, qw.shape[0], k, x.dtype, quant_plan.num_sms(x),
                              tuple(sorted((config or {}).items())), True)
 
 
@@ -688,7 +788,7 @@ def test_gpu_gemv_ragged_k(dtype, nk, g):
     if k % g:
         pytest.skip("K is not a multiple of the group")
     plan = _check_launch(1, n, k, (4, g), dtype)
-    assert plan.kernel is quant.quant_gemv_kernel and plan.meta["BLOCK_K"] == 1024
+    assert plan.kernel is quant_plan.quant_gemv_kernel and plan.meta["BLOCK_K"] == 1024
     assert plan.meta["RAGGED_K"] == (k % 1024 != 0)
 
 
