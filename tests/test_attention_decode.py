@@ -29,8 +29,10 @@ LSE_ATOL = {torch.float32: 1e-5, torch.float16: 1e-4, torch.bfloat16: 1e-3}
 def small_tiles(monkeypatch):
     monkeypatch.setattr(ad, "_key_block", lambda block_d, elem_size: 16)
     ad._decode_plan.cache_clear()       # plans built with the default tiles must not be reused
+    ad._FAST.clear()                    # ... nor the fast path's calls holding them
     yield
     ad._decode_plan.cache_clear()
+    ad._FAST.clear()
 
 
 def _case(batch, s_q, h_q, h_kv, length, d, dtype, seqlens, append):
@@ -279,6 +281,69 @@ def _bad_inputs():
         (dict(good, window=(2,)), TypeError, "window"),
         (dict(good, softcap=-1.0), ValueError, "softcap"),
     ]
+
+@pytest.fixture
+def checked_decode(monkeypatch, small_tiles):
+    """Counts the calls that take the checked path (they run _check_inputs)."""
+    calls = []
+    real = ad._check_inputs
+
+    def spy(*args):
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(ad, "_check_inputs", spy)
+    return calls
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("append", [False, True])
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_fast_path_repeats_the_checked_launch(paged, append, return_lse, checked_decode):
+    """The second call of a layout skips the checks and launches what the first launched: the same
+    out (and lse) bitwise, the append rewritten in place with the cache's version bumped; new
+    values of q give the reference's answer, not a stale one."""
+    length = 50
+    inp = _case(3, 2, 4, 2, length, 16, torch.float32, _seqlens(3, length, 2, append), append)
+    run = _clone(_paged(inp, 16) if paged else inp)
+    first = attention_decode(**run, return_lse=return_lse, num_splits=2)
+    assert len(checked_decode) == 1 and len(ad._FAST) == 1
+    version = run["k_cache"]._version
+    again = attention_decode(**run, return_lse=return_lse, num_splits=2)
+    assert len(checked_decode) == 1, "the repeated call took the checked path"
+    for a, b in zip(first if return_lse else (first,), again if return_lse else (again,)):
+        assert torch.equal(a, b)
+    assert run["k_cache"]._version > version or not append
+    run["q"].copy_(torch.randn_like(run["q"]))
+    inp["q"].copy_(run["q"])
+    out = attention_decode(**run, return_lse=return_lse, num_splits=2)
+    ref = attention_decode_reference(**_f64(inp), return_lse=return_lse, num_splits=2)
+    assert len(checked_decode) == 1
+    assert rel_err(out[0] if return_lse else out, ref[0] if return_lse else ref) <= 1e-5
+
+
+def test_fast_path_keys_layouts_and_options(checked_decode):
+    """Other options or layouts after a cached call are checked again (bad input still raises);
+    a list window (unhashable) always takes the checked path."""
+    length = 40
+    inp = _case(2, 1, 4, 2, length, 16, torch.float32, [length, 17], False)
+    attention_decode(**inp)
+    attention_decode(**inp, window=(8, 0))                # another option: its own entry
+    with pytest.raises(TypeError, match="causal"):
+        attention_decode(**inp, causal=1)                 # == True, but not a bool: checked, refused
+    assert len(checked_decode) == 3 and len(ad._FAST) == 2
+    with pytest.raises(TypeError):
+        attention_decode(**dict(inp, cache_seqlens=inp["cache_seqlens"].long()))
+    with pytest.raises(TypeError):
+        attention_decode(**inp, return_lse=1)
+    for _ in range(2):
+        out = attention_decode(**inp, window=[8, 0])
+    assert len(checked_decode) == 7 and len(ad._FAST) == 2
+    ref = attention_decode_reference(**_f64(inp), window=(8, 0))
+    assert rel_err(out, ref) <= 1e-5
+
+
+
 
 
 @pytest.mark.parametrize("i", range(17))

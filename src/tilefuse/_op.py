@@ -59,6 +59,21 @@ def _eager_grad_state(args) -> bool | None:
     return needs_grad
 
 
+def direct_eager(x) -> bool:
+    """An eager call whose first tensor is ``x`` may skip the dispatcher: ``x`` is a plain tensor,
+    nothing traces, no functorch transform (vmap / grad) is active. The ops' cached fast paths
+    (``quant_linear``, ``attention_decode``) start here."""
+    return (type(x) is torch.Tensor and not _tracing() and not torch._C._are_functorch_transforms_active()
+            and not (_is_functorch_wrapped is not None and _is_functorch_wrapped(x)))
+
+
+def layout_key(*tensors) -> tuple:
+    """What input checks and launch plans read of each tensor: (type, shape, strides, dtype,
+    device); None stays None. A fast-path key built from it is valid for as long as the checks
+    that passed for it: the fast path skips the checks, not their outcome."""
+    return tuple([None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device) for t in tensors])
+
+
 class FastOp:
     """A registered custom op (``.op``) with a direct eager call path; see the module docstring."""
 

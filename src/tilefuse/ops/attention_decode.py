@@ -40,11 +40,12 @@ import functools
 from typing import NamedTuple, Optional
 
 import torch
+from torch.autograd.graph import increment_version
 
 from .._checks import check_same_device, check_same_dtype, check_shape, check_tensor
-from .._dispatch import cdiv, contiguous_strides, empty, next_power_of_2, num_sms, use_triton, workspace
+from .._dispatch import cdiv, contiguous_strides, empty, interpreting, next_power_of_2, num_sms, use_triton, workspace
 from .._launch import PreparedArgs, config_key
-from .._op import custom_op
+from .._op import _is_functorch_wrapped, custom_op, direct_eager, layout_key
 from ..registry import Inputs, OpSpec, register, tensor_bytes
 from ._attention_common import (
     attention_reference, normalize_scale, normalize_softcap, normalize_window, visible_mask,
@@ -199,6 +200,29 @@ def _decode_plan(q_shape: tuple, q_strides: tuple, k_strides: tuple, v_strides: 
                        combine_args)
 
 
+def _plan_for(q, k_cache, v_cache, block_table, n_new: int, left: int, right: int, softcap: float, scale: float,
+              num_splits: int, config: dict | None = None) -> _DecodePlan:
+    """The cached :class:`_DecodePlan` of a call (q with unit last stride, block_table contiguous)."""
+    paged = block_table is not None
+    return _decode_plan(tuple(q.shape), q.stride(), k_cache.stride(), v_cache.stride(), k_cache.shape[2],
+                        _capacity(k_cache, block_table), k_cache.shape[1] if paged else 0,
+                        block_table.stride(0) if paged else 0, q.element_size(), q.dtype == torch.float32, n_new,
+                        left, right, softcap, scale, num_splits, num_sms(q), config_key(config))
+
+
+def _launch_planned(plan: _DecodePlan, q, k_cache, v_cache, cache_seqlens, block_table, out, lse) -> None:
+    """The split kernel (and the combine when the keys are split) writing out and lse."""
+    bt = block_table if block_table is not None else cache_seqlens   # a placeholder when not paged
+    if plan.part_shapes is None:
+        part_out, part_lse = out, lse
+    else:
+        part_out, part_lse = workspace("decode_partials", plan.part_shapes, torch.float32, q.device)
+    decode_split_kernel.launch_prepared(plan.grid, (q, k_cache, v_cache, cache_seqlens, bt, part_out, part_lse),
+                                        plan.split_args)
+    if plan.combine_args is not None:
+        decode_combine_kernel.launch_prepared(plan.combine_grid, (part_out, part_lse, out, lse), plan.combine_args)
+
+
 def _launch_decode(q, k_cache, v_cache, cache_seqlens, block_table, n_new: int, left: int, right: int,
                    softcap: float, scale: float, num_splits: int, config: dict | None = None):
     """(out [B, S_q, H_q, D], lse fp32 [B, H_q, S_q])."""
@@ -208,21 +232,35 @@ def _launch_decode(q, k_cache, v_cache, cache_seqlens, block_table, n_new: int, 
     if out.numel() == 0:
         return out, lse
     q = _unit_last(q)
-    paged = block_table is not None
-    bt = block_table.contiguous() if paged else cache_seqlens
-    plan = _decode_plan(tuple(q.shape), q.stride(), k_cache.stride(), v_cache.stride(), k_cache.shape[2],
-                        _capacity(k_cache, block_table), k_cache.shape[1] if paged else 0,
-                        bt.stride(0) if paged else 0, q.element_size(), q.dtype == torch.float32, n_new, left,
-                        right, softcap, scale, num_splits, num_sms(q), config_key(config))
-    if plan.part_shapes is None:
-        part_out, part_lse = out, lse
-    else:
-        part_out, part_lse = workspace("decode_partials", plan.part_shapes, torch.float32, q.device)
-    decode_split_kernel.launch_prepared(
-        plan.grid, (q, k_cache, v_cache, cache_seqlens.contiguous(), bt, part_out, part_lse), plan.split_args)
-    if plan.combine_args is not None:
-        decode_combine_kernel.launch_prepared(plan.combine_grid, (part_out, part_lse, out, lse), plan.combine_args)
+    block_table = block_table.contiguous() if block_table is not None else None
+    plan = _plan_for(q, k_cache, v_cache, block_table, n_new, left, right, softcap, scale, num_splits, config)
+    _launch_planned(plan, q, k_cache, v_cache, cache_seqlens.contiguous(), block_table, out, lse)
     return out, lse
+
+
+class _DecodeCall(NamedTuple):
+    """A validated call layout of :func:`attention_decode` (the eager fast path): its plan and
+    normalized options. ``run`` does what the checked path does after its checks."""
+    plan: _DecodePlan
+    n_new: int
+    lse_shape: tuple
+    return_lse: bool
+
+    def run(self, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new):
+        if self.n_new:
+            _launch_append(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table)
+            increment_version(k_cache)                   # as the custom op's mutation would
+            increment_version(v_cache)
+        out = empty(q.shape, q.dtype, q.device)
+        # the lse is the caller's only with return_lse; else a buffer reused across calls
+        lse = empty(self.lse_shape, torch.float32, q.device) if self.return_lse else \
+            workspace("decode_lse", (self.lse_shape,), torch.float32, q.device)[0]
+        _launch_planned(self.plan, q, k_cache, v_cache, cache_seqlens, block_table, out, lse)
+        return (out, lse) if self.return_lse else out
+
+
+_FAST: dict = {}          # call layout and options -> _DecodeCall
+FAST_ENTRIES = 1024       # kept before the cache starts over
 
 
 # ----------------------------------------------------------------------------------------------
@@ -381,6 +419,40 @@ def _check_inputs(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
         raise ValueError(f"num_splits must be None (auto) or an int >= 1, got {num_splits!r}")
 
 
+def _fast_key(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, options: tuple):
+    """The layout key of an eager call (every tensor's :func:`layout_key`, the options with their
+    types, the Triton path or not), or None where the dispatcher must see the call."""
+    if not direct_eager(q):
+        return None
+    device = q.device
+    return (layout_key(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new),
+            tuple([(type(o), o) for o in options]), device.type == "cuda" or interpreting())
+
+
+def _remember(key, q, k_cache, v_cache, cache_seqlens, block_table, k_new, n_new, left, right, softcap, scale,
+              return_lse, num_splits) -> None:
+    """After a checked call: keep its :class:`_DecodeCall` when the direct path launches exactly
+    what the checked path did (plain tensors in their own layout: no copies made for the kernels)."""
+    tensors = (q, k_cache, v_cache, cache_seqlens, block_table, k_new)
+    if not key[-1] or q.numel() == 0 or q.stride(-1) != 1 or not cache_seqlens.is_contiguous():
+        return
+    if block_table is not None and not block_table.is_contiguous():
+        return
+    if k_new is not None and (k_new.stride(-1) != 1 or k_new.shape[0] * k_new.shape[1] == 0):
+        return
+    if any(t is not None and (type(t) is not torch.Tensor or _is_functorch_wrapped(t)) for t in tensors):
+        return
+    try:
+        hash(key)
+    except TypeError:
+        return                                           # an unhashable option (a list window)
+    if len(_FAST) >= FAST_ENTRIES:
+        _FAST.clear()
+    batch, s_q, h_q, _ = q.shape
+    plan = _plan_for(q, k_cache, v_cache, block_table, n_new, left, right, softcap, scale, num_splits or 0)
+    _FAST[key] = _DecodeCall(plan, n_new, (batch, h_q, s_q), return_lse)
+
+
 def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
                      block_table: torch.Tensor | None = None, k_new: torch.Tensor | None = None,
                      v_new: torch.Tensor | None = None, causal: bool = True, window=(-1, -1), softcap: float = 0.0,
@@ -391,7 +463,19 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     ``cache_seqlens[b] ..`` and attended to; ``cache_seqlens`` is not incremented. Masking as
     ``tilefuse.attention`` with the queries bottom-right aligned (causal by default). Returns
     out ``[B, S_q, H_q, D]``, and lse fp32 ``[B, H_q, S_q]`` with ``return_lse``. ``num_splits``:
-    key-range splits per (row, kv head); None picks from shapes. No gradient (inference op)."""
+    key-range splits per (row, kv head); None picks from shapes. No gradient (inference op).
+
+    Host path: a repeated eager call (a decode loop) takes the launches its layout and options got
+    the first time, after the checks passed then (:func:`_fast_key`)."""
+    key = _fast_key(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
+                    (causal, window, softcap, scale, return_lse, num_splits))
+    if key is not None:
+        try:
+            hit = _FAST.get(key)
+        except TypeError:                                # an unhashable option: the checked path
+            hit = key = None
+        if hit is not None:
+            return hit.run(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new)
     _check_inputs(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, num_splits)
     left, right = normalize_window(causal, window)
     softcap = normalize_softcap(softcap)
@@ -404,6 +488,9 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         n_new = q.shape[1]
     out, lse = _decode_op(q, k_cache, v_cache, cache_seqlens, block_table, n_new, left, right, softcap, scale,
                           num_splits or 0)
+    if key is not None:
+        _remember(key, q, k_cache, v_cache, cache_seqlens, block_table, k_new, n_new, left, right, softcap, scale,
+                  return_lse, num_splits)
     return (out, lse) if return_lse else out
 
 

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 
 from .._checks import check_same_device, check_same_dtype, check_shape, check_tensor
 from .._dispatch import interpreting, rows_view, use_triton
-from .._op import _is_functorch_wrapped, _tracing, custom_op
+from .._op import _is_functorch_wrapped, custom_op, direct_eager, layout_key
 from ..registry import Inputs, OpSpec, register
 from ._quant_plan import launch, quant_call
 
@@ -232,24 +232,17 @@ FAST_ENTRIES = 1024       # kept before the cache starts over
 
 
 def _fast_key(x: torch.Tensor, qw, bias: Optional[torch.Tensor]):
-    """The layout key of an eager call that needs no autograd and no dispatcher, else None. It
-    holds everything the checks and the launch plan read of each tensor (type, shape, strides,
-    dtype, device; the format; 16-byte alignment of x and of the packed weight), so a key
-    validated once stays valid: the fast path skips the checks and the plan, not their outcome."""
-    if type(x) is not torch.Tensor or type(qw) is not QuantizedWeight or _tracing():
+    """The layout key of an eager call that needs neither autograd nor the dispatcher, else None:
+    :func:`layout_key` of every tensor, the format, and the 16-byte alignment of x and of the
+    packed weight (what the launch plan reads besides the layouts)."""
+    if type(qw) is not QuantizedWeight or not direct_eager(x):
         return None
     if torch.is_grad_enabled() and (x.requires_grad or qw.scales.requires_grad
                                     or (bias is not None and bias.requires_grad)):
         return None                                      # autograd: the custom op's Function
-    if torch._C._are_functorch_transforms_active() or _is_functorch_wrapped(x):
-        return None                                      # vmap / grad: the dispatcher
-    device, qweight, scales, zeros = x.device, qw.qweight, qw.scales, qw.zeros
-    return (x.shape, x.stride(), x.dtype, device, x.data_ptr() % 16, qw.bits, qw.group_size, qw.shape,
-            type(qweight), qweight.shape, qweight.stride(), qweight.dtype, qweight.device, qweight.data_ptr() % 16,
-            type(scales), scales.shape, scales.stride(), scales.dtype, scales.device,
-            None if zeros is None else (type(zeros), zeros.shape, zeros.stride(), zeros.dtype, zeros.device),
-            None if bias is None else (type(bias), bias.shape, bias.stride(), bias.dtype, bias.device),
-            device.type == "cuda" or interpreting())
+    device = x.device
+    return (layout_key(x, qw.qweight, qw.scales, qw.zeros, bias), x.data_ptr() % 16, qw.qweight.data_ptr() % 16,
+            qw.bits, qw.group_size, qw.shape, device.type == "cuda" or interpreting())
 
 
 def _remember(key: tuple, x: torch.Tensor, qw, bias: Optional[torch.Tensor]) -> None:
