@@ -57,7 +57,11 @@ def test_prepared_args_key_their_integers_once():
     prepared = rope_kernel.prepare((1, 17, 2**31), {"TOKENS": 2, "num_warps": 4})
     k = _launch._arg_key
     assert prepared.ints == (1, 17, 2**31)
-    assert prepared.key == ((k(1), k(17), k(2**31)), (("TOKENS", 2), ("num_warps", 4)))
+    assert prepared.key == _launch.key_token(((k(1), k(17), k(2**31)), (("TOKENS", 2), ("num_warps", 4))))
+    assert rope_kernel.prepare((1, 17, 2**31), {"TOKENS": 2, "num_warps": 4}).key == prepared.key
+    for other in [((1, 16, 2**31), {"TOKENS": 2, "num_warps": 4}), ((1, 17, 2**31 - 1), {"TOKENS": 2, "num_warps": 4}),
+                  ((1, 17, 2**31), {"TOKENS": 4, "num_warps": 4}), ((1, 17, 2**31), {"TOKENS": 2})]:
+        assert rope_kernel.prepare(*other).key != prepared.key, other    # every part of the key counts
 
 
 @pytest.mark.gpu

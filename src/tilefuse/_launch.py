@@ -152,7 +152,7 @@ class FastKernel:
         fixes (sizes, strides, constexprs), with their part of the cache key computed once;
         launch with :meth:`launch_prepared`. For kernels whose parameters are tensors first."""
         return PreparedArgs(tuple(ints), dict(kwargs),
-                            (tuple(_arg_key(a) for a in ints), tuple(kwargs.items())))
+                            key_token((tuple(_arg_key(a) for a in ints), tuple(kwargs.items()))))
 
     def launch_prepared(self, grid, tensors: tuple, prepared: "PreparedArgs"):
         """``self[grid](*tensors, *prepared.ints, **prepared.kwargs)``, keyed on the tensors' dtype
@@ -324,11 +324,24 @@ def config_key(config: dict | None) -> tuple:
     return tuple(config.items()) if config else ()
 
 
+_KEY_TOKENS: dict = {}     # a prepared key -> its token (one per distinct key, never reused)
+
+
+def key_token(key: tuple) -> int:
+    """A small int standing for ``key`` in per-call cache keys: equal keys, equal tokens. A
+    prepared key can hold Gluon layouts, whose hashes cost ~10 µs per launch on the H200 host
+    when the key is hashed on every call (the int4 Hopper kernel, s34)."""
+    token = _KEY_TOKENS.get(key)
+    if token is None:
+        token = _KEY_TOKENS[key] = len(_KEY_TOKENS)
+    return token
+
+
 class PreparedArgs(NamedTuple):
     """What :meth:`FastKernel.prepare` returns (cache it in the op's launch plan)."""
     ints: tuple        # positional arguments after the tensors
     kwargs: dict       # constexprs and launch options (do not mutate: shared by the plan cache)
-    key: tuple         # their cache-key part
+    key: object        # their cache-key part (a token of it: :func:`key_token`)
 
     def with_first_int(self, value: int) -> "PreparedArgs":
         """The same arguments with the first integer replaced by ``value`` (a per-call value such
