@@ -629,6 +629,37 @@ def test_gpu_configs_bf16(config, fmt, m):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16])
+def test_gpu_fast_path_in_a_cuda_graph(m, checked_calls):
+    """The fast path's launches (split-K partials from the workspace) captured in a CUDA graph, two
+    layers back to back, replayed on new x: each replay matches the reference; the capture itself
+    took the fast path (warmed up first, so no check ran inside it)."""
+    n, k = 14336, 4096
+    layers = [quantize_weight(_weight(n, k, torch.bfloat16, k ** -0.5), 4, 128) for _ in range(2)]
+    down = quantize_weight(_weight(k, n, torch.bfloat16, n ** -0.5), 4, 128)
+    x = torch.randn(m, k, device=DEVICE).bfloat16()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.no_grad():
+        for _ in range(2):                                  # warm: the first call of each layout is checked
+            ys = [quant_linear(x, qw) for qw in layers]
+            quant_linear(ys[0], down)
+        warm = len(checked_calls)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            ys = [quant_linear(x, qw) for qw in layers]
+            z = quant_linear(ys[0], down)
+        assert len(checked_calls) == warm == 2
+    for _ in range(2):
+        x.copy_(torch.randn(m, k, device=DEVICE))
+        graph.replay()
+        torch.cuda.synchronize()
+        for y, qw in zip(ys, layers):
+            assert rel_err(y, _reference(x, qw)) <= TOL[torch.bfloat16]
+        assert rel_err(z, _reference(ys[0], down)) <= TOL[torch.bfloat16]
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(1, 4096, 4096), (5, 14336, 4096), (16, 4096, 14336), (300, 4097, 4096)])
 @pytest.mark.parametrize("fmt", [(8, None), (4, 128), (4, 32)], ids=_fmt_id)
 def test_gpu_shapes_bf16(shape, fmt):
