@@ -306,6 +306,67 @@ def test_bad_input_names_the_argument(case):
         call()
 
 
+@pytest.fixture
+def checked_norms(monkeypatch):
+    """Counts the calls that take the checked path; empties the fast path's cache first and last."""
+    calls = []
+    real = nm._checked_norm
+
+    def spy(*args):
+        calls.append(1)
+        return real(*args)
+
+    nm._FAST.clear()
+    monkeypatch.setattr(nm, "_checked_norm", spy)
+    yield calls
+    nm._FAST.clear()
+
+
+@pytest.mark.parametrize("is_rms", [True, False])
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("shape,normalized", [((3, 97), None), ((2, 3, 40), (3, 40))], ids=["row", "two-dims"])
+def test_fast_path_repeats_the_checked_launch(is_rms, residual, shape, normalized, checked_norms):
+    """A repeated no-grad call skips the checks: the same y (and h) bitwise, then the reference's
+    answer on new values; a call that needs a gradient always takes the checked path."""
+    norm = nm.rms_norm if is_rms else nm.layer_norm
+    x, r = _t(shape), _t(shape) if residual else None
+    w = _t(normalized or shape[-1:], shift=1.0)
+    kw = dict(residual=r) if residual else {}
+    with torch.no_grad():
+        first = norm(x, normalized, w, **kw)
+        again = norm(x, normalized, w, **kw)
+        assert len(checked_norms) == 1 and len(nm._FAST) == 1
+        for a, b in zip(first if residual else (first,), again if residual else (again,)):
+            assert torch.equal(a, b)
+        x.copy_(torch.randn(shape, device=DEVICE))
+        out = norm(x, normalized, w, **kw)
+    assert len(checked_norms) == 1
+    ref = (nm.rms_norm_reference if is_rms else nm.layer_norm_reference)(x.double(), normalized, w.double(), **(
+        dict(residual=r.double()) if residual else {}))
+    for o, e in zip(out if residual else (out,), ref if residual else (ref,)):
+        assert rel_err(o, e) <= 1e-5
+    xg = x.clone().requires_grad_(True)
+    for _ in range(2):
+        y = norm(xg, normalized, w, **kw)
+    assert len(checked_norms) == 3 and (y[0] if residual else y).requires_grad
+
+
+def test_fast_path_checks_new_options(checked_norms):
+    """Other options or layouts after a cached call are checked again: bad ones still raise."""
+    x, w = _t((4, 64)), _t((64,), shift=1.0)
+    with torch.no_grad():
+        nm.rms_norm(x, None, w)
+        with pytest.raises(ValueError, match="eps"):
+            nm.rms_norm(x, None, w, eps=-1.0)
+        with pytest.raises(ValueError, match="normalized_shape"):
+            nm.rms_norm(x, (32,), w)
+        with pytest.raises(ValueError, match="weight"):
+            nm.rms_norm(x, None, _t((32,)))
+        nm.rms_norm(x[:, :32], None, w[:32])             # a strided x: its own entry
+        nm.rms_norm(x[:, :32], None, w[:32])
+    assert len(checked_norms) == 5 and len(nm._FAST) == 2
+
+
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a second device")
 def test_mixed_devices():
     x = torch.randn(4, 8, device="cuda")

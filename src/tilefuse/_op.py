@@ -67,11 +67,48 @@ def direct_eager(x) -> bool:
             and not (_is_functorch_wrapped is not None and _is_functorch_wrapped(x)))
 
 
-def layout_key(*tensors) -> tuple:
+def layout_key(*tensors) -> tuple | None:
     """What input checks and launch plans read of each tensor: (type, shape, strides, dtype,
     device); None stays None. A fast-path key built from it is valid for as long as the checks
-    that passed for it: the fast path skips the checks, not their outcome."""
+    that passed for it: the fast path skips the checks, not their outcome. None when an argument
+    is neither a tensor nor None (bad input: the checks say what is wrong)."""
+    for t in tensors:
+        if t is not None and not isinstance(t, torch.Tensor):
+            return None
     return tuple([None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device) for t in tensors])
+
+
+class CallCache:
+    """An op's validated eager call layouts (keys from :func:`layout_key` and the options) -> what
+    the call launches; ``entries`` kept before it starts over. A key that cannot be hashed (an
+    option passed as a list) is never found nor kept: that call takes the checked path."""
+
+    def __init__(self, entries: int = 1024):
+        self._calls: dict = {}
+        self.entries = entries
+
+    def get(self, key):
+        if key is None:
+            return None
+        try:
+            return self._calls.get(key)
+        except TypeError:
+            return None
+
+    def put(self, key, value) -> None:
+        try:
+            hash(key)
+        except TypeError:
+            return
+        if len(self._calls) >= self.entries:
+            self._calls.clear()
+        self._calls[key] = value
+
+    def clear(self) -> None:
+        self._calls.clear()
+
+    def __len__(self) -> int:
+        return len(self._calls)
 
 
 class FastOp:

@@ -45,7 +45,7 @@ from torch.autograd.graph import increment_version
 from .._checks import check_same_device, check_same_dtype, check_shape, check_tensor
 from .._dispatch import cdiv, contiguous_strides, empty, interpreting, next_power_of_2, num_sms, use_triton, workspace
 from .._launch import PreparedArgs, config_key
-from .._op import _is_functorch_wrapped, custom_op, direct_eager, layout_key
+from .._op import CallCache, _is_functorch_wrapped, custom_op, direct_eager, layout_key
 from ..registry import Inputs, OpSpec, register, tensor_bytes
 from ._attention_common import (
     attention_reference, normalize_scale, normalize_softcap, normalize_window, visible_mask,
@@ -259,8 +259,7 @@ class _DecodeCall(NamedTuple):
         return (out, lse) if self.return_lse else out
 
 
-_FAST: dict = {}          # call layout and options -> _DecodeCall
-FAST_ENTRIES = 1024       # kept before the cache starts over
+_FAST = CallCache()       # call layout and options -> _DecodeCall
 
 
 # ----------------------------------------------------------------------------------------------
@@ -424,9 +423,11 @@ def _fast_key(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, opt
     types, the Triton path or not), or None where the dispatcher must see the call."""
     if not direct_eager(q):
         return None
+    layout = layout_key(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new)
+    if layout is None:
+        return None
     device = q.device
-    return (layout_key(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new),
-            tuple([(type(o), o) for o in options]), device.type == "cuda" or interpreting())
+    return layout, tuple([(type(o), o) for o in options]), device.type == "cuda" or interpreting()
 
 
 def _remember(key, q, k_cache, v_cache, cache_seqlens, block_table, k_new, n_new, left, right, softcap, scale,
@@ -442,15 +443,9 @@ def _remember(key, q, k_cache, v_cache, cache_seqlens, block_table, k_new, n_new
         return
     if any(t is not None and (type(t) is not torch.Tensor or _is_functorch_wrapped(t)) for t in tensors):
         return
-    try:
-        hash(key)
-    except TypeError:
-        return                                           # an unhashable option (a list window)
-    if len(_FAST) >= FAST_ENTRIES:
-        _FAST.clear()
     batch, s_q, h_q, _ = q.shape
     plan = _plan_for(q, k_cache, v_cache, block_table, n_new, left, right, softcap, scale, num_splits or 0)
-    _FAST[key] = _DecodeCall(plan, n_new, (batch, h_q, s_q), return_lse)
+    _FAST.put(key, _DecodeCall(plan, n_new, (batch, h_q, s_q), return_lse))
 
 
 def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
@@ -469,13 +464,9 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     the first time, after the checks passed then (:func:`_fast_key`)."""
     key = _fast_key(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
                     (causal, window, softcap, scale, return_lse, num_splits))
-    if key is not None:
-        try:
-            hit = _FAST.get(key)
-        except TypeError:                                # an unhashable option: the checked path
-            hit = key = None
-        if hit is not None:
-            return hit.run(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new)
+    hit = _FAST.get(key)
+    if hit is not None:
+        return hit.run(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new)
     _check_inputs(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, num_splits)
     left, right = normalize_window(causal, window)
     softcap = normalize_softcap(softcap)

@@ -34,9 +34,9 @@ from typing import NamedTuple, Optional
 import torch
 
 from .._checks import check_same_device, check_same_dtype, check_shape, check_tensor
-from .._dispatch import cdiv, empty, empty_like, next_power_of_2, num_sms, rows_view, use_triton, workspace
+from .._dispatch import cdiv, empty, empty_like, interpreting, next_power_of_2, num_sms, rows_view, use_triton, workspace
 from .._launch import PreparedArgs, config_key
-from .._op import custom_op
+from .._op import CallCache, _is_functorch_wrapped, custom_op, direct_eager, layout_key
 from ..registry import Inputs, OpSpec, register, tensor_bytes
 from ._norm_kernels import (
     launch_sum_partials, norm_bwd_kernel, norm_bwd_stats_kernel, norm_fwd_kernel, norm_fwd_stats_kernel,
@@ -178,9 +178,11 @@ def _fwd_plan(n_rows: int, n_cols: int, x_stride: int, r_stride: int, eps: float
     return _FwdPlan(stats_in, block_n, (cdiv(n_rows, block_m), cdiv(n_cols, block_n)), prepared)
 
 
-def _launch_fwd(x, weight, bias, residual, eps: float, offset: float, is_rms: bool, config=None):
+def _launch_fwd(x, weight, bias, residual, eps: float, offset: float, is_rms: bool, config=None, stats=None):
     """Returns (y, h, mean, rstd): h is empty without residual, mean is empty for RMSNorm;
     mean and rstd are flat fp32 [rows] (internal: saved for the backward, never returned).
+    ``stats``: (mean, rstd) buffers to write instead of fresh ones (a no-grad call's workspace);
+    then h, never returned without a residual, is not allocated either (y stands in).
 
     ``config`` (tuning sweeps) overrides: ``max_fused_n`` (longest padded row of the fused tier),
     ``BLOCK_M`` (rows per program, fused tier), ``BLOCK_N`` (column tile, looped tier), ``num_warps``,
@@ -191,9 +193,11 @@ def _launch_fwd(x, weight, bias, residual, eps: float, offset: float, is_rms: bo
     has_res = residual is not None
     dev = x.device
     y = empty_like(x)                                     # contiguous: row stride n_cols
-    h = empty_like(x) if has_res else empty(0, x.dtype, dev)
-    mean = empty(0 if is_rms else n_rows, torch.float32, dev)   # flat [rows]: saved for backward only
-    rstd = empty(n_rows, torch.float32, dev)
+    h = empty_like(x) if has_res else y if stats is not None else empty(0, x.dtype, dev)
+    if stats is None:                                     # flat [rows]: saved for backward only
+        mean, rstd = empty(0 if is_rms else n_rows, torch.float32, dev), empty(n_rows, torch.float32, dev)
+    else:
+        mean, rstd = stats
     if n_rows == 0 or n_cols == 0:
         mean.zero_()
         rstd.zero_()
@@ -477,7 +481,66 @@ def _check_number(name: str, v) -> float:
     return float(v)
 
 
+class _NormCall(NamedTuple):
+    """A validated no-grad call layout of :func:`_norm` (the eager fast path): what the checked
+    path launches after its checks, with mean / rstd in a workspace (nothing saves them)."""
+    shape: tuple               # normalized_shape
+    eps: float
+    offset: float
+    is_rms: bool
+    rows: int
+
+    def run(self, x, weight, bias, residual):
+        flat = len(self.shape) > 1
+        if flat:
+            x = x.flatten(x.dim() - len(self.shape))
+            weight = weight.flatten() if weight is not None else None
+            bias = bias.flatten() if bias is not None else None
+            residual = residual.flatten(residual.dim() - len(self.shape)) if residual is not None else None
+        stats = workspace("norm_fwd_stats", ((0 if self.is_rms else self.rows,), (self.rows,)), torch.float32,
+                          x.device)
+        y, h, _, _ = _launch_fwd(x, weight, bias, residual, self.eps, self.offset, self.is_rms, stats=stats)
+        if flat:
+            y = y.unflatten(-1, self.shape)
+            h = h.unflatten(-1, self.shape) if residual is not None else h
+        return y if residual is None else (y, h)
+
+
+_FAST = CallCache()       # no-grad call layout and options -> _NormCall
+
+
+def _fast_key(x, normalized_shape, weight, bias, eps, offset, residual, is_rms):
+    """The layout key of an eager call with no gradient to build, else None (:func:`layout_key`
+    of every tensor, the options with their types, the Triton path or not)."""
+    if not direct_eager(x):
+        return None
+    layout = layout_key(x, weight, bias, residual)
+    if layout is None:
+        return None
+    if torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)
+                                    or (bias is not None and bias.requires_grad)
+                                    or (residual is not None and residual.requires_grad)):
+        return None                                       # autograd: the custom op's Function
+    device = x.device
+    return (layout, type(normalized_shape), normalized_shape, type(eps), eps, type(offset), offset, is_rms,
+            device.type == "cuda" or interpreting())
+
+
 def _norm(x, normalized_shape, weight, bias, eps, offset, residual, is_rms):
+    key = _fast_key(x, normalized_shape, weight, bias, eps, offset, residual, is_rms)
+    hit = _FAST.get(key)
+    if hit is not None:
+        return hit.run(x, weight, bias, residual)
+    out = _checked_norm(x, normalized_shape, weight, bias, eps, offset, residual, is_rms)
+    if key is not None and key[-1] and x.numel() and all(
+            t is None or (type(t) in (torch.Tensor, torch.nn.Parameter) and not _is_functorch_wrapped(t))
+            for t in (x, weight, bias, residual)):
+        shape = _check_normalized_shape(normalized_shape, x)
+        _FAST.put(key, _NormCall(shape, float(eps), float(offset), is_rms, x.numel() // math.prod(shape)))
+    return out
+
+
+def _checked_norm(x, normalized_shape, weight, bias, eps, offset, residual, is_rms):
     check_tensor("x", x, min_dim=1)
     shape = _check_normalized_shape(normalized_shape, x)
     for name, t in (("weight", weight), ("bias", bias)):

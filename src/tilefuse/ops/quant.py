@@ -48,7 +48,7 @@ import torch.nn.functional as F
 
 from .._checks import check_same_device, check_same_dtype, check_shape, check_tensor
 from .._dispatch import interpreting, rows_view, use_triton
-from .._op import _is_functorch_wrapped, custom_op, direct_eager, layout_key
+from .._op import CallCache, _is_functorch_wrapped, custom_op, direct_eager, layout_key
 from ..registry import Inputs, OpSpec, register
 from ._quant_plan import launch, quant_call
 
@@ -227,8 +227,7 @@ def _check_qweight(name: str, qw: QuantizedWeight) -> None:
         check_shape(f"{name}.zeros", qw.zeros, (n, k // qw.group_size), "[N, K / group_size]")
 
 
-_FAST: dict = {}          # call layout -> (QuantCall, x's [M, K] view shape and y's shape, or None, None)
-FAST_ENTRIES = 1024       # kept before the cache starts over
+_FAST = CallCache()       # call layout -> (QuantCall, x's [M, K] view shape and y's shape, or None, None)
 
 
 def _fast_key(x: torch.Tensor, qw, bias: Optional[torch.Tensor]):
@@ -237,12 +236,15 @@ def _fast_key(x: torch.Tensor, qw, bias: Optional[torch.Tensor]):
     packed weight (what the launch plan reads besides the layouts)."""
     if type(qw) is not QuantizedWeight or not direct_eager(x):
         return None
+    layout = layout_key(x, qw.qweight, qw.scales, qw.zeros, bias)
+    if layout is None or qw.qweight is None or qw.scales is None:
+        return None
     if torch.is_grad_enabled() and (x.requires_grad or qw.scales.requires_grad
                                     or (bias is not None and bias.requires_grad)):
         return None                                      # autograd: the custom op's Function
     device = x.device
-    return (layout_key(x, qw.qweight, qw.scales, qw.zeros, bias), x.data_ptr() % 16, qw.qweight.data_ptr() % 16,
-            qw.bits, qw.group_size, qw.shape, device.type == "cuda" or interpreting())
+    return (layout, x.data_ptr() % 16, qw.qweight.data_ptr() % 16, qw.bits, qw.group_size, qw.shape,
+            device.type == "cuda" or interpreting())
 
 
 def _remember(key: tuple, x: torch.Tensor, qw, bias: Optional[torch.Tensor]) -> None:
@@ -257,10 +259,8 @@ def _remember(key: tuple, x: torch.Tensor, qw, bias: Optional[torch.Tensor]) -> 
     x2 = rows_view(x)
     if x2.data_ptr() != x.data_ptr() or qw.scales.shape[0] == 0:
         return                                           # rows_view copied x: the op's path, not this one
-    if len(_FAST) >= FAST_ENTRIES:
-        _FAST.clear()
     call = quant_call(x2, qw.qweight, qw.scales, bias is not None, qw.bits, qw.group_size or 0)
-    _FAST[key] = (call, None if x2 is x else tuple(x2.shape), None if x2 is x else (*x.shape[:-1], call.n))
+    _FAST.put(key, (call, None if x2 is x else tuple(x2.shape), None if x2 is x else (*x.shape[:-1], call.n)))
 
 
 def quant_linear(x: torch.Tensor, qw: QuantizedWeight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -273,13 +273,12 @@ def quant_linear(x: torch.Tensor, qw: QuantizedWeight, bias: Optional[torch.Tens
     Host path: a repeated eager call with no gradient to build (a decode step) takes the launch
     its input layout got the first time, after the checks passed then (:func:`_fast_key`)."""
     key = _fast_key(x, qw, bias)
-    if key is not None:
-        hit = _FAST.get(key)
-        if hit is not None:
-            call, x2_shape, y_shape = hit
-            if x2_shape is None:                         # x is [M, K] itself
-                return call.run(x, qw.qweight, qw.scales, qw.zeros, bias)
-            return call.run(x.view(x2_shape), qw.qweight, qw.scales, qw.zeros, bias).view(y_shape)
+    hit = _FAST.get(key)
+    if hit is not None:
+        call, x2_shape, y_shape = hit
+        if x2_shape is None:                             # x is [M, K] itself
+            return call.run(x, qw.qweight, qw.scales, qw.zeros, bias)
+        return call.run(x.view(x2_shape), qw.qweight, qw.scales, qw.zeros, bias).view(y_shape)
     check_tensor("x", x, min_dim=1)
     _check_qweight("qw", qw)
     n, k = qw.shape
