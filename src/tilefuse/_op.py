@@ -78,6 +78,14 @@ def layout_key(*tensors) -> tuple | None:
     return tuple([None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device) for t in tensors])
 
 
+def plain_tensors(*tensors) -> bool:
+    """Every argument is None or a plain tensor / Parameter, not wrapped by a functorch transform:
+    what an op's fast path may keep a launch for (anything else must reach the dispatcher)."""
+    return all(t is None or (type(t) in (torch.Tensor, torch.nn.Parameter)
+                             and not (_is_functorch_wrapped is not None and _is_functorch_wrapped(t)))
+               for t in tensors)
+
+
 class CallCache:
     """An op's validated eager call layouts (keys from :func:`layout_key` and the options) -> what
     the call launches; ``entries`` kept before it starts over. A key that cannot be hashed (an

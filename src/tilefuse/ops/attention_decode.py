@@ -45,7 +45,7 @@ from torch.autograd.graph import increment_version
 from .._checks import check_same_device, check_same_dtype, check_shape, check_tensor
 from .._dispatch import cdiv, contiguous_strides, empty, interpreting, next_power_of_2, num_sms, use_triton, workspace
 from .._launch import PreparedArgs, config_key
-from .._op import CallCache, _is_functorch_wrapped, custom_op, direct_eager, layout_key
+from .._op import CallCache, custom_op, direct_eager, layout_key, plain_tensors
 from ..registry import Inputs, OpSpec, register, tensor_bytes
 from ._attention_common import (
     attention_reference, normalize_scale, normalize_softcap, normalize_window, visible_mask,
@@ -441,7 +441,7 @@ def _remember(key, q, k_cache, v_cache, cache_seqlens, block_table, k_new, n_new
         return
     if k_new is not None and (k_new.stride(-1) != 1 or k_new.shape[0] * k_new.shape[1] == 0):
         return
-    if any(t is not None and (type(t) is not torch.Tensor or _is_functorch_wrapped(t)) for t in tensors):
+    if not plain_tensors(*tensors):
         return
     batch, s_q, h_q, _ = q.shape
     plan = _plan_for(q, k_cache, v_cache, block_table, n_new, left, right, softcap, scale, num_splits or 0)

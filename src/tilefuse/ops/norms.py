@@ -36,7 +36,7 @@ import torch
 from .._checks import check_same_device, check_same_dtype, check_shape, check_tensor
 from .._dispatch import cdiv, empty, empty_like, interpreting, next_power_of_2, num_sms, rows_view, use_triton, workspace
 from .._launch import PreparedArgs, config_key
-from .._op import CallCache, _is_functorch_wrapped, custom_op, direct_eager, layout_key
+from .._op import CallCache, custom_op, direct_eager, layout_key, plain_tensors
 from ..registry import Inputs, OpSpec, register, tensor_bytes
 from ._norm_kernels import (
     launch_sum_partials, norm_bwd_kernel, norm_bwd_stats_kernel, norm_fwd_kernel, norm_fwd_stats_kernel,
@@ -532,9 +532,7 @@ def _norm(x, normalized_shape, weight, bias, eps, offset, residual, is_rms):
     if hit is not None:
         return hit.run(x, weight, bias, residual)
     out = _checked_norm(x, normalized_shape, weight, bias, eps, offset, residual, is_rms)
-    if key is not None and key[-1] and x.numel() and all(
-            t is None or (type(t) in (torch.Tensor, torch.nn.Parameter) and not _is_functorch_wrapped(t))
-            for t in (x, weight, bias, residual)):
+    if key is not None and key[-1] and x.numel() and plain_tensors(x, weight, bias, residual):
         shape = _check_normalized_shape(normalized_shape, x)
         _FAST.put(key, _NormCall(shape, float(eps), float(offset), is_rms, x.numel() // math.prod(shape)))
     return out

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 
 from .._checks import check_same_device, check_same_dtype, check_shape, check_tensor
 from .._dispatch import interpreting, rows_view, use_triton
-from .._op import CallCache, _is_functorch_wrapped, custom_op, direct_eager, layout_key
+from .._op import CallCache, custom_op, direct_eager, layout_key, plain_tensors
 from ..registry import Inputs, OpSpec, register
 from ._quant_plan import launch, quant_call
 
@@ -253,8 +253,7 @@ def _remember(key: tuple, x: torch.Tensor, qw, bias: Optional[torch.Tensor]) -> 
     tensors = (x, qw.qweight, qw.scales, qw.zeros, bias)
     if not key[-1] or x.numel() == 0 or qw.qweight.data_ptr() % 4:
         return
-    if any(t is not None and (type(t) not in (torch.Tensor, torch.nn.Parameter) or _is_functorch_wrapped(t))
-           for t in tensors) or not all(t is None or t.is_contiguous() for t in tensors[1:]):
+    if not plain_tensors(*tensors) or not all(t is None or t.is_contiguous() for t in tensors[1:]):
         return
     x2 = rows_view(x)
     if x2.data_ptr() != x.data_ptr() or qw.scales.shape[0] == 0:
