@@ -264,6 +264,48 @@ def test_bad_input(call, exc, match):
         call(torch.randn(3, 8, device=DEVICE), torch.randn(8, 6, device=DEVICE))
 
 
+@pytest.fixture
+def checked_matmuls(monkeypatch):
+    """Counts the calls that take the checked path; empties the fast path's cache first and last."""
+    calls = []
+    real = mm._checked_matmul
+
+    def spy(*args):
+        calls.append(1)
+        return real(*args)
+
+    mm._FAST.clear()
+    monkeypatch.setattr(mm, "_checked_matmul", spy)
+    yield calls
+    mm._FAST.clear()
+
+
+@pytest.mark.parametrize("act", [None, "gelu"])
+@pytest.mark.parametrize("lead", [(1,), (2, 3)], ids=["one-row", "3d"])
+def test_fast_path_repeats_the_checked_launch(act, lead, checked_matmuls):
+    """A repeated no-grad call (a drop-in Linear at inference) skips the checks: the same output
+    bitwise, the reference's on new values; a call that needs a gradient is checked every time,
+    and other options or layouts are checked again (bad ones still raise)."""
+    a, b = _rand((*lead, 40), torch.float32, grad=False), _weight_t(24, 40, torch.float32).detach()
+    bias, res = _rand((24,), torch.float32, grad=False), _rand((*lead, 24), torch.float32, grad=False)
+    first = matmul(a, b, bias, act, res)
+    again = matmul(a, b, bias, act, res)
+    assert len(checked_matmuls) == 1 and len(mm._FAST) == 1 and torch.equal(first, again)
+    a.copy_(torch.randn_like(a))
+    out = matmul(a, b, bias, act, res)
+    assert len(checked_matmuls) == 1
+    assert rel_err(out, matmul_reference(a.double(), b.double(), bias.double(), act, res.double())) <= 1e-5
+    matmul(a, b, bias, "relu", res)                       # another activation: checked
+    with pytest.raises(ValueError, match="activation"):
+        matmul(a, b, bias, "tanh", res)
+    with pytest.raises(TypeError, match="out_dtype"):
+        matmul(a, b, bias, act, res, out_dtype=torch.int32)
+    b_grad = b.clone().requires_grad_(True)
+    for _ in range(2):
+        y = matmul(a, b_grad, bias, act, res)
+    assert y.requires_grad and len(checked_matmuls) == 6 and len(mm._FAST) == 2
+
+
 def test_compile_fullgraph():
     fn = torch.compile(lambda a, b, bias, r: matmul(a, b, bias, "gelu_tanh", r), fullgraph=True, backend="aot_eager")
     a, b, bias, r = _rand((2, 7, 24), torch.float32), _weight_t(19, 24, torch.float32), \

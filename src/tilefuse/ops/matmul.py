@@ -23,13 +23,13 @@ registry's plain GEMM: (M·K + K·N + M·N) elements. Backward reads dy, a, b an
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 from .._checks import FLOAT_DTYPES, check_same_device, check_same_dtype, check_shape, check_tensor
-from .._dispatch import use_triton
-from .._op import custom_op
+from .._dispatch import interpreting, use_triton
+from .._op import CallCache, custom_op, direct_eager, layout_key, plain_tensors
 from ..registry import Inputs, OpSpec, register, tensor_bytes
 from ._activation_math import ACTIVATIONS, activation_grad_reference, activation_reference
 from ._matmul_kernels import launch_act_grad, launch_matmul
@@ -180,6 +180,40 @@ def _check_inputs(a, b, bias, activation, residual, out_dtype) -> tuple[str, tor
     return act, out_dtype
 
 
+class _MatmulCall(NamedTuple):
+    """A validated no-grad call layout of :func:`matmul` (the eager fast path): the launch the
+    checked path makes after its checks."""
+    act: str
+    out_dtype: torch.dtype
+    k: int
+    n: int
+
+    def run(self, a, b, bias, residual):
+        lead = a.shape[:-1]
+        a2 = a.reshape(-1, self.k)
+        res2 = residual.reshape(a2.shape[0], self.n) if residual is not None else None
+        out, _ = launch_matmul(a2, b, bias, res2, self.act, self.out_dtype, False)
+        return out.view(*lead, self.n)
+
+
+_FAST = CallCache()       # no-grad call layout and options -> _MatmulCall
+
+
+def _fast_key(a, b, bias, activation, residual, out_dtype):
+    """The layout key of an eager call with no gradient to build, else None (:func:`layout_key`
+    of every tensor, the options with their types, the Triton path or not)."""
+    if not direct_eager(a):
+        return None
+    layout = layout_key(a, b, bias, residual)
+    if layout is None:
+        return None
+    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad or (bias is not None and bias.requires_grad)
+                                    or (residual is not None and residual.requires_grad)):
+        return None                                       # autograd: the custom op's Function
+    device = a.device
+    return layout, type(activation), activation, out_dtype, device.type == "cuda" or interpreting()
+
+
 def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
            activation: str | None = None, residual: torch.Tensor | None = None,
            out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -189,7 +223,23 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     same dtype (fp16 / bf16; fp32 computed exactly, without TF32); bias ``[N]`` in a's dtype;
     activation None, "relu", "gelu", "gelu_tanh" or "silu"; residual ``[..., N]`` in the output
     dtype, added after the activation. Accumulates in fp32; returns ``[..., N]`` in ``out_dtype``
-    (default a's dtype)."""
+    (default a's dtype).
+
+    Host path: a repeated eager call with no gradient to build takes the launch its layout and
+    options got the first time, after the checks passed then (:func:`_fast_key`)."""
+    key = _fast_key(a, b, bias, activation, residual, out_dtype)
+    hit = _FAST.get(key)
+    if hit is not None:
+        return hit.run(a, b, bias, residual)
+    out = _checked_matmul(a, b, bias, activation, residual, out_dtype)
+    if (key is not None and key[-1] and out.numel() and a.shape[-1] and plain_tensors(a, b, bias, residual)
+            and (bias is None or bias.stride(0) == 1)):
+        act, out_dtype = _check_inputs(a, b, bias, activation, residual, out_dtype)
+        _FAST.put(key, _MatmulCall(act, out_dtype, a.shape[-1], b.shape[1]))
+    return out
+
+
+def _checked_matmul(a, b, bias, activation, residual, out_dtype):
     act, out_dtype = _check_inputs(a, b, bias, activation, residual, out_dtype)
     if bias is not None and bias.stride(0) != 1:
         bias = bias.contiguous()        # the kernel reads bias with unit stride
