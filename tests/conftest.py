@@ -101,3 +101,17 @@ def _gpu_memory(request):
 @pytest.fixture
 def device():
     return DEVICE
+
+
+def count_calls(monkeypatch, module, name: str) -> list:
+    """Wrap ``module.name`` so each call is recorded (its positional arguments); returns the
+    record. The ops' fast-path tests count the calls that reach the checked path this way."""
+    calls = []
+    real = getattr(module, name)
+
+    def spy(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, spy)
+    return calls

@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from conftest import CPU_DTYPES, DEVICE, HAS_CUDA
+from conftest import CPU_DTYPES, DEVICE, HAS_CUDA, count_calls
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -285,15 +285,7 @@ def _bad_inputs():
 @pytest.fixture
 def checked_decode(monkeypatch, small_tiles):
     """Counts the calls that take the checked path (they run _check_inputs)."""
-    calls = []
-    real = ad._check_inputs
-
-    def spy(*args):
-        calls.append(1)
-        return real(*args)
-
-    monkeypatch.setattr(ad, "_check_inputs", spy)
-    return calls
+    return count_calls(monkeypatch, ad, "_check_inputs")
 
 
 @pytest.mark.parametrize("paged", [False, True])

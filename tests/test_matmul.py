@@ -5,7 +5,7 @@ the heuristic, empties, bad input, out_dtype, torch.compile, nn.Linear, and the 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import CPU_DTYPES, DEVICE, HAS_CUDA
+from conftest import CPU_DTYPES, DEVICE, HAS_CUDA, count_calls
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -267,16 +267,8 @@ def test_bad_input(call, exc, match):
 @pytest.fixture
 def checked_matmuls(monkeypatch):
     """Counts the calls that take the checked path; empties the fast path's cache first and last."""
-    calls = []
-    real = mm._checked_matmul
-
-    def spy(*args):
-        calls.append(1)
-        return real(*args)
-
     mm._FAST.clear()
-    monkeypatch.setattr(mm, "_checked_matmul", spy)
-    yield calls
+    yield count_calls(monkeypatch, mm, "_checked_matmul")
     mm._FAST.clear()
 
 

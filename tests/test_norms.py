@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import CPU_DTYPES, DEVICE, HAS_CUDA
+from conftest import CPU_DTYPES, DEVICE, HAS_CUDA, count_calls
 
 import tilefuse.ops.norms as nm
 from tilefuse.nn.norms import LayerNorm, RMSNorm
@@ -309,16 +309,8 @@ def test_bad_input_names_the_argument(case):
 @pytest.fixture
 def checked_norms(monkeypatch):
     """Counts the calls that take the checked path; empties the fast path's cache first and last."""
-    calls = []
-    real = nm._checked_norm
-
-    def spy(*args):
-        calls.append(1)
-        return real(*args)
-
     nm._FAST.clear()
-    monkeypatch.setattr(nm, "_checked_norm", spy)
-    yield calls
+    yield count_calls(monkeypatch, nm, "_checked_norm")
     nm._FAST.clear()
 
 

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import CPU_DTYPES, DEVICE, HAS_CUDA
+from conftest import CPU_DTYPES, DEVICE, HAS_CUDA, count_calls
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -456,16 +456,8 @@ def test_wgmma_plans():
 def checked_calls(monkeypatch):
     """Counts the calls that take the checked path (they reach the custom op); empties the
     fast path's cache first and last."""
-    calls = []
-    real = quant._quant_linear_op
-
-    def spy(*args):
-        calls.append(args[0].shape)
-        return real(*args)
-
     quant._FAST.clear()
-    monkeypatch.setattr(quant, "_quant_linear_op", spy)
-    yield calls
+    yield count_calls(monkeypatch, quant, "_quant_linear_op")
     quant._FAST.clear()
 
 

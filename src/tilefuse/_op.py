@@ -78,6 +78,19 @@ def layout_key(*tensors) -> tuple | None:
     return tuple([None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device) for t in tensors])
 
 
+def no_grad_layout(x, *others) -> tuple | None:
+    """:func:`layout_key` of ``(x, *others)`` for an eager call that may skip the dispatcher
+    (:func:`direct_eager`) and has no gradient to build; else None (the checked path)."""
+    if not direct_eager(x):
+        return None
+    layout = layout_key(x, *others)
+    if layout is None:
+        return None
+    if torch.is_grad_enabled() and (x.requires_grad or any(t is not None and t.requires_grad for t in others)):
+        return None                                       # autograd: the custom op's Function
+    return layout
+
+
 def plain_tensors(*tensors) -> bool:
     """Every argument is None or a plain tensor / Parameter, not wrapped by a functorch transform:
     what an op's fast path may keep a launch for (anything else must reach the dispatcher)."""

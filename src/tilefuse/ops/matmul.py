@@ -29,7 +29,7 @@ import torch
 
 from .._checks import FLOAT_DTYPES, check_same_device, check_same_dtype, check_shape, check_tensor
 from .._dispatch import interpreting, use_triton
-from .._op import CallCache, custom_op, direct_eager, layout_key, plain_tensors
+from .._op import CallCache, custom_op, no_grad_layout, plain_tensors
 from ..registry import Inputs, OpSpec, register, tensor_bytes
 from ._activation_math import ACTIVATIONS, activation_grad_reference, activation_reference
 from ._matmul_kernels import launch_act_grad, launch_matmul
@@ -202,14 +202,9 @@ _FAST = CallCache()       # no-grad call layout and options -> _MatmulCall
 def _fast_key(a, b, bias, activation, residual, out_dtype):
     """The layout key of an eager call with no gradient to build, else None (:func:`layout_key`
     of every tensor, the options with their types, the Triton path or not)."""
-    if not direct_eager(a):
-        return None
-    layout = layout_key(a, b, bias, residual)
+    layout = no_grad_layout(a, b, bias, residual)
     if layout is None:
         return None
-    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad or (bias is not None and bias.requires_grad)
-                                    or (residual is not None and residual.requires_grad)):
-        return None                                       # autograd: the custom op's Function
     device = a.device
     return layout, type(activation), activation, out_dtype, device.type == "cuda" or interpreting()
 

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 
 from .._checks import check_same_device, check_same_dtype, check_shape, check_tensor
 from .._dispatch import interpreting, rows_view, use_triton
-from .._op import CallCache, custom_op, direct_eager, layout_key, plain_tensors
+from .._op import CallCache, custom_op, no_grad_layout, plain_tensors
 from ..registry import Inputs, OpSpec, register
 from ._quant_plan import launch, quant_call
 
@@ -234,14 +234,11 @@ def _fast_key(x: torch.Tensor, qw, bias: Optional[torch.Tensor]):
     """The layout key of an eager call that needs neither autograd nor the dispatcher, else None:
     :func:`layout_key` of every tensor, the format, and the 16-byte alignment of x and of the
     packed weight (what the launch plan reads besides the layouts)."""
-    if type(qw) is not QuantizedWeight or not direct_eager(x):
+    if type(qw) is not QuantizedWeight or qw.qweight is None or qw.scales is None:
         return None
-    layout = layout_key(x, qw.qweight, qw.scales, qw.zeros, bias)
-    if layout is None or qw.qweight is None or qw.scales is None:
+    layout = no_grad_layout(x, qw.qweight, qw.scales, qw.zeros, bias)
+    if layout is None:
         return None
-    if torch.is_grad_enabled() and (x.requires_grad or qw.scales.requires_grad
-                                    or (bias is not None and bias.requires_grad)):
-        return None                                      # autograd: the custom op's Function
     device = x.device
     return (layout, x.data_ptr() % 16, qw.qweight.data_ptr() % 16, qw.bits, qw.group_size, qw.shape,
             device.type == "cuda" or interpreting())
