@@ -62,7 +62,7 @@ def _eager_grad_state(args) -> bool | None:
 def direct_eager(x) -> bool:
     """An eager call whose first tensor is ``x`` may skip the dispatcher: ``x`` is a plain tensor,
     nothing traces, no functorch transform (vmap / grad) is active. The ops' cached fast paths
-    (``quant_linear``, ``attention_decode``) start here."""
+    (``quant_linear``, ``attention_decode``, the norms, ``matmul``) start here."""
     return (type(x) is torch.Tensor and not _tracing() and not torch._C._are_functorch_transforms_active()
             and not (_is_functorch_wrapped is not None and _is_functorch_wrapped(x)))
 
