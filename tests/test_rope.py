@@ -8,7 +8,7 @@ GQA, in place, the bhsd layout, packed-qkv views, empty tensors, config override
 
 import pytest
 import torch
-from conftest import CPU_DTYPES, DEVICE, HAS_CUDA
+from conftest import CPU_DTYPES, DEVICE, HAS_CUDA, count_calls
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -313,6 +313,74 @@ def test_torch_peer_matches_reference(kw):
     _assert_close(rope_torch(q, k, cos, sin, **kw), ref, torch.float32)
     if kw.get("inplace"):
         _assert_close((q, k), ref, torch.float32)
+
+
+# ---- the eager fast path --------------------------------------------------------------------
+
+
+@pytest.fixture
+def checked_ropes(monkeypatch):
+    """Counts the calls that take the checked path; empties the fast path's cache first and last."""
+    rope_mod._FAST.clear()
+    yield count_calls(monkeypatch, rope_mod, "_checked_rope")
+    rope_mod._FAST.clear()
+
+
+@pytest.mark.skipif(not use_triton(torch.empty(0, device=DEVICE)), reason="the fast path keeps Triton launches")
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("with_pos", [False, True])
+def test_fast_path_repeats_the_checked_launch(inplace, with_pos, checked_ropes):
+    """A repeated no-grad call (a decode step) skips the checks: bitwise the first call's output,
+    the reference's on new values, in place bumping q's and k's versions as the op would; other
+    options, layouts and a call that needs a gradient are checked again (bad ones still raise)."""
+    B, S, Hq, Hk, D, r = 2, 3, 4, 2, 16, 12
+    qkv = _rand(B, S, Hq + 2 * Hk, D)                       # packed-qkv views, GPT-J partial rotary
+    q, k = qkv[:, :, :Hq], qkv[:, :, Hq:Hq + Hk]
+    cos, sin = rope_cos_sin_table(7 if with_pos else S, r, interleaved=True, device=DEVICE)
+    pos = torch.tensor([[4, 0, 6], [1, 1, 2]], device=DEVICE) if with_pos else None
+    kw = dict(position_ids=pos, interleaved=True, rotary_dim=r, inplace=inplace)
+
+    def call():
+        before = (q.clone(), k.clone())
+        version = q._version
+        out = rope(q, k, cos, sin, **kw)
+        assert not inplace or (out[0] is q and out[1] is k and q._version > version)
+        ref = rope_reference(before[0].double(), before[1].double(), cos.double(), sin.double(),
+                             **dict(kw, inplace=False))
+        return [o.clone() for o in out], before, ref
+
+    first, before, ref = call()
+    _assert_close(first, ref, torch.float32)
+    if inplace:
+        q.copy_(before[0]), k.copy_(before[1])
+    again, _, _ = call()
+    assert len(checked_ropes) == 1 and len(rope_mod._FAST) == 1
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    qkv.copy_(torch.randn_like(qkv))
+    out, _, ref = call()
+    assert len(checked_ropes) == 1
+    _assert_close(out, ref, torch.float32)
+    rope(q, k, cos, sin, **dict(kw, interleaved=False))        # another option: checked
+    with pytest.raises(ValueError, match="rotary_dim"):
+        rope(q, k, cos, sin, **dict(kw, rotary_dim=14))
+    with pytest.raises(TypeError, match="interleaved"):
+        rope(q, k, cos, sin, **dict(kw, interleaved=1))
+    rope(q.contiguous(), k, cos, sin, **kw)                    # another layout of q: checked
+    assert len(checked_ropes) == 5 and len(rope_mod._FAST) == 3
+    if with_pos:                                               # ids of another layout: checked
+        kw["position_ids"] = pos[1]
+        out, _, ref = call()
+        _assert_close(out, ref, torch.float32)
+        assert len(checked_ropes) == 6
+    n_checked = len(checked_ropes)
+    q_grad = q.detach().clone().requires_grad_(True)
+    if inplace:
+        with pytest.raises(ValueError, match="q requires grad"):
+            rope(q_grad, k, cos, sin, **kw)
+    else:
+        for _ in range(2):
+            out = rope(q_grad, k, cos, sin, **kw)
+        assert out[0].requires_grad and len(checked_ropes) == n_checked + 2
 
 
 # ---- bad input -----------------------------------------------------------------------------

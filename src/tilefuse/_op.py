@@ -20,6 +20,8 @@ from typing import Any, Callable
 
 import torch
 
+from ._dispatch import interpreting
+
 _is_functorch_wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
 
 
@@ -89,6 +91,17 @@ def no_grad_layout(x, *others) -> tuple | None:
     if torch.is_grad_enabled() and (x.requires_grad or any(t is not None and t.requires_grad for t in others)):
         return None                                       # autograd: the custom op's Function
     return layout
+
+
+def call_key(layout: tuple | None, options: tuple) -> tuple | None:
+    """An eager fast path's key: the tensors' ``layout`` (:func:`no_grad_layout` or
+    :func:`layout_key`; the first tensor's device decides the path), each of ``options`` with its
+    type (``1``, ``1.0`` and ``True`` are equal keys, not equal calls), and last whether the Triton
+    path runs (CUDA, or CPU under the interpreter). None stays None (the checked path)."""
+    if layout is None:
+        return None
+    device = layout[0][4]
+    return layout, tuple([(type(o), o) for o in options]), device.type == "cuda" or interpreting()
 
 
 def plain_tensors(*tensors) -> bool:

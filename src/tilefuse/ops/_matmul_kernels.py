@@ -508,7 +508,8 @@ def split_k_buffers(device: torch.device, tiles: int, workspace: int) -> tuple[t
     if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
         return (torch.zeros(tiles, dtype=torch.int32, device=device),
                 torch.empty(workspace, dtype=torch.float32, device=device))
-    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, torch._C._cuda_getCurrentRawStream(index))   # (a Stream object: µs of host time)
     locks, partials = _SPLIT_K_BUFFERS.get(key, (None, None))
     if locks is None or locks.numel() < tiles:
         locks = torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device)

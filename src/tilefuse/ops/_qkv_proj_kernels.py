@@ -20,7 +20,7 @@
   ========== ============================== ================================ ===================
 
   NeoX halves sit in two accumulators, so the rotation out1 = x1·cos − x2·sin, out2 = x2·cos +
-  x1·sin is elementwise between them (``rope._rotate_pair``); GPT-J pairs are neighbours of one
+  x1·sin is elementwise between them (``_rope_kernels._rotate_pair``); GPT-J pairs are neighbours of one
   accumulator, split into even / odd features in registers once per tile (as rope's kernel
   does on loaded data), which keeps the K loop's weight tiles contiguous rows (TMA-readable).
   cos / sin are gathered per output row (token → table row through ``position_ids`` or the
@@ -40,7 +40,8 @@ import triton.language as tl
 from .._dispatch import cdiv, empty, next_power_of_2, num_sms
 from .._launch import fast_launch, use_device_descriptors
 from ._matmul_kernels import DEFAULT_FLATTEN, _tile_coords, choose_config, launch_matmul, tma_layout, use_tma_default
-from .rope import _rope_into, _rotate_pair, _table_view
+from ._rope_kernels import _rotate_pair
+from .rope import _rope_into, _table_view
 
 # ----------------------------------------------------------------------------------------------
 # kernel

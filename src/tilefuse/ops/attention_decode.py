@@ -43,9 +43,9 @@ import torch
 from torch.autograd.graph import increment_version
 
 from .._checks import check_same_device, check_same_dtype, check_shape, check_tensor
-from .._dispatch import cdiv, contiguous_strides, empty, interpreting, next_power_of_2, num_sms, use_triton, workspace
+from .._dispatch import cdiv, contiguous_strides, empty, next_power_of_2, num_sms, use_triton, workspace
 from .._launch import PreparedArgs, config_key
-from .._op import CallCache, custom_op, direct_eager, layout_key, plain_tensors
+from .._op import CallCache, call_key, custom_op, direct_eager, layout_key, plain_tensors
 from ..registry import Inputs, OpSpec, register, tensor_bytes
 from ._attention_common import (
     attention_reference, normalize_scale, normalize_softcap, normalize_window, visible_mask,
@@ -423,11 +423,7 @@ def _fast_key(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, opt
     types, the Triton path or not), or None where the dispatcher must see the call."""
     if not direct_eager(q):
         return None
-    layout = layout_key(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new)
-    if layout is None:
-        return None
-    device = q.device
-    return layout, tuple([(type(o), o) for o in options]), device.type == "cuda" or interpreting()
+    return call_key(layout_key(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new), options)
 
 
 def _remember(key, q, k_cache, v_cache, cache_seqlens, block_table, k_new, n_new, left, right, softcap, scale,

@@ -28,8 +28,8 @@ from typing import NamedTuple, Optional
 import torch
 
 from .._checks import FLOAT_DTYPES, check_same_device, check_same_dtype, check_shape, check_tensor
-from .._dispatch import interpreting, use_triton
-from .._op import CallCache, custom_op, no_grad_layout, plain_tensors
+from .._dispatch import use_triton
+from .._op import CallCache, call_key, custom_op, no_grad_layout, plain_tensors
 from ..registry import Inputs, OpSpec, register, tensor_bytes
 from ._activation_math import ACTIVATIONS, activation_grad_reference, activation_reference
 from ._matmul_kernels import launch_act_grad, launch_matmul
@@ -202,11 +202,7 @@ _FAST = CallCache()       # no-grad call layout and options -> _MatmulCall
 def _fast_key(a, b, bias, activation, residual, out_dtype):
     """The layout key of an eager call with no gradient to build, else None (:func:`layout_key`
     of every tensor, the options with their types, the Triton path or not)."""
-    layout = no_grad_layout(a, b, bias, residual)
-    if layout is None:
-        return None
-    device = a.device
-    return layout, type(activation), activation, out_dtype, device.type == "cuda" or interpreting()
+    return call_key(no_grad_layout(a, b, bias, residual), (activation, out_dtype))
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,

@@ -34,9 +34,9 @@ from typing import NamedTuple, Optional
 import torch
 
 from .._checks import check_same_device, check_same_dtype, check_shape, check_tensor
-from .._dispatch import cdiv, empty, empty_like, interpreting, next_power_of_2, num_sms, rows_view, use_triton, workspace
+from .._dispatch import cdiv, empty, empty_like, next_power_of_2, num_sms, rows_view, use_triton, workspace
 from .._launch import PreparedArgs, config_key
-from .._op import CallCache, custom_op, no_grad_layout, plain_tensors
+from .._op import CallCache, call_key, custom_op, no_grad_layout, plain_tensors
 from ..registry import Inputs, OpSpec, register, tensor_bytes
 from ._norm_kernels import (
     launch_sum_partials, norm_bwd_kernel, norm_bwd_stats_kernel, norm_fwd_kernel, norm_fwd_stats_kernel,
@@ -512,12 +512,7 @@ _FAST = CallCache()       # no-grad call layout and options -> _NormCall
 def _fast_key(x, normalized_shape, weight, bias, eps, offset, residual, is_rms):
     """The layout key of an eager call with no gradient to build, else None (:func:`layout_key`
     of every tensor, the options with their types, the Triton path or not)."""
-    layout = no_grad_layout(x, weight, bias, residual)
-    if layout is None:
-        return None
-    device = x.device
-    return (layout, type(normalized_shape), normalized_shape, type(eps), eps, type(offset), offset, is_rms,
-            device.type == "cuda" or interpreting())
+    return call_key(no_grad_layout(x, weight, bias, residual), (normalized_shape, eps, offset, is_rms))
 
 
 def _norm(x, normalized_shape, weight, bias, eps, offset, residual, is_rms):

@@ -47,8 +47,8 @@ import torch
 import torch.nn.functional as F
 
 from .._checks import check_same_device, check_same_dtype, check_shape, check_tensor
-from .._dispatch import interpreting, rows_view, use_triton
-from .._op import CallCache, custom_op, no_grad_layout, plain_tensors
+from .._dispatch import rows_view, use_triton
+from .._op import CallCache, call_key, custom_op, no_grad_layout, plain_tensors
 from ..registry import Inputs, OpSpec, register
 from ._quant_plan import launch, quant_call
 
@@ -236,12 +236,8 @@ def _fast_key(x: torch.Tensor, qw, bias: Optional[torch.Tensor]):
     packed weight (what the launch plan reads besides the layouts)."""
     if type(qw) is not QuantizedWeight or qw.qweight is None or qw.scales is None:
         return None
-    layout = no_grad_layout(x, qw.qweight, qw.scales, qw.zeros, bias)
-    if layout is None:
-        return None
-    device = x.device
-    return (layout, x.data_ptr() % 16, qw.qweight.data_ptr() % 16, qw.bits, qw.group_size, qw.shape,
-            device.type == "cuda" or interpreting())
+    return call_key(no_grad_layout(x, qw.qweight, qw.scales, qw.zeros, bias),
+                    (x.data_ptr() % 16, qw.qweight.data_ptr() % 16, qw.bits, qw.group_size, qw.shape))
 
 
 def _remember(key: tuple, x: torch.Tensor, qw, bias: Optional[torch.Tensor]) -> None:

@@ -37,14 +37,14 @@ import functools
 from typing import NamedTuple, Optional
 
 import torch
-import triton
-import triton.language as tl
+from torch.autograd.graph import increment_version
 
 from .._checks import check_same_device, check_same_dtype, check_tensor
 from .._dispatch import cdiv, empty, next_power_of_2, num_sms, use_triton
-from .._launch import PreparedArgs, fast_launch
-from .._op import custom_op
+from .._launch import PreparedArgs
+from .._op import CallCache, call_key, custom_op, no_grad_layout, plain_tensors
 from ..registry import Inputs, OpSpec, register, tensor_bytes
+from ._rope_kernels import rope_kernel
 
 MAX_TILE = 2048          # elements of one head-block tile: 16 fp32 values per thread at 4 warps. H200
                          # sweep (2026-11-23): 16 heads x 128 at 4 warps beat 32 heads at 8 warps by 7 %
@@ -52,125 +52,6 @@ MAX_TILE = 2048          # elements of one head-block tile: 16 fp32 values per t
 MIN_TOKEN_ELEMS = 2048   # q+k elements a program moves at least, by packing several short tokens
 LAYOUTS = ("bshd", "bhsd")
 POSITION_DTYPES = (torch.int32, torch.int64)
-
-
-# ----------------------------------------------------------------------------------------------
-# kernels
-# ----------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _rotate_pair(x1, x2, c, s):
-    """The 2-D rotation RoPE applies to each feature pair (s is −sin for the inverse)."""
-    return x1 * c - x2 * s, x2 * c + x1 * s
-
-
-@triton.jit
-def _rope_token_heads(
-    x_ptr,              # *input at (b, s, head 0, feature 0) of this token
-    o_ptr,              # *output at the same place (== x_ptr in place)
-    x_head_stride,      # elements between heads of x
-    o_head_stride,      # elements between heads of the output
-    n_heads,            # heads of this tensor (H_q or H_k)
-    c,                  # [BLOCK_R2] fp32 cos of this token's angles
-    s,                  # [BLOCK_R2] fp32 sin (negated for the inverse rotation)
-    token_ok,           # the token exists (a program's spare token slots past the end do not)
-    HEAD_DIM: tl.constexpr,     # D (constexpr: known offsets let D/2-aligned halves vectorize)
-    HALF_ROT: tl.constexpr,     # r / 2: feature pairs rotated
-    INTERLEAVED: tl.constexpr,  # GPT-J pairs (2j, 2j+1) instead of NeoX halves (j, j + r/2)
-    COPY_TAIL: tl.constexpr,    # copy features r..D-1 (out of place with r < D)
-    BLOCK_H: tl.constexpr,      # heads per step
-    BLOCK_R2: tl.constexpr,     # power of two >= r/2
-    BLOCK_TAIL: tl.constexpr,   # power of two >= D - r
-):
-    for h0 in range(0, n_heads, BLOCK_H):
-        heads = h0 + tl.arange(0, BLOCK_H)
-        head_ok = ((heads < n_heads) & token_ok)[:, None]
-        x_rows = x_ptr + heads.to(tl.int64)[:, None] * x_head_stride
-        o_rows = o_ptr + heads.to(tl.int64)[:, None] * o_head_stride
-        if INTERLEAVED:
-            # one contiguous [heads, r] tile, split into even/odd features in registers
-            cols = tl.arange(0, 2 * BLOCK_R2)[None, :]
-            mask = head_ok & (cols < 2 * HALF_ROT)
-            x = tl.load(x_rows + cols, mask=mask, other=0.0).to(tl.float32)
-            x1, x2 = tl.split(tl.reshape(x, [BLOCK_H, BLOCK_R2, 2]))
-            o1, o2 = _rotate_pair(x1, x2, c[None, :], s[None, :])
-            o = tl.reshape(tl.join(o1, o2), [BLOCK_H, 2 * BLOCK_R2])
-            tl.store(o_rows + cols, o.to(o_ptr.dtype.element_ty), mask=mask)
-        else:
-            cols = tl.arange(0, BLOCK_R2)[None, :]
-            mask = head_ok & (cols < HALF_ROT)
-            x1 = tl.load(x_rows + cols, mask=mask, other=0.0).to(tl.float32)
-            x2 = tl.load(x_rows + HALF_ROT + cols, mask=mask, other=0.0).to(tl.float32)
-            o1, o2 = _rotate_pair(x1, x2, c[None, :], s[None, :])
-            tl.store(o_rows + cols, o1.to(o_ptr.dtype.element_ty), mask=mask)
-            tl.store(o_rows + HALF_ROT + cols, o2.to(o_ptr.dtype.element_ty), mask=mask)
-        if COPY_TAIL:
-            cols = 2 * HALF_ROT + tl.arange(0, BLOCK_TAIL)[None, :]
-            mask = head_ok & (cols < HEAD_DIM)
-            tl.store(o_rows + cols, tl.load(x_rows + cols, mask=mask), mask=mask)
-
-
-@fast_launch
-@triton.jit
-def rope_kernel(
-    q_ptr,              # *q      [B, S, H_q, D] via strides, unit stride along D
-    k_ptr,              # *k      [B, S, H_k, D]
-    q_out_ptr,          # *q_out  like q (== q_ptr in place)
-    k_out_ptr,          # *k_out  like k (== k_ptr in place)
-    cos_ptr,            # *cos    [B or 1, rows, r] via strides, unit stride along r
-    sin_ptr,            # *sin    like cos
-    pos_ptr,            # *int position ids [B, S] via strides (unused without HAS_POS)
-    n_tokens,           # B * S
-    seq_len,            # S
-    n_q_heads,          # H_q
-    n_k_heads,          # H_k
-    n_table_rows,       # rows of cos/sin; ids outside [0, rows) read cos = sin = 0, never out of bounds
-    q_sb, q_ss, q_sh,           # q strides (batch, sequence, head)
-    k_sb, k_ss, k_sh,           # k strides
-    qo_sb, qo_ss, qo_sh,        # q_out strides
-    ko_sb, ko_ss, ko_sh,        # k_out strides
-    cos_sb, cos_ss,             # cos strides (batch: 0 when the table is shared, row)
-    sin_sb, sin_ss,             # sin strides
-    pos_sb, pos_ss,             # position id strides (batch: 0 for [S] ids, sequence)
-    HEAD_DIM: tl.constexpr,     # D
-    HALF_ROT: tl.constexpr,     # r / 2
-    HAS_POS: tl.constexpr,      # rows come from position_ids, else row = s
-    INTERLEAVED: tl.constexpr,  # GPT-J pairs; cos/sin repeat_interleaved (read even entries)
-    INVERSE: tl.constexpr,      # rotate by −θ (the backward)
-    COPY_TAIL: tl.constexpr,    # copy features r..D-1
-    TOKENS: tl.constexpr,       # tokens per program
-    BLOCK_HQ: tl.constexpr,     # q heads per step
-    BLOCK_HK: tl.constexpr,     # k heads per step
-    BLOCK_R2: tl.constexpr,     # power of two >= r/2
-    BLOCK_TAIL: tl.constexpr,   # power of two >= D - r
-):
-    j = tl.arange(0, BLOCK_R2)
-    if INTERLEAVED:
-        cs_cols = 2 * j
-    else:
-        cs_cols = j
-    for i in tl.static_range(TOKENS):
-        tok = tl.program_id(0).to(tl.int64) * TOKENS + i
-        token_ok = tok < n_tokens
-        b = tok // seq_len
-        s = tok % seq_len
-        if HAS_POS:
-            row = tl.load(pos_ptr + b * pos_sb + s * pos_ss, mask=token_ok, other=0).to(tl.int64)
-        else:
-            row = s
-        cs_mask = token_ok & (row >= 0) & (row < n_table_rows) & (j < HALF_ROT)
-        c = tl.load(cos_ptr + b * cos_sb + row * cos_ss + cs_cols, mask=cs_mask, other=0.0).to(tl.float32)
-        sn = tl.load(sin_ptr + b * sin_sb + row * sin_ss + cs_cols, mask=cs_mask, other=0.0).to(tl.float32)
-        if INVERSE:
-            sn = -sn
-        # the same cos/sin registers serve every q head, then every k head of this token
-        _rope_token_heads(q_ptr + b * q_sb + s * q_ss, q_out_ptr + b * qo_sb + s * qo_ss, q_sh, qo_sh,
-                          n_q_heads, c, sn, token_ok, HEAD_DIM, HALF_ROT, INTERLEAVED, COPY_TAIL,
-                          BLOCK_HQ, BLOCK_R2, BLOCK_TAIL)
-        _rope_token_heads(k_ptr + b * k_sb + s * k_ss, k_out_ptr + b * ko_sb + s * ko_ss, k_sh, ko_sh,
-                          n_k_heads, c, sn, token_ok, HEAD_DIM, HALF_ROT, INTERLEAVED, COPY_TAIL,
-                          BLOCK_HK, BLOCK_R2, BLOCK_TAIL)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -289,15 +170,22 @@ def _plan(q_shape: tuple, q_strides: tuple, k_shape: tuple, k_strides: tuple, qo
     return _Plan((cdiv(n_tokens, cfg["TOKENS"]),), rope_kernel.prepare(ints, kwargs))
 
 
+def _plan_of(q, k, q_out, k_out, cos, sin, position_ids, interleaved, rotary_dim, inverse, inplace, config,
+             layout) -> Optional[_Plan]:
+    """:func:`_plan` of these tensors' layouts."""
+    pos_meta = None if position_ids is None else (tuple(position_ids.shape), position_ids.stride())
+    return _plan(tuple(q.shape), q.stride(), tuple(k.shape), k.stride(), q_out.stride(), k_out.stride(),
+                 tuple(cos.shape), cos.stride(), sin.stride(), pos_meta, interleaved, rotary_dim, inverse, inplace,
+                 layout, num_sms(q), tuple(sorted(config.items())) if config else ())
+
+
 def _launch(q, k, q_out, k_out, cos, sin, position_ids, interleaved, rotary_dim, inverse, inplace,
             config=None, layout="bshd"):
     """rope of q, k (3-D or 4-D, ``layout``) into q_out, k_out (the same tensors when
     ``inplace``, and the pass-through features are then left untouched). q, k, cos and sin need a
     unit stride along their last dim (``_rope_into`` copies those that do not)."""
-    pos_meta = None if position_ids is None else (tuple(position_ids.shape), position_ids.stride())
-    plan = _plan(tuple(q.shape), q.stride(), tuple(k.shape), k.stride(), q_out.stride(), k_out.stride(),
-                 tuple(cos.shape), cos.stride(), sin.stride(), pos_meta, interleaved, rotary_dim, inverse, inplace,
-                 layout, num_sms(q), tuple(sorted(config.items())) if config else ())
+    plan = _plan_of(q, k, q_out, k_out, cos, sin, position_ids, interleaved, rotary_dim, inverse, inplace, config,
+                    layout)
     if plan is not None:   # (position ids: any pointer when absent, HAS_POS=False never reads it)
         rope_kernel.launch_prepared(plan.grid, (q, k, q_out, k_out, cos, sin,
                                                 cos if position_ids is None else position_ids), plan.prepared)
@@ -314,13 +202,18 @@ def _alloc_order(shape: tuple, strides: tuple) -> tuple[tuple, Optional[tuple]]:
 _alloc_order_cached = functools.lru_cache(maxsize=1024)(_alloc_order)
 
 
+def _alloc(order: tuple, t: torch.Tensor, alloc=empty) -> torch.Tensor:
+    """A new tensor of t's dtype and device in the memory order ``order`` (:func:`_alloc_order`)."""
+    shape, perm = order
+    buf = alloc(shape, t.dtype, t.device)
+    return buf if perm is None else buf.permute(perm)
+
+
 def _new_like(t: torch.Tensor, alloc, cached: bool = True) -> torch.Tensor:
     """A fresh tensor of t's shape in t's memory order of the leading dims and unit stride along
     D: a [B, H, S, D] transpose of bshd memory gets a bshd-ordered output, a packed-qkv view a
     dense one. ``cached=False`` for symbolic shapes (the fake impl): SymInts are not hashable."""
-    shape, perm = (_alloc_order_cached if cached else _alloc_order)(tuple(t.shape), t.stride())
-    buf = alloc(shape, t.dtype, t.device)
-    return buf if perm is None else buf.permute(perm)
+    return _alloc((_alloc_order_cached if cached else _alloc_order)(tuple(t.shape), t.stride()), t, alloc)
 
 
 def _rope_into(q, k, cos, sin, position_ids, interleaved, rotary_dim, layout, inverse, q_out, k_out):
@@ -505,11 +398,52 @@ def rope(q, k, cos, sin, position_ids=None, interleaved=False, rotary_dim=None, 
     ``inplace=True`` rotates q and k in place and returns them; it is for inference: autograd
     through it is not supported (error when q or k requires grad under grad mode).
     """
+    key = call_key(no_grad_layout(q, k, cos, sin, position_ids), (interleaved, rotary_dim, inplace, layout))
+    hit = _FAST.get(key)
+    if hit is not None:
+        return hit.run(q, k, cos, sin, position_ids)
+    out = _checked_rope(q, k, cos, sin, position_ids, interleaved, rotary_dim, inplace, layout)
+    if (key is not None and key[-1] and plain_tensors(q, k, cos, sin, position_ids)
+            and all(t.stride(-1) == 1 for t in (q, k, cos, sin))):     # no copy made for the kernel
+        rotary_dim = _check_rope_inputs(q, k, cos, sin, position_ids, interleaved, rotary_dim, inplace, layout)
+        _FAST.put(key, _RopeCall(_plan_of(q, k, *out, cos, sin, position_ids, interleaved, rotary_dim, False,
+                                          inplace, None, layout), inplace,
+                                 None if inplace else _alloc_order(tuple(q.shape), q.stride()),
+                                 None if inplace else _alloc_order(tuple(k.shape), k.stride())))
+    return out
+
+
+def _checked_rope(q, k, cos, sin, position_ids, interleaved, rotary_dim, inplace, layout):
     rotary_dim = _check_rope_inputs(q, k, cos, sin, position_ids, interleaved, rotary_dim, inplace, layout)
     if inplace:
         _rope_inplace_op(q, k, cos, sin, position_ids, interleaved, rotary_dim, layout)
         return q, k
     return _rope_op(q, k, cos, sin, position_ids, interleaved, rotary_dim, layout, False)
+
+
+class _RopeCall(NamedTuple):
+    """A validated no-grad call layout of :func:`rope` (the eager fast path): the launch the
+    checked path makes after its checks, and the outputs' allocation order."""
+    plan: Optional[_Plan]           # None: nothing to launch (no tokens or no features)
+    inplace: bool
+    q_alloc: Optional[tuple]        # _alloc_order of q and k (new outputs), None in place
+    k_alloc: Optional[tuple]
+
+    def run(self, q, k, cos, sin, position_ids):
+        if self.inplace:
+            q_out, k_out = q, k
+            increment_version(q)                         # as the custom op's mutation would
+            increment_version(k)
+        else:
+            q_out, k_out = _alloc(self.q_alloc, q), _alloc(self.k_alloc, k)
+        if self.plan is not None:
+            rope_kernel.launch_prepared(self.plan.grid, (q, k, q_out, k_out, cos, sin,
+                                                         cos if position_ids is None else position_ids),
+                                        self.plan.prepared)
+        return q_out, k_out
+
+
+_FAST = CallCache()       # no-grad call layout and options -> _RopeCall
 
 
 def rope_cos_sin_table(max_pos: int, rotary_dim: int, base: float = 10000.0, interleaved: bool = False,
