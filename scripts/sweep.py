@@ -143,7 +143,7 @@ def sweep_softmax(dtype):
 def norm_configs(n_cols, pass_, dtype_bytes=2, bwd_inputs=2):
     """Row tiles of 4K-32K elements at 8-32 values per thread; the backward's persistent grid with
     the register prefetch or with Triton's pipeliner (STAGES 2-3)."""
-    from tilefuse.ops import norms as nm
+    from tilefuse.ops import _norm_launch as norm_launch
     out = []
     bn = triton.next_power_of_2(n_cols)
     for bm, w in itertools.product((1, 2), (4, 8, 16, 32)):
@@ -159,7 +159,7 @@ def norm_configs(n_cols, pass_, dtype_bytes=2, bwd_inputs=2):
                                                      (1, 2, 3)):
                 if (pf and (per_thread > 16 or stages > 1)) or (not pf and stages == 1) or pps * w > 32:
                     continue
-                if stages > 1 and pps * stages * elems * dtype_bytes * bwd_inputs > nm.ROW_STAGE_SMEM:
+                if stages > 1 and pps * stages * elems * dtype_bytes * bwd_inputs > norm_launch.ROW_STAGE_SMEM:
                     continue
                 out.append({"max_fused_n": 65536, "BLOCK_M": bm, "num_warps": w,
                             "programs_per_sm": pps, "prefetch": pf, "STAGES": stages})

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from conftest import CPU_DTYPES, DEVICE, HAS_CUDA, count_calls
 
 import tilefuse.ops.norms as nm
+import tilefuse.ops._norm_launch as norm_launch
 from tilefuse.nn.norms import LayerNorm, RMSNorm
 from tilefuse import registry
 from tilefuse.testing import check_impl, rel_err
@@ -92,7 +93,7 @@ def test_gemma_offset_matches_hf_formula():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("is_rms", [False, True])
-@pytest.mark.parametrize("n", [200, nm.MAX_FUSED_N_FWD + 5])     # fused and looped tiers
+@pytest.mark.parametrize("n", [200, norm_launch.MAX_FUSED_N_FWD + 5])     # fused and looped tiers
 def test_residual_fused(dtype, is_rms, n):
     t = dict(x=_t((3, n), dtype, 2, 0.5), weight=_t(n, dtype, 0.1, 1), residual=_t((3, n), dtype))
     fn, ref = (_rms, _rms_ref) if is_rms else (_ln, _ln_ref)
@@ -221,9 +222,9 @@ def test_persistent_backward_many_row_blocks(is_rms, shape):
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
 def test_looped_tier_with_small_tiles(is_rms, dtype, monkeypatch):
     """The looped tier on column tiles with a ragged last tile, forced at a small N."""
-    monkeypatch.setattr(nm, "MAX_FUSED_N_FWD", 64)
-    monkeypatch.setattr(nm, "MAX_FUSED_N_BWD", 64)
-    monkeypatch.setattr(nm, "LOOPED_BLOCK_N", 64)
+    monkeypatch.setattr(norm_launch, "MAX_FUSED_N_FWD", 64)
+    monkeypatch.setattr(norm_launch, "MAX_FUSED_N_BWD", 64)
+    monkeypatch.setattr(norm_launch, "LOOPED_BLOCK_N", 64)
     n = 1000
     t = dict(x=_t((7, n), dtype, 2, 3), weight=_t(n, dtype, 0.1, 1), residual=_t((7, n), dtype))
     if not is_rms:
@@ -234,7 +235,7 @@ def test_looped_tier_with_small_tiles(is_rms, dtype, monkeypatch):
 def test_looped_layer_norm_large_mean_is_accurate():
     """A row mean of 1e3 over 3·16K elements: the per-tile (Chan) variance merge keeps the error at
     the fp32 rounding of the mean itself (~6e-5 of a unit std); E[x²] - E[x]² would lose percents."""
-    x = _t((2, 3 * nm.MAX_FUSED_N_FWD + 7), shift=1e3)
+    x = _t((2, 3 * norm_launch.MAX_FUSED_N_FWD + 7), shift=1e3)
     _check(_ln, _ln_ref, dict(x=x, weight=_t(x.shape[-1], scale=0.1, shift=1)), 2e-4)
 
 
