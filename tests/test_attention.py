@@ -88,6 +88,8 @@ CASES = [
     (1, 17, 40, 2, 1, 48, False, (-1, -1), 0.0, 0.37),      # custom scale, D padded to 64
     (2, 1, 21, 2, 2, 32, True, (-1, -1), 0.0, None),        # S_q = 1 (decode-like)
     (1, 48, 48, 2, 2, 32, True, (-1, -1), 0.0, None),       # lengths a multiple of the tile
+    (1, 5, 9, 2, 1, 16, False, (-1, 2**31 - 1), 0.0, None),  # int32-max windows equal none: no
+    (1, 9, 5, 2, 1, 16, True, (2**31 - 3, 0), 0.0, None),    # wrap-around in the kernels' sums
 ]
 
 
@@ -254,6 +256,8 @@ def test_sdpa_wrapper_fallbacks():
     k3 = _rand((1, 3, 9, 32), torch.float32)
     with pytest.raises(RuntimeError):       # head counts that do not match: torch's own error
         scaled_dot_product_attention(q, k3, k3)
+    q0 = _rand((1, 0, 9, 32), torch.float32)  # no heads: torch's empty output
+    assert scaled_dot_product_attention(q0, q0, q0).shape == q0.shape
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -334,8 +338,12 @@ def test_bad_input():
         attention(q, k, v, window=(-2, 0))
     with pytest.raises(TypeError, match="causal"):
         attention(q, k, v, causal=1)
-    with pytest.raises(ValueError, match="softcap"):
-        attention(q, k, v, softcap=-1.0)
+    for softcap in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="softcap"):
+            attention(q, k, v, softcap=softcap)
+    for scale in (float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="scale"):
+            attention(q, k, v, scale=scale)
     with pytest.raises(ValueError, match="v has shape"):
         attention(q, k, v[:, :3])
     with pytest.raises(ValueError, match="4-D"):

@@ -131,7 +131,7 @@ def test_matches_reference(s_q, heads, append, dtype, small_tiles):
 
 
 @pytest.mark.parametrize("append", [False, True])
-@pytest.mark.parametrize("page_size", [16, 32])
+@pytest.mark.parametrize("page_size", [16, 24, 32])     # 24: a page that splits key tiles
 def test_paged_matches_contiguous(page_size, append, small_tiles):
     length = 50
     inp = _case(3, 3, 4, 2, length, 16, torch.float32, _seqlens(3, length, 3, append), append)
@@ -169,6 +169,7 @@ def test_append_writes_only_new_slots(paged):
 @pytest.mark.parametrize("causal,window,softcap", [
     (True, (4, -1), 0.0), (False, (3, 2), 0.0), (False, (-1, -1), 0.0), (True, (-1, -1), 5.0),
     (False, (8, 0), 2.0), (True, (0, -1), 0.0), (False, (-1, 1), 0.0), (False, (20, 20), 1.0),
+    (False, (-1, 2**31 - 1), 0.0), (True, (2**31 - 1, -1), 0.0),   # int32-max windows: none (no wrap)
 ])
 def test_windows_and_softcap(causal, window, softcap, dtype, small_tiles):
     length = 60
@@ -261,9 +262,9 @@ def test_compile_with_append(small_tiles):
 def _bad_inputs():
     good = _case(2, 2, 4, 2, 32, 16, torch.float32, [3, 4], append=True)
     paged = _paged(good, 16)
-    pages_24 = dict(paged, k_cache=paged["k_cache"][:, :8].repeat(1, 3, 1, 1), v_cache=paged["v_cache"][:, :8].repeat(1, 3, 1, 1))
+    pages_8 = dict(paged, k_cache=paged["k_cache"][:, :8].contiguous(), v_cache=paged["v_cache"][:, :8].contiguous())
     return [
-        (dict(pages_24), ValueError, "page_size"),
+        (dict(pages_8), ValueError, "page_size"),
         (dict(paged, block_table=paged["block_table"].long()), TypeError, "block_table"),
         (dict(good, cache_seqlens=good["cache_seqlens"].long()), TypeError, "cache_seqlens"),
         (dict(good, cache_seqlens=good["cache_seqlens"][:1]), ValueError, "cache_seqlens"),
@@ -280,6 +281,8 @@ def _bad_inputs():
         (dict(good, num_splits=0), ValueError, "num_splits"),
         (dict(good, window=(2,)), TypeError, "window"),
         (dict(good, softcap=-1.0), ValueError, "softcap"),
+        (dict(good, softcap=float("inf")), ValueError, "softcap"),
+        (dict(good, scale=float("nan")), ValueError, "scale"),
     ]
 
 @pytest.fixture
@@ -333,12 +336,16 @@ def test_fast_path_keys_layouts_and_options(checked_decode):
     assert len(checked_decode) == 7 and len(ad._FAST) == 2
     ref = attention_decode_reference(**_f64(inp), window=(8, 0))
     assert rel_err(out, ref) <= 1e-5
+    attention_decode(**inp, window=(1, 0))
+    for window in ((8.0, 0), (True, 0), (1.0, 0)):        # == cached windows, but not ints: refused
+        with pytest.raises(TypeError, match="window"):
+            attention_decode(**inp, window=window)
 
 
 
 
 
-@pytest.mark.parametrize("i", range(17))
+@pytest.mark.parametrize("i", range(19))
 def test_bad_input(i):
     kwargs, exc, match = _bad_inputs()[i]
     before = kwargs["k_cache"].clone()

@@ -101,7 +101,14 @@ def call_key(layout: tuple | None, options: tuple) -> tuple | None:
     if layout is None:
         return None
     device = layout[0][4]
-    return layout, tuple([(type(o), o) for o in options]), device.type == "cuda" or interpreting()
+    return layout, tuple([_typed(o) for o in options]), device.type == "cuda" or interpreting()
+
+
+def _typed(option):
+    """An option with its type, through tuples: a window (1, 0) and (True, 0) are different calls."""
+    if type(option) is tuple:
+        return tuple, tuple([_typed(o) for o in option])
+    return type(option), option
 
 
 def plain_tensors(*tensors) -> bool:

@@ -46,6 +46,8 @@ def _kernel_covers(query, key, value, attn_mask, dropout_p, is_causal, enable_gq
     if d % 8 or not 8 <= d <= MAX_HEAD_DIM:
         return False
     h_kv = key.shape[1]
+    if h_kv == 0:       # no heads: torch's SDPA returns the empty output
+        return False
     if h_q != h_kv and not (enable_gqa and h_kv > 0 and h_q % h_kv == 0):
         return False
     return True

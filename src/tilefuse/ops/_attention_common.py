@@ -68,19 +68,28 @@ def normalize_window(causal: bool, window: Sequence[int]) -> tuple[int, int]:
     return left, right
 
 
+def unbounded_past(w: int | None, bound: int) -> int | None:
+    """A window side of ``bound`` = S_q + S_k + 1 or more sees every key any query can (no
+    |query - key| distance reaches it): None, unbounded. The kernels add windows to positions in
+    int32, so a window near 2^31 (a "large" sentinel) must not reach them."""
+    return None if w is None or w >= bound else w
+
+
 def normalize_scale(scale: float | None, head_dim: int) -> float:
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
     return float(scale)
 
 
 def normalize_softcap(softcap: float) -> float:
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
         raise TypeError(f"softcap must be a float (0 for none), got {type(softcap).__name__}")
-    if softcap < 0:
-        raise ValueError(f"softcap must be >= 0 (0 for none), got {softcap}")
+    if not softcap >= 0 or math.isinf(softcap):       # (NaN fails the first test)
+        raise ValueError(f"softcap must be finite and >= 0 (0 for none), got {softcap}")
     return float(softcap)
 
 

@@ -51,7 +51,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from .._dispatch import cdiv, device_major, empty, next_power_of_2, num_sms
 from .._launch import PreparedArgs, cached_by_view, cached_descriptor, config_key, fast_launch, use_device_descriptors
 from ._attention_common import (config_wants_gluon, exp2_mixed, key_range, schedule_grid, scheduled_block,
-                                tanh_via_exp2, visible)
+                                tanh_via_exp2, unbounded_past, visible)
 
 LOG2E = 1.4426950408889634
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
@@ -505,6 +505,8 @@ def _forward_plan(q_shape: tuple, k_shape: tuple, strides: tuple, dtype: torch.d
     config = dict(config) or None
     head_dim = q_shape[-1]
     block_d = head_block(head_dim)
+    bound = (max_seqlen_q + max_seqlen_k if varlen else q_shape[1] + k_shape[1]) + 1
+    window_left, window_right = unbounded_past(window_left, bound), unbounded_past(window_right, bound)
     masked = window_left is not None or window_right is not None
     cfg = dict(fwd_tile_config(block_d, dtype, major > 0, masked, max_seqlen_k if varlen else k_shape[1]))
     cfg["LOAD"] = varlen_load_default(max_seqlen_k) if varlen else DEFAULT_DENSE_LOAD

@@ -54,7 +54,7 @@ from ._attention_decode_kernels import decode_combine_kernel, decode_split_kerne
 
 MAX_QUERIES = 16          # S_q limit: the new tokens of one decode step (speculative decoding)
 MAX_HEAD_DIM = 256
-PAGE_MULTIPLE = 16
+MIN_PAGE_SIZE = 16        # the floor; pages that hold whole key tiles read one page id per tile
 MAX_SPLITS = 128
 
 # ----------------------------------------------------------------------------------------------
@@ -174,6 +174,8 @@ def _decode_plan(q_shape: tuple, q_strides: tuple, k_strides: tuple, v_strides: 
                  page_size: int, bt_stride: int, elem_size: int, fp32: bool, n_new: int, left: int, right: int,
                  softcap: float, scale: float, num_splits: int, sms: int, config: tuple) -> _DecodePlan:
     batch, s_q, h_q, d = q_shape
+    # a window side past every distance is none (-1): window sums stay inside int32
+    left, right = (-1 if w >= capacity + s_q + 1 else w for w in (left, right))
     cfg = _config_from_shapes(q_shape, elem_size, capacity, h_kv, num_splits, sms, dict(config))
     splits, group = cfg["splits"], h_q // h_kv
     out_st, lse_st = contiguous_strides(q_shape), contiguous_strides((batch, h_q, s_q))
@@ -402,9 +404,8 @@ def _check_inputs(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
         if block_table.dim() != 2 or block_table.shape[0] != batch:
             raise ValueError(f"block_table must be [B={batch}, max_pages], got shape {tuple(block_table.shape)}")
         page_size = k_cache.shape[1]
-        if page_size < PAGE_MULTIPLE or page_size % PAGE_MULTIPLE:
-            raise ValueError(f"k_cache: page_size (dim 1 of a paged cache) must be a positive multiple of "
-                             f"{PAGE_MULTIPLE}, got {page_size}")
+        if page_size < MIN_PAGE_SIZE:
+            raise ValueError(f"k_cache: page_size (dim 1 of a paged cache) must be >= {MIN_PAGE_SIZE}, got {page_size}")
     if (k_new is None) != (v_new is None):
         raise ValueError("k_new and v_new must be given together")
     if k_new is not None:
