@@ -9,6 +9,9 @@ torch.compile, the CPU reference path and bad input. Gradients end to end when t
 module is present (its own tests are tests/test_attention_bwd.py).
 """
 
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,6 +21,7 @@ from conftest import CPU_DTYPES, DEVICE, HAS_CUDA
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tilefuse._dispatch import use_triton
 from tilefuse.nn.functional import scaled_dot_product_attention
 from tilefuse.ops import attention as attention_module   # registers the ops
 from tilefuse.ops._attention_common import attention_reference, attention_varlen_reference, exp2_mixed, visible_mask
@@ -366,6 +370,32 @@ def test_bad_input():
         attention_varlen(qp, kp, vp, cu, cu, 2, 2, window=(None, 1))
     with pytest.raises(ValueError, match="3-D"):
         attention_varlen(q, k, v, cu, cu, 2, 2)
+    bad = torch.tensor([0, 2, 5], dtype=torch.int32, device=DEVICE)          # past the 4 rows
+    with pytest.raises(ValueError, match="cu_seqlens_q ends at 5"):
+        attention_varlen(qp, kp, vp, bad, cu, 3, 2)
+    with pytest.raises(ValueError, match="cu_seqlens_k must start"):
+        attention_varlen(qp, kp, vp, cu, torch.tensor([0, 3, 2], dtype=torch.int32, device=DEVICE), 2, 3)
+    with pytest.raises(ValueError, match="max_seqlen_k=1"):
+        attention_varlen(qp, kp, vp, cu, cu, 2, 1)
+
+
+@pytest.mark.parametrize("change", [None, ("q", 1, 9), ("k", 0, -1), ("k", 2, 2), ("q", 3, 20), ("max_q", 0, 4)])
+def test_cu_seqlens_check_kernel(change):
+    """The GPU's offset check (a flag, then a queued assertion), run by the interpreter here:
+    valid offsets pass, each rule broken once fails."""
+    if not use_triton(torch.empty(0, device=DEVICE)):
+        pytest.skip("the kernel runs on the GPU or under the interpreter")
+    cu = {"q": [0, 5, 5, 12], "k": [0, 3, 8, 8]}
+    bounds = {"max_q": 7, "max_k": 5}
+    if change is not None and change[0] in cu:
+        cu[change[0]][change[1]] = change[2]
+    elif change is not None:
+        bounds[change[0]] = change[2]
+    ok = torch.full((1,), -1, dtype=torch.int32, device=DEVICE)
+    cu_q, cu_k = (torch.tensor(cu[n], dtype=torch.int32, device=DEVICE) for n in "qk")
+    attention_module.cu_seqlens_check_kernel[(1,)](cu_q, cu_k, ok, 4, 12, 8, bounds["max_q"], bounds["max_k"],
+                                                   BLOCK=2)
+    assert ok.item() == (change is None)
 
 
 # ---- end to end with the backward (skipped while its module is missing) ----------------------
@@ -523,6 +553,19 @@ def test_gpu_varlen_load_paths(load, d):
                                                   window=(-1 if left is None else left, -1 if right is None else right),
                                                   return_lse=True)
         assert rel_err(out, ref) <= 1e-2 and rel_err(lse, ref_lse) <= 1e-4, (right, left)
+
+
+@pytest.mark.gpu
+def test_gpu_bad_cu_seqlens_stop_before_the_kernels():
+    """Offsets past the rows on the GPU: the queued assertion fails (in a child process: it ends
+    the CUDA context) instead of the kernels writing out of bounds."""
+    code = ("import torch, tilefuse\n"
+            "q = torch.randn(30, 2, 64, device='cuda', dtype=torch.bfloat16)\n"
+            "cu = torch.tensor([0, 40], dtype=torch.int32, device='cuda')\n"
+            "tilefuse.attention_varlen(q, q, q, cu, cu, 40, 40)\n"
+            "torch.cuda.synchronize()\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0 and "assert" in run.stderr.lower(), run.stderr[-2000:]
 
 
 @pytest.mark.gpu

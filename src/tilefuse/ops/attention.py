@@ -23,6 +23,8 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from .._checks import check_same_device, check_same_dtype, check_tensor
 from .._dispatch import use_triton
@@ -77,6 +79,78 @@ def _reference_bwd(do, q, k, v, cu_seqlens_q, cu_seqlens_k, scale, window_left, 
 
 
 # ----------------------------------------------------------------------------------------------
+# varlen offsets: checked against the tensors before the kernels index with them
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _bad_offsets(cu_ptr, n_entries, total, max_seqlen, BLOCK: tl.constexpr):
+    """How many entries of one cu_seqlens break its rules (see cu_seqlens_check_kernel)."""
+    bad = 0
+    for start in range(0, n_entries, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        cur = tl.load(cu_ptr + offs, mask=offs < n_entries, other=0)
+        nxt = tl.load(cu_ptr + offs + 1, mask=offs + 1 < n_entries, other=0)
+        length = nxt - cur
+        has_next = offs + 1 < n_entries
+        wrong = (has_next & ((length < 0) | (length > max_seqlen))) | ((offs == 0) & (cur < 0))
+        wrong = wrong | ((offs == n_entries - 1) & (cur > total))
+        bad += tl.sum(wrong.to(tl.int32), 0)
+    return bad
+
+
+@triton.jit
+def cu_seqlens_check_kernel(
+    cu_q_ptr,           # *int32 [B + 1] query offsets
+    cu_k_ptr,           # *int32 [B + 1] key offsets
+    ok_ptr,             # *int32 [1]: 1 when both are valid, else 0
+    n_entries,          # B + 1
+    total_q,            # rows of q
+    total_k,            # rows of k / v
+    max_seqlen_q,       # the grid's bound on a query sequence
+    max_seqlen_k,       # ... on a key sequence
+    BLOCK: tl.constexpr,
+):
+    """Valid offsets: the first >= 0, non-decreasing, no sequence longer than max_seqlen, the
+    last <= the rows of the tensor (one program; B + 1 entries)."""
+    bad = _bad_offsets(cu_q_ptr, n_entries, total_q, max_seqlen_q, BLOCK)
+    bad += _bad_offsets(cu_k_ptr, n_entries, total_k, max_seqlen_k, BLOCK)
+    tl.store(ok_ptr, (bad == 0).to(tl.int32))
+
+
+def _offsets_error(name: str, cu: list, total: int, max_seqlen: int, max_name: str) -> str | None:
+    lengths = [b - a for a, b in zip(cu, cu[1:])]
+    if cu[0] < 0 or any(n < 0 for n in lengths):
+        return f"{name} must start at >= 0 and never decrease, got {cu}"
+    if cu[-1] > total:
+        return f"{name} ends at {cu[-1]}, past the {total} rows of its tensor"
+    if lengths and max(lengths) > max_seqlen:
+        return f"{max_name}={max_seqlen} is shorter than a sequence of {max(lengths)} in {name}"
+    return None
+
+
+def check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int, max_seqlen_q: int,
+                            max_seqlen_k: int) -> None:
+    """The offsets' values against the tensors, before any kernel indexes with them: on the host
+    for CPU tensors (a ValueError naming the argument); on a GPU without a sync, as one small
+    kernel and a queued ``torch._assert_async`` (a failure stops the CUDA context before the
+    attention kernels run: no out-of-bounds access, no silent wrong rows)."""
+    if cu_seqlens_q.device.type != "cuda":
+        for args in ((cu_seqlens_q, total_q, max_seqlen_q, "cu_seqlens_q", "max_seqlen_q"),
+                     (cu_seqlens_k, total_k, max_seqlen_k, "cu_seqlens_k", "max_seqlen_k")):
+            error = _offsets_error(args[3], args[0].tolist(), args[1], args[2], args[4])
+            if error:
+                raise ValueError(error)
+        return
+    ok = torch.empty(1, dtype=torch.int32, device=cu_seqlens_q.device)
+    cu_seqlens_check_kernel[(1,)](cu_seqlens_q, cu_seqlens_k, ok, cu_seqlens_q.shape[0], total_q, total_k,
+                                  max_seqlen_q, max_seqlen_k, BLOCK=1024)
+    torch._assert_async(ok, "attention_varlen: cu_seqlens_q / cu_seqlens_k must start at >= 0, never "
+                            "decrease, end within their tensors' rows and hold no sequence longer than "
+                            "max_seqlen_q / max_seqlen_k")
+
+
+# ----------------------------------------------------------------------------------------------
 # custom ops + autograd (dense when cu_seqlens_q is None, varlen otherwise)
 # ----------------------------------------------------------------------------------------------
 
@@ -88,6 +162,8 @@ def _attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       window_right: Optional[int], softcap: float,
                       deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse); ``deterministic`` is the backward's (kept here for setup_context)."""
+    if cu_seqlens_q is not None:
+        check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
     if use_triton(q):
         return attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                  scale=scale, window_left=window_left, window_right=window_right,
@@ -242,9 +318,11 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
                      scale: float | None = None, return_lse: bool = False, deterministic: bool = False):
     """:func:`attention` on packed sequences: q ``[total_q, H_q, D]``, k, v ``[total_k, H_kv, D]``;
     sequence i is rows cu_seqlens[i] .. cu_seqlens[i + 1] - 1 (int32 ``[B + 1]``, same length for
-    q and k; empty sequences allowed). ``max_seqlen_q`` must be at least the longest query
-    sequence (it sizes the grid; not checked: that would need a device sync). Causal and windows
-    apply per sequence. lse is ``[H_q, total_q]``."""
+    q and k; empty sequences allowed). ``max_seqlen_q`` / ``max_seqlen_k`` must be at least
+    the longest query / key sequence (they size the grids). The offsets' values are checked
+    against the tensors and these bounds (:func:`check_cu_seqlens_values`: a ValueError on the
+    CPU; on a GPU a queued device assertion, no sync). Causal and windows apply per sequence.
+    lse is ``[H_q, total_q]``."""
     _check_qkv(q, k, v, 3, "[total, H, D]")
     _check_cu_seqlens(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     _check_flags(return_lse=return_lse, deterministic=deterministic)
