@@ -192,6 +192,18 @@ def test_heuristics():
     assert cfg["BLOCK_M"] * 128 <= qk.MAX_TILE_ELEMS and "BLOCK_N" not in cfg
     assert not qk.fused_fills_machine(16, 48, 16, 132) and qk.fused_fills_machine(8192, 48, 128, 132)
     assert qk.choose_qkv_config(8192, 12, 512, 4096, torch.bfloat16, 132)["num_stages"] == 2   # D = 512
+    for d, r, mode in [(80, 32, "neox"), (96, 24, "neox"), (256, 64, "gptj"), (64, 16, "gptj"), (128, 128, "neox")]:
+        width = qk.tile_width(qk.head_groups(d, mode, r), mode)      # 96, 160, 320, 80, 128 columns
+        for m in (1, 40, 64, 200, 256, 1024, 8192):                  # (Phi-2, NeoX-20B, GPT-J)
+            block_m = qk.choose_qkv_config(m, 32, width, 4096, torch.bfloat16, 132)["BLOCK_M"]
+            assert block_m >= 16 and block_m & (block_m - 1) == 0, (d, r, mode, m, block_m)
+
+
+def test_partial_rotary_head_wider_than_a_power_of_two():
+    """Phi-2's head (D = 80, r = 32: a 96-column tile) over more rows than one 16-row block: the
+    fused kernel's row block must stay a power of two (it was 42 at T = 40 here)."""
+    x, w, b = _inputs((1, 40), 16, 2, 1, 80, torch.float32, bias=True)
+    _check(x, w, b, 2, 1, **_rope_kw("neox", 40, 80, torch.float32, 32))
 
 
 def test_no_grad_and_partial_requires_grad():

@@ -274,13 +274,14 @@ def tile_width(groups: dict, rope: str) -> int:
 
 def choose_qkv_config(m: int, n_heads: int, width: int, k: int, dtype: torch.dtype, sms: int) -> dict:
     """matmul's config for the [m, n_heads·width] GEMM with BLOCK_N = one head (``width``
-    accumulator columns) and BLOCK_M grown to keep matmul's tile area (its 128x256 becomes 256 rows
+    accumulator columns) and BLOCK_M (a power of two) grown to keep matmul's tile area (its 128x256 becomes 256 rows
     x one 128-wide head), at most MAX_TILE_ELEMS fp32 accumulators; 8 warps from a 128x128 tile
     up; 4 pipeline stages where they fit (H100 2026-11-22, Llama-8B T=8192: 256x128 with 4 stages
     685 TFLOP/s, 128x128 with 3 stages 493)."""
     cfg = choose_config(m, n_heads * width, k, dtype, sms)
     area = cfg["BLOCK_M"] * cfg.pop("BLOCK_N")
-    cfg["BLOCK_M"] = max(16, min(area // width, MAX_TILE_ELEMS // width, 256, next_power_of_2(m)))
+    rows = min(area // width, MAX_TILE_ELEMS // width, 256, next_power_of_2(m))
+    cfg["BLOCK_M"] = max(16, 1 << (rows.bit_length() - 1))   # a power of two (a head of 96 or 160 columns)
     cfg["num_warps"] = 8 if cfg["BLOCK_M"] * width >= 128 * 128 else 4
     cfg["num_stages"] = stages_that_fit(max(4, cfg["num_stages"]), cfg["BLOCK_M"], width, cfg["BLOCK_K"], dtype)
     return cfg
