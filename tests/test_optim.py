@@ -274,6 +274,43 @@ def test_master_state_survives_a_round_trip():
         assert again.state[q]["master_param"].dtype == torch.float32
 
 
+@pytest.mark.parametrize("weights_first", [True, False])
+def test_master_copy_that_torch_carried_does_not_roll_params_back(weights_first):
+    """Our checkpoint -> torch's AdamW trains on (keeping our master_param key) -> back to ours: the
+    stale master copy must not replace the params, whichever of the model's and the optimizer's
+    state is loaded first; a consistent master copy keeps its fp32 bits."""
+    p = torch.nn.Parameter(torch.randn(300, device=DEVICE).half())
+    ours = AdamW([p], lr=0.05, master_weights=True)
+    for _ in range(3):
+        p.grad = torch.randn_like(p)
+        ours.step()
+    q = torch.nn.Parameter(p.detach().clone())
+    theirs = torch.optim.AdamW([q], lr=0.05)
+    theirs.load_state_dict(_save_load(ours.state_dict()))
+    for _ in range(10):
+        q.grad = torch.randn_like(q)
+        theirs.step()
+    sd = _save_load(theirs.state_dict())
+    assert "master_param" in sd["state"][0]
+    r = torch.nn.Parameter(torch.zeros_like(q) if not weights_first else q.detach().clone())
+    again = AdamW([r], lr=0.05, master_weights=True)
+    again.load_state_dict(sd)
+    if not weights_first:
+        with torch.no_grad():
+            r.copy_(q)                                    # the model's weights loaded after
+    again.param_groups[0]["lr"] = 0.0
+    r.grad = torch.randn_like(r)
+    again.step()
+    assert torch.equal(r, q)                              # lr 0: the params as torch left them
+    mine = AdamW([torch.nn.Parameter(p.detach().clone())], lr=0.0, master_weights=True)
+    mine.load_state_dict(_save_load(ours.state_dict()))
+    mine.param_groups[0]["lr"] = 0.0                      # (the load restored the checkpoint's lr)
+    mine.param_groups[0]["params"][0].grad = torch.randn_like(p)
+    mine.step()
+    assert torch.equal(mine.state[mine.param_groups[0]["params"][0]]["master_param"],
+                       ours.state[p]["master_param"])     # consistent: the fp32 bits kept
+
+
 # ----------------------------------------------------------------------------------------------
 # the functional, against the fp64 reference
 # ----------------------------------------------------------------------------------------------
@@ -375,6 +412,9 @@ def test_optimizer_rejects_bad_input():
         AdamW([torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))])
     with pytest.raises(ValueError, match="differentiable"):
         AdamW([torch.nn.Parameter(torch.zeros(3))], differentiable=True)
+    base = torch.zeros(10, 20, device=DEVICE)
+    with pytest.raises(ValueError, match="not one dense block"):          # the kernel walks numel
+        AdamW([torch.nn.Parameter(base[:, :5])])                         # elements from data_ptr
     p = torch.nn.Parameter(torch.zeros(4, 4, device=DEVICE))
     p.grad = torch.eye(4, device=DEVICE).to_sparse()
     with pytest.raises(ValueError, match="sparse"):

@@ -28,7 +28,7 @@ import itertools
 import torch
 
 from ._checks import FLOAT_DTYPES
-from .ops.adamw import run_step
+from .ops.adamw import _dense, run_step
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 # torch >= 2.7 keeps decoupled_weight_decay in Adam's param groups (AdamW is Adam with it True);
@@ -91,6 +91,10 @@ class Adam(torch.optim.Adam):
             if isinstance(p, torch.Tensor) and p.dtype not in FLOAT_DTYPES:
                 raise TypeError(f"param {i} of the new group has dtype {p.dtype}; tilefuse Adam "
                                 f"supports float32, float16 and bfloat16 params")
+            if isinstance(p, torch.Tensor) and (p.layout != torch.strided or not _dense(p)):
+                raise ValueError(f"param {i} of the new group is not one dense block (shape {tuple(p.shape)}, "
+                                 f"strides {p.stride()}): the fused step walks each param as one flat "
+                                 f"block; pass a contiguous parameter")
         super().add_param_group(param_group)
 
     def __setstate__(self, state):
@@ -113,8 +117,25 @@ class Adam(torch.optim.Adam):
         self._step_all()
         return loss
 
+    def _masters_follow_params(self) -> None:
+        """After a load: a master copy that no longer rounds to its param is replaced by the param.
+        torch.optim keeps state keys it does not know, so a checkpoint that went through torch's
+        AdamW carries our old master copy while the params trained on; stepping from that copy
+        would roll them back. Checked at the first step after the load (the model's weights may be
+        loaded after the optimizer's), not under CUDA-graph capture (it reads values)."""
+        self._check_masters = False
+        for group in self.param_groups:
+            for p in group["params"]:
+                master = self.state.get(p, {}).get("master_param")
+                if master is not None and not torch.equal(master.to(p.dtype), p.detach()):
+                    master.copy_(p.detach())
+
     @torch.compiler.disable
     def _step_all(self):
+        if getattr(self, "_check_masters", False) and not any(
+                p.is_cuda and torch.cuda.is_current_stream_capturing()
+                for g in self.param_groups for p in g["params"][:1]):
+            self._masters_follow_params()
         for index, group in enumerate(self.param_groups):
             buckets: dict = {}
             for p in group["params"]:
@@ -210,6 +231,7 @@ class Adam(torch.optim.Adam):
             for k, v in saved_state[idx].items():
                 if k != "step" and isinstance(v, torch.Tensor) and v.shape == p.shape:
                     self.state[p][k] = torch.empty_like(p, dtype=torch.float32).copy_(v)
+        self._check_masters = True      # against the params at the next step (see _masters_follow_params)
 
 
 class AdamW(Adam):
