@@ -370,6 +370,8 @@ def test_bad_input():
         attention_varlen(qp, kp, vp, cu, cu, 2, 2, window=(None, 1))
     with pytest.raises(ValueError, match="3-D"):
         attention_varlen(q, k, v, cu, cu, 2, 2)
+    if DEVICE != "cpu":
+        return          # on a GPU the offsets' values fail a device assertion: the subprocess test below
     bad = torch.tensor([0, 2, 5], dtype=torch.int32, device=DEVICE)          # past the 4 rows
     with pytest.raises(ValueError, match="cu_seqlens_q ends at 5"):
         attention_varlen(qp, kp, vp, bad, cu, 3, 2)
