@@ -281,7 +281,7 @@ def choose_qkv_config(m: int, n_heads: int, width: int, k: int, dtype: torch.dty
     cfg = choose_config(m, n_heads * width, k, dtype, sms)
     area = cfg["BLOCK_M"] * cfg.pop("BLOCK_N")
     rows = min(area // width, MAX_TILE_ELEMS // width, 256, next_power_of_2(m))
-    cfg["BLOCK_M"] = max(16, 1 << (rows.bit_length() - 1))   # a power of two (a head of 96 or 160 columns)
+    cfg["BLOCK_M"] = max(16, 1 << (max(rows, 1).bit_length() - 1))   # a power of two (heads of 96, 160 columns)
     cfg["num_warps"] = 8 if cfg["BLOCK_M"] * width >= 128 * 128 else 4
     cfg["num_stages"] = stages_that_fit(max(4, cfg["num_stages"]), cfg["BLOCK_M"], width, cfg["BLOCK_K"], dtype)
     return cfg
