@@ -865,6 +865,29 @@ def test_quantize_int8_callable_skip():
     assert report.swapped == ["0"] and report.group_size is None and 3.5 < report.compression < 4
 
 
+def test_quantize_subclasses_shared_modules_and_tied_weights():
+    """Linear subclasses are swapped; one Linear under two names is swapped at both; an LM head
+    tied to the embedding is skipped with the reason (nothing would be saved), and the report's
+    bytes match the model's change."""
+    from tilefuse.nn import Linear as TfLinear
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(64, 32)
+            self.up = TfLinear(32, 64)
+            self.down = torch.nn.Linear(64, 32)
+            self.again = self.down                       # the same module, a second name
+            self.head = torch.nn.Linear(32, 64, bias=False)
+            self.head.weight = self.emb.weight           # tied
+
+    model = Model().to(DEVICE)
+    report = quantize(model, bits=4, group_size=32)
+    assert sorted(report.swapped) == ["down", "up"] and "tied to emb" in report.skipped["head"]
+    assert type(model.up) is QuantLinear and model.again is model.down and type(model.down) is QuantLinear
+    assert report.model_bytes_before - report.model_bytes_after == report.bytes_saved > 0
+
+
 def _tiny_llama():
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

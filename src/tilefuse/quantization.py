@@ -114,7 +114,9 @@ def _skip_reason(name: str, layer: nn.Linear, skip: SkipRule, group_size: Option
 
 def quantize(model: nn.Module, bits: int = 4, group_size: Optional[int] = 128,
              skip: SkipRule = None) -> QuantizeReport:
-    """Replace every eligible ``nn.Linear`` of ``model`` (in place) by a :class:`QuantLinear`.
+    """Replace every eligible ``nn.Linear`` (or subclass) of ``model`` (in place) by a
+    :class:`QuantLinear`; a layer whose weight is tied to another module's parameter (an LM head
+    tied to the embedding) is skipped: the float copy would stay, so nothing would be saved.
 
     ``bits`` 4 (group-wise, ``group_size`` 32/64/128) or 8 (per channel; ``group_size`` is
     ignored and taken as None). ``skip``: a name, an fnmatch pattern or a list of them (matched
@@ -125,15 +127,29 @@ def quantize(model: nn.Module, bits: int = 4, group_size: Optional[int] = 128,
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     group_size = _check_format(bits, None if bits == 8 else group_size)
     report = QuantizeReport(bits, group_size, model_bytes_before=_model_bytes(model))
-    targets = [(name, mod) for name, mod in model.named_modules() if type(mod) is nn.Linear]
-    for name, layer in targets:
+    # every path to each Linear (subclasses too: tilefuse.nn.Linear, fp8.Linear); one module
+    # registered under two names is swapped at both
+    paths: dict = {}
+    for name, mod in model.named_modules(remove_duplicate=False):
+        if isinstance(mod, nn.Linear):
+            paths.setdefault(id(mod), (mod, []))[1].append(name)
+    owners: dict = {}        # parameter storage -> the modules' names holding it
+    for name, mod in model.named_modules():
+        for p in mod.parameters(recurse=False):
+            owners.setdefault(p.data_ptr(), set()).add(name)
+    for layer, names in paths.values():
+        name = names[0]
         reason = _skip_reason(name, layer, skip, group_size)
+        shared = owners.get(layer.weight.data_ptr(), set()) - set(names)
+        if reason is None and shared:
+            reason = f"weight tied to {sorted(shared)[0]} (quantizing it would keep the float copy too)"
         if reason is not None:
             report.skipped[name] = reason
             continue
         new = QuantLinear.from_linear(layer, bits, group_size)
-        parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+        for path in names:
+            parent_name, _, child = path.rpartition(".")
+            setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
         report.swapped.append(name)
         report.weight_bytes_before += layer.weight.numel() * layer.weight.element_size()
         report.weight_bytes_after += new.quantized_weight().nbytes()
