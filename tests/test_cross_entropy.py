@@ -380,6 +380,9 @@ def test_bad_inputs():
             cross_entropy(x, t, **kw)
     with pytest.raises(TypeError, match="ignore_index"):
         cross_entropy(x, t, ignore_index=1.5)
+    for kw in (dict(label_smoothing=None), dict(z_loss=None), dict(label_smoothing="a"), dict(softcap="1")):
+        with pytest.raises(TypeError, match=next(iter(kw))):
+            cross_entropy(x, t, **kw)
     with pytest.raises(ValueError, match="label_smoothing"):
         CrossEntropyLoss(label_smoothing=-0.1)
 

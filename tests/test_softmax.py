@@ -140,6 +140,18 @@ def test_bad_input():
         tilefuse.softmax(torch.randn(4, dtype=torch.float64))
     with pytest.raises(ValueError, match="dim 2 out of range"):
         tilefuse.softmax(torch.randn(4, 4), dim=2)
+    for dim in ("a", None, 1.0, True):
+        with pytest.raises(TypeError, match="dim must be an int"):
+            tilefuse.softmax(torch.randn(4, 4), dim=dim)
+
+
+@pytest.mark.filterwarnings("ignore:Implicit dimension choice")
+@pytest.mark.parametrize("shape", [(5,), (2, 5), (2, 3, 5), (2, 3, 4, 5)])
+def test_module_without_dim_is_torchs_implicit_dim(shape):
+    """nn.Softmax() / nn.LogSoftmax() with dim=None pick torch's legacy implicit dim."""
+    x = torch.randn(*shape, device=DEVICE)
+    for ours, theirs in ((tilefuse.nn.Softmax(), torch.nn.Softmax()), (tilefuse.nn.LogSoftmax(), torch.nn.LogSoftmax())):
+        assert rel_err(ours(x), theirs(x.double())) <= 1e-5
 
 
 @pytest.mark.parametrize("n", [sm.FWD_MAX_FUSED_N, sm.FWD_MAX_FUSED_N + 1, sm.BWD_MAX_FUSED_N, sm.BWD_MAX_FUSED_N + 1])

@@ -64,6 +64,8 @@ def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
 
 
 def check_dim(name: str, t: torch.Tensor, dim: int) -> int:
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"{name}: dim must be an int, got {type(dim).__name__}")
     nd = max(t.dim(), 1)
     if not -nd <= dim < nd:
         raise ValueError(f"{name}: dim {dim} out of range for a tensor of {t.dim()} dimension(s)")

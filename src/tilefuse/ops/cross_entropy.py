@@ -472,6 +472,10 @@ class _CrossEntropyFunction(torch.autograd.Function):
 def check_ce_options(ignore_index, label_smoothing, z_loss, softcap, reduction) -> None:
     if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    for name, v in (("label_smoothing", label_smoothing), ("z_loss", z_loss), ("softcap", softcap)):
+        if (v is not None or name != "softcap") and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            raise TypeError(f"{name} must be a number{' or None' if name == 'softcap' else ''}, "
+                            f"got {type(v).__name__}")
     if not 0.0 <= float(label_smoothing) <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
     if not 0.0 <= float(z_loss) < float("inf"):
