@@ -236,8 +236,10 @@ def _fast_key(x: torch.Tensor, qw, bias: Optional[torch.Tensor]):
     packed weight (what the launch plan reads besides the layouts)."""
     if type(qw) is not QuantizedWeight or qw.qweight is None or qw.scales is None:
         return None
-    return call_key(no_grad_layout(x, qw.qweight, qw.scales, qw.zeros, bias),
-                    (x.data_ptr() % 16, qw.qweight.data_ptr() % 16, qw.bits, qw.group_size, qw.shape))
+    layout = no_grad_layout(x, qw.qweight, qw.scales, qw.zeros, bias)
+    if layout is None:          # (first: traced tensors have no data_ptr)
+        return None
+    return call_key(layout, (x.data_ptr() % 16, qw.qweight.data_ptr() % 16, qw.bits, qw.group_size, qw.shape))
 
 
 def _remember(key: tuple, x: torch.Tensor, qw, bias: Optional[torch.Tensor]) -> None:
