@@ -180,6 +180,48 @@ def test_registry_is_complete():
         for shape in spec.bench_shapes:
             for pass_ in ("fwd", "bwd") if spec.has_backward else ("fwd",):
                 assert spec.bytes_fn(tuple(shape), torch.bfloat16, pass_) > 0, spec.name
+        for shape in list(spec.test_shapes) + list(spec.bench_shapes):   # every op counts its FLOPs
+            for pass_ in ("fwd", "bwd") if spec.has_backward else ("fwd",):
+                assert spec.flops_fn(tuple(shape), pass_) > 0, (spec.name, shape, pass_)
+
+
+# (op, shape, pass, FLOPs counted by hand from the op's formula, see each op's flops_fn)
+_HAND_COUNTED_FLOPS = [
+    ("softmax", (2, 3), "fwd", 2 * (2 + 3 + 3 + 2 + 3)),            # max, x - m, exp, sum, / s
+    ("log_softmax", (2, 3), "bwd", 2 * (2 + 3 + 3 + 3)),            # sum dy, exp(y), ·, dy -
+    ("rms_norm", (4, 8), "fwd", 4 * (8 + 7 + 1 + 1 + 1 + 8 + 8)),   # h², sum, /n, +eps, rsqrt, x̂, ·w
+    ("layer_norm", (4, 8), "bwd", 4 * 11 * 8 + 2 * 3 * 8),          # per row 11n, dw and db column sums
+    ("add_rms_norm", (4, 8), "fwd", 4 * (4 * 8 + 2) + 4 * 8),       # + the residual add
+    ("rope", (1, 2, 3, 1, 8), "fwd", 2 * 4 * 4 * 6),                # 4 pairs per head, 6 per pair
+    ("attention_decode", (1, 2, 4, 1, 10, 8), "fwd", 4 * 4 * 8 * (9 + 10)),   # causal: 9 and 10 keys
+    ("adamw", (3, 5), "fwd", 3 * 5 * 14),
+]
+
+
+@pytest.mark.parametrize("name,shape,pass_,flops", _HAND_COUNTED_FLOPS)
+def test_flop_counts(name, shape, pass_, flops):
+    assert registry.get(name).flops_fn(shape, pass_) == flops
+
+
+def test_roofline_places_each_bench_pass():
+    """With an H200's measured ceilings, the elementwise ops, the reductions, decode attention and
+    the GEMVs are memory-bound (GB/s, % of copy), the large GEMMs and prefill attention compute-bound."""
+    from tilefuse.bench.runner import pass_cost, throughput
+
+    h200 = {"copy_gbps": 4200.0, "matmul_tflops": 700.0}
+    memory = {"softmax", "rms_norm", "layer_norm", "bias_act", "swiglu", "rope", "cross_entropy", "adamw",
+              "attention_decode", "int4_gemm", "int8_gemm"}
+    for spec in registry.all_ops():
+        for shape in spec.bench_shapes:
+            nbytes, flops = pass_cost(spec, tuple(shape), torch.bfloat16, "fwd")
+            row = throughput(nbytes, flops, 1.0, h200)
+            if spec.name in memory:
+                assert row["bound"] == "memory" and row["metric"] == "GB/s", (spec.name, shape)
+            if spec.name in {"attention", "fp8_matmul", "linear_cross_entropy"} or (
+                    spec.name == "matmul" and shape[0] >= 4096):
+                assert row["bound"] == "compute" and row["metric"] == "TFLOP/s", (spec.name, shape)
+            if spec.name == "matmul" and shape[0] == 1:     # a GEMV: memory-bound although it has FLOPs
+                assert row["metric"] == "GB/s" and row["achieved_tflops"] > 0
 
 
 # ops whose launchers take internal buffers from tilefuse._dispatch.workspace, and a shape each

@@ -7,6 +7,15 @@ tests and the benchmark use, and which peers the benchmark puts beside it.
 Passes are named ``"fwd"`` and ``"bwd"``; ``bytes_fn(shape, dtype, pass_)`` counts the ideal
 traffic of that pass (each input read once, each output written once; small vectors such as a
 norm's weight or per-row statistics are counted too, they are exact, not rounded away).
+
+``flops_fn(shape, pass_)`` counts the arithmetic of the op's formula as its reference writes it:
+one FLOP per scalar add, subtract, multiply, divide or comparison (a max), one per call of an
+elementary function (exp, log, sqrt, rsqrt, erfc, sigmoid: what one SFU call or a short
+polynomial does), two per multiply-add of a matrix product; a reduction over n values counts
+n - 1 adds. Every op declares it, memory-bound ones too: the benchmark divides FLOPs by bytes
+(the arithmetic intensity) and reports a pass against the ceiling that binds it on the measured
+roofline (``bench.runner.throughput``): below the ridge point (matmul TFLOP/s / copy GB/s) in
+GB/s and % of copy, above it in TFLOP/s and % of the bf16 matmul.
 """
 
 from __future__ import annotations
@@ -64,7 +73,7 @@ class OpSpec:
     reference: Callable[..., Any]                # plain PyTorch, same signature; run on fp64 inputs
     make_inputs: Callable[[Shape, torch.dtype, Any], Inputs]  # (shape, dtype, device) -> fresh random Inputs
     bytes_fn: Callable[[Shape, torch.dtype, str], int]         # ideal bytes moved by one pass
-    flops_fn: Callable[[Shape, str], int] = lambda shape, pass_: 0   # 0 for memory-bound ops
+    flops_fn: Callable[[Shape, str], int] = lambda shape, pass_: 0   # FLOPs of one pass (module docstring)
     test_shapes: Sequence[Shape] = ()            # small, odd, every code path; CI runs them interpreted
     gpu_test_shapes: Sequence[Shape] = ()        # large shapes, run only on CUDA
     bench_shapes: Sequence[Shape] = ()           # real LLM sizes, for the GPU

@@ -11,8 +11,10 @@ torch, triton, python, cuda, liger}, compile_mode ("default"), settings, notes, 
 
 A GPU row: ``op, shape, dtype, pass ("fwd" | "bwd" | "fwd+bwd"), impl ("tilefuse", "torch",
 "torch.compile", "liger", ...), status ("ok" | "FAILED" | "ERROR" | "SKIPPED"), error, rel_err_fwd,
-rel_err_bwd, rel_err, tolerance, ms, bytes, flops, metric ("GB/s" | "TFLOP/s"), achieved,
-pct_of_ceiling, peak_mem_bytes (fwd+bwd rows), speedup_vs_best_peer, best_peer, speedup_vs
+rel_err_bwd, rel_err, tolerance, ms, bytes, flops, bound ("memory" | "compute": the pass's side
+of the measured roofline's ridge point), arith_intensity (flops / bytes), metric ("GB/s" for
+memory-bound, "TFLOP/s" for compute-bound), achieved (in metric), achieved_gbps, achieved_tflops,
+pct_of_ceiling (of copy or of the bf16 matmul, per metric), peak_mem_bytes (fwd+bwd rows), speedup_vs_best_peer, best_peer, speedup_vs
 {peer: peer_ms / tilefuse_ms} (the last three on tilefuse rows), case_seconds``. An interpreter row:
 ``op, shape, dtype, pass, impl, status, ok, rel_err, tolerance, error, seconds``. Infinite errors are
 written as the string ``"inf"`` (the file is strict JSON).
@@ -634,4 +636,4 @@ def _bytes(n) -> str:
 
 
 def _flops(n) -> str:
-    return "-" if n is None else ("0 (memory-bound)" if n == 0 else f"{n:.3e}")
+    return "-" if n is None else f"{n:.3e}"

@@ -178,6 +178,14 @@ def activation_reference(z: torch.Tensor, activation: str) -> torch.Tensor:
     return z
 
 
+# FLOPs per element of act(z) and of act'(z), counted on the two references above (the
+# registry's convention: one per +, -, x, / or compare, one per erfc / exp / sigmoid call).
+# gelu: 0.5·z·erfc(-z·c) = 4; its grad 0.5·erfc(-z·c) + z·exp(-0.5·z·z)·c = 3 + 5 + 1.
+# gelu_tanh: two_u(z) = 5, z·σ(2u) = 7; grad s + z·s·(1-s)·c·(1 + 3c'·z·z) = 6 + 9.
+# silu: z·σ(z) = 2; grad σ·(1 + z·(1 - σ)) = 5.
+ACTIVATION_FLOPS = {"none": (0, 0), "relu": (1, 1), "gelu": (4, 9), "gelu_tanh": (7, 15), "silu": (2, 5)}
+
+
 def activation_grad_reference(z: torch.Tensor, activation: str) -> torch.Tensor:
     """PyTorch act'(z), closed form: custom-op bodies run below autograd, so the CPU path of a
     backward cannot differentiate activation_reference."""

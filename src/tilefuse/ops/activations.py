@@ -20,6 +20,7 @@ sizes).
 from __future__ import annotations
 
 import functools
+import math
 import numbers
 from typing import NamedTuple, Optional
 
@@ -33,7 +34,7 @@ from .._launch import PreparedArgs, config_key, fast_launch
 from .._op import custom_op
 from ..registry import Inputs, OpSpec, register, tensor_bytes
 from ._activation_math import (
-    ACTIVATIONS, FWD_TILE_ELEMS, activation_fwd, activation_fwd_bwd,
+    ACTIVATION_FLOPS, ACTIVATIONS, FWD_TILE_ELEMS, activation_fwd, activation_fwd_bwd,
     activation_grad_reference, activation_reference, tile_config, tile_rows_cols,
 )
 from ._common import row_tile_mask_offsets
@@ -471,17 +472,29 @@ def bias_act(
 # ----------------------------------------------------------------------------------------------
 
 
+_BENCH_ACTIVATION = "gelu"
+
+
 def _make_inputs(shape, dtype, device):
     # scale 2: pre-activations spread over gelu's curved region, not only its linear tails
     x = (torch.randn(shape, device=device) * 2).to(dtype).requires_grad_(True)
     bias = torch.randn(shape[-1], device=device).to(dtype).requires_grad_(True)
-    return Inputs((x, bias), {"activation": "gelu"}, grad_args=(0, 1))
+    return Inputs((x, bias), {"activation": _BENCH_ACTIVATION}, grad_args=(0, 1))
 
 
 def _bytes(shape, dtype, pass_):
     # fwd: x read + y written + bias read; bwd: x, dy read + dx written + bias read + dbias written
     big, small = tensor_bytes(shape, dtype), tensor_bytes(shape[-1:], dtype)
     return 2 * big + small if pass_ == "fwd" else 3 * big + 2 * small
+
+
+def _flops(shape, pass_):
+    # fwd: z = x + bias, act(z); bwd: z again, act'(z), dy·act'(z), dbias = the column sums of dx
+    act_fwd, act_grad = ACTIVATION_FLOPS[_BENCH_ACTIVATION]
+    numel, cols = math.prod(shape), shape[-1]
+    if pass_ == "fwd":
+        return numel * (1 + act_fwd)
+    return numel * (2 + act_grad) + max(0, numel - cols)
 
 
 _TORCH_ACTS = {
@@ -503,6 +516,7 @@ register(OpSpec(
     reference=bias_act_reference,
     make_inputs=_make_inputs,
     bytes_fn=_bytes,
+    flops_fn=_flops,
     test_shapes=[(1, 1), (3, 781), (2, 3, 1000), (7, 4097), (300, 40), (5, 1), (33, 64)],
     gpu_test_shapes=[(8192, 4096), (4096, 4096 + 3), (65536, 64), (16, 16384 * 3)],
     bench_shapes=[(16384, 4096), (16384, 14336)],

@@ -290,6 +290,13 @@ def _bytes(shape, dtype, pass_):
     return 7 * elem * n * numel + 8 * n
 
 
+def _flops(shape, pass_):
+    # per element, as torch's AdamW writes it: p·(1 - lr·wd) (1), m.lerp_(g, 1 - b1) (3),
+    # v·b2 + (1 - b2)·g·g (4), sqrt(v) / sqrt(bc2) + eps (3), p - step·m / denom (3)
+    n, numel = shape
+    return 14 * n * numel
+
+
 def _peer_lists(params, grads, exp_avgs, exp_avg_sqs, state_steps):
     return list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(state_steps.unbind(0))
 
@@ -334,6 +341,7 @@ register(OpSpec(
     reference=adamw_reference,
     make_inputs=_make_inputs,
     bytes_fn=_bytes,
+    flops_fn=_flops,
     test_shapes=[(1, 1), (3, 1000), (5, 4097), (2, 20000)],
     gpu_test_shapes=[(64, 65536 + 3), (7, 1_000_003), (300, 1024)],
     bench_shapes=[(64, 4194304)],

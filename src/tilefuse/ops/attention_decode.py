@@ -503,6 +503,14 @@ def _bytes(shape, dtype, pass_):
     return tensor_bytes((2, batch, length, h_kv, d), dtype) + 2 * tensor_bytes((batch, s_q, h_q, d), dtype)
 
 
+def _flops(shape, pass_):
+    # FlashAttention's convention (4·D per visible (query, key) pair: q·k and p·v) on the exact
+    # pair count: causal bottom-right (the default), query i of S_q sees L - S_q + 1 + i keys
+    batch, s_q, h_q, h_kv, length, d = shape
+    pairs = s_q * length - s_q * (s_q - 1) // 2
+    return 4 * batch * h_q * d * pairs
+
+
 def _sdpa_on_slices(backend):
     """A peer with attention_decode's signature: torch SDPA (``enable_gqa``, q's dtype) on each
     row's contiguous cache slice ``[:seqlen_k]`` (one batched call when all rows have the same
@@ -554,6 +562,7 @@ register(OpSpec(
     reference=attention_decode_reference,
     make_inputs=_make_inputs,
     bytes_fn=_bytes,
+    flops_fn=_flops,
     test_shapes=[(1, 1, 4, 1, 37, 32), (2, 3, 4, 2, 50, 16), (3, 1, 6, 3, 20, 8), (2, 16, 2, 2, 64, 64)],
     gpu_test_shapes=[(16, 1, 32, 8, 8192, 128), (2, 4, 32, 4, 5000, 128), (1, 16, 64, 8, 3000, 256),
                      (1, 1, 32, 8, 131072, 128)],

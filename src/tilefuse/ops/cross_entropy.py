@@ -574,6 +574,23 @@ def _bytes(shape, dtype, pass_):
     return 2 * tensor_bytes(shape, dtype) + tensor_bytes((), dtype)
 
 
+# FLOPs per row of V (the bench's inputs: no smoothing, z-loss or softcap; mean reduction): the
+# log-sum-exp m (V - 1 compares), x - m, exp, s (V - 1 adds), m + log s (2); the loss lse - x_t
+# (1); the gradient (exp(x - lse) - [j = t]) · scale (3V + 1); the mean over the T rows (T).
+def _flops(shape, pass_):
+    n_rows, n_cols = shape
+    if pass_ == "fwd":       # the gradient is computed in the forward
+        return n_rows * (7 * n_cols + 2) + n_rows
+    return n_rows * n_cols   # grad_output scales the stored gradient
+
+
+def _deferred_flops(shape, pass_):
+    n_rows, n_cols = shape
+    if pass_ == "fwd":
+        return n_rows * (4 * n_cols + 1) + n_rows
+    return n_rows * (3 * n_cols + 1)    # grad_output folded into the row scale
+
+
 def _torch_peer():
     def eager_cross_entropy(logits, target, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None,
                             reduction="mean", logits_inplace_grad=False, check_targets=True, defer_grad=False):
@@ -605,6 +622,7 @@ register(OpSpec(
     reference=cross_entropy_reference,
     make_inputs=_make_inputs,
     bytes_fn=_bytes,
+    flops_fn=_flops,
     test_shapes=[(1, 7), (5, 33), (8, 1000), (3, 4097), (2, 17000)],
     gpu_test_shapes=[(8192, 128256), (4096, 151936), (1024, 256000), (37, 32000)],
     bench_shapes=[(8192, 128256)],
@@ -621,6 +639,7 @@ register(OpSpec(
     reference=cross_entropy_reference,
     make_inputs=_make_deferred_inputs,
     bytes_fn=_deferred_bytes,
+    flops_fn=_deferred_flops,
     test_shapes=[(1, 7), (5, 33), (3, 4097), (2, 17000)],
     gpu_test_shapes=[(8192, 128256), (37, 32000)],
     bench_shapes=[(8192, 128256)],

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import math
 from typing import NamedTuple, Optional
 
 import torch
@@ -31,7 +32,7 @@ from .._launch import PreparedArgs, config_key, fast_launch
 from .._op import custom_op
 from ..registry import Inputs, OpSpec, register, tensor_bytes
 from ._activation_math import (
-    BWD_TILE_ELEMS, FWD_TILE_ELEMS, activation_fwd, activation_fwd_bwd, activation_grad_reference,
+    ACTIVATION_FLOPS, BWD_TILE_ELEMS, FWD_TILE_ELEMS, activation_fwd, activation_fwd_bwd, activation_grad_reference,
     activation_reference, tile_config, tile_rows_cols,
 )
 from ._common import row_tile_mask_offsets
@@ -314,6 +315,16 @@ def _bytes(shape, dtype, pass_):
     return tensor_bytes(shape, dtype) * (3 if pass_ == "fwd" else 5)
 
 
+def _flops_of(activation: str):
+    """fwd: act(g)·u; bwd: dg = dy·u·act'(g), du = dy·act(g) (the references' formulas)."""
+    act_fwd, act_grad = ACTIVATION_FLOPS[activation]
+
+    def flops(shape, pass_):
+        numel = math.prod(shape)
+        return numel * ((act_fwd + 1) if pass_ == "fwd" else (act_grad + 2 + act_fwd + 1))
+    return flops
+
+
 def _torch_swiglu(gate, up=None):
     g, u = _halves(gate, up)
     return F.silu(g) * u
@@ -360,6 +371,7 @@ register(OpSpec(
     reference=swiglu_reference,
     make_inputs=_make_inputs_with({}),
     bytes_fn=_bytes,
+    flops_fn=_flops_of("silu"),
     test_shapes=_TEST_SHAPES,
     gpu_test_shapes=_GPU_TEST_SHAPES,
     bench_shapes=_BENCH_SHAPES,
@@ -374,6 +386,7 @@ register(OpSpec(
     # tanh: the GEGLU of Gemma, and the only one Liger has (erf is covered by tests/test_glu.py)
     make_inputs=_make_inputs_with({"approximate": "tanh"}),
     bytes_fn=_bytes,
+    flops_fn=_flops_of("gelu_tanh"),
     test_shapes=_TEST_SHAPES,
     gpu_test_shapes=_GPU_TEST_SHAPES,
     bench_shapes=_BENCH_SHAPES,

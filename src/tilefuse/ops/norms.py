@@ -364,6 +364,22 @@ def _bytes(is_rms: bool, fused_add: bool):
     return count
 
 
+def _flops(is_rms: bool, fused_add: bool):
+    """Per row of n, the module docstring's formulas (offset 0, as the bench's inputs):
+    forward mu (n), h - mu (n), the variance, + eps and rsqrt (2n + 2), x̂ (n), · w (n), + b (n):
+    LayerNorm 7n + 2, RMSNorm 4n + 2; backward wdy (n), x̂ again (2n / n), mean(wdy · x̂) (2n),
+    mean(wdy) (n), dh (4n / 3n), dy · x̂ (n): LayerNorm 11n, RMSNorm 8n, plus the column sums of
+    dw (and db) over the M rows; the fused add is one more add per element each way."""
+    def count(shape, pass_):
+        n = shape[-1]
+        m = math.prod(shape[:-1])
+        add = m * n if fused_add else 0
+        if pass_ == "fwd":
+            return m * ((4 if is_rms else 7) * n + 2) + add
+        return m * (8 if is_rms else 11) * n + (1 if is_rms else 2) * max(0, m - 1) * n + add
+    return count
+
+
 def _torch_peer(is_rms: bool, fused_add: bool):
     def fn(x, normalized_shape, weight, *rest):
         if is_rms:
@@ -430,6 +446,7 @@ for _name, _is_rms, _add, _desc in (
         reference=rms_norm_reference if _is_rms else layer_norm_reference,
         make_inputs=_make_inputs(_is_rms, _add),
         bytes_fn=_bytes(_is_rms, _add),
+        flops_fn=_flops(_is_rms, _add),
         test_shapes=_RMS_TEST_SHAPES if _is_rms else _TEST_SHAPES,
         gpu_test_shapes=_GPU_TEST_SHAPES,
         bench_shapes=_BENCH_SHAPES,

@@ -531,12 +531,19 @@ def _bytes(shape, dtype, pass_):
         + tensor_bytes((seq_len, head_dim), dtype)
 
 
+def _flops(shape, pass_):
+    # each rotated pair: 4 multiplies and 2 adds (the inverse rotation backward): 3 per feature
+    batch, seq_len, n_q_heads, n_k_heads, head_dim = shape
+    return 3 * batch * seq_len * (n_q_heads + n_k_heads) * head_dim
+
+
 register(OpSpec(
     name="rope",
     fn=rope,
     reference=rope_reference,
     make_inputs=_make_inputs,
     bytes_fn=_bytes,
+    flops_fn=_flops,
     test_shapes=[(1, 1, 1, 1, 8), (2, 5, 4, 2, 16), (1, 7, 3, 1, 64), (2, 3, 2, 2, 24)],
     gpu_test_shapes=[(2, 1024, 32, 8, 128), (3, 333, 12, 12, 64), (1, 777, 28, 4, 80), (4, 257, 40, 40, 96)],
     bench_shapes=[(1, 8192, 32, 8, 128), (4, 4096, 32, 8, 128), (4, 4096, 32, 32, 128), (1, 32768, 64, 8, 128)],

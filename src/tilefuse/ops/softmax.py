@@ -20,6 +20,7 @@ Two tiers of the row reduction:
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import torch
@@ -492,6 +493,18 @@ def _bytes(shape, dtype, pass_):
     return tensor_bytes(shape, dtype) * (2 if pass_ == "fwd" else 3)
 
 
+def _flops_of(log: bool):
+    """Per row of n, the module docstring's formulas: forward m (n-1 compares), x - m, exp, s (n-1
+    adds), then / s (softmax: 5n - 2) or log s and a subtract (log_softmax: 5n - 1); backward
+    sum_j y_j dy_j (2n - 1), a subtract and a multiply (softmax: 4n - 1), or sum_j dy_j, exp(y),
+    a multiply and a subtract (log_softmax: 4n - 1)."""
+    def flops(shape, pass_):
+        n = shape[-1]
+        rows = math.prod(shape[:-1])
+        return rows * ((5 * n - 1 if log else 5 * n - 2) if pass_ == "fwd" else 4 * n - 1)
+    return flops
+
+
 def _liger_softmax():
     try:
         from liger_kernel.functional import softmax as liger_softmax  # type: ignore
@@ -510,6 +523,7 @@ register(OpSpec(
     reference=softmax_reference,
     make_inputs=_make_inputs,
     bytes_fn=_bytes,
+    flops_fn=_flops_of(log=False),
     test_shapes=_TEST_SHAPES,
     gpu_test_shapes=_GPU_TEST_SHAPES,
     bench_shapes=_BENCH_SHAPES,
@@ -523,6 +537,7 @@ register(OpSpec(
     reference=log_softmax_reference,
     make_inputs=_make_inputs,
     bytes_fn=_bytes,
+    flops_fn=_flops_of(log=True),
     test_shapes=_TEST_SHAPES,
     gpu_test_shapes=_GPU_TEST_SHAPES,
     bench_shapes=_BENCH_SHAPES[:2],
