@@ -479,6 +479,19 @@ def test_rms_norm_module_matches_torch(kwargs):
     _assert_module_matches(mod, ref, torch.randn(6, 4, 12, device=DEVICE, requires_grad=True))
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_rms_norm_default_eps_is_torchs(dtype):
+    """eps=None: torch takes the epsilon of the dtype it computes in (fp32 for fp16 / bf16), not
+    the input's: with fp16's 9.8e-4 a row of RMS 0.01 came out 0.72 off (a helper's audit, s36)."""
+    x = (torch.randn(4, 64, device=DEVICE) * 0.01).to(dtype)
+    ref = torch.nn.RMSNorm(64, device=DEVICE, dtype=dtype)
+    mod = RMSNorm(64, device=DEVICE, dtype=dtype)
+    want = F.rms_norm(x.double(), (64,), eps=torch.finfo(torch.float32).eps)
+    assert rel_err(mod(x), want) <= (2e-3 if dtype == torch.float16 else 1e-5)
+    assert rel_err(mod(x), ref(x)) <= (2e-3 if dtype == torch.float16 else 1e-5)
+    assert rel_err(nm.rms_norm(x, (64,), eps=None), want) <= (2e-3 if dtype == torch.float16 else 1e-5)
+
+
 def test_modules_residual_and_gemma_offset():
     gemma = RMSNorm(32, eps=1e-6, offset=1.0).to(DEVICE)
     assert torch.equal(gemma.weight, torch.zeros(32, device=DEVICE)) and "offset=1.0" in repr(gemma)

@@ -73,8 +73,14 @@ def layer_norm_reference(x, normalized_shape=None, weight=None, bias=None, eps=1
     return _norm_reference(x, normalized_shape, weight, bias, eps, 0.0, residual, is_rms=False)
 
 
+def default_rms_eps(dtype: torch.dtype) -> float:
+    """torch's ``eps=None`` for RMSNorm: the machine epsilon of the dtype it computes in, which is
+    fp32 for fp16 / bf16 inputs (fp16's own, 9.8e-4, would be 8000x too large)."""
+    return torch.finfo(torch.promote_types(dtype, torch.float32)).eps
+
+
 def rms_norm_reference(x, normalized_shape=None, weight=None, eps=1e-6, offset=0.0, residual=None):
-    eps = torch.finfo(x.dtype).eps if eps is None else eps
+    eps = default_rms_eps(x.dtype) if eps is None else eps
     return _norm_reference(x, normalized_shape, weight, None, eps, offset, residual, is_rms=True)
 
 
@@ -316,12 +322,13 @@ def layer_norm(x, normalized_shape=None, weight=None, bias=None, eps=1e-5, resid
 
 def rms_norm(x, normalized_shape=None, weight=None, eps=1e-6, offset=0.0, residual=None):
     """``F.rms_norm(x, normalized_shape, weight, eps)`` with ``y = x̂·(offset + weight)``
-    (offset=1.0: Gemma). ``eps=None`` means ``torch.finfo(x.dtype).eps``, as torch.
+    (offset=1.0: Gemma). ``eps=None`` means torch's default: the epsilon of the computation dtype,
+    ``torch.finfo(torch.float32).eps`` for fp16 / bf16 / fp32 x (fp64's for fp64).
 
     With ``residual``: ``h = x + residual``, returns ``(rms_norm(h), h)`` (Llama's pre-norm add).
     """
     if eps is None and isinstance(x, torch.Tensor) and x.is_floating_point():
-        eps = torch.finfo(x.dtype).eps
+        eps = default_rms_eps(x.dtype)
     return _norm(x, normalized_shape, weight, None, eps, offset, residual, is_rms=True)
 
 
