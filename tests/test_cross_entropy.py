@@ -288,6 +288,56 @@ def test_repeated_backward_and_unit_grad(reduction, inplace):
         assert rel_err(g, rg) <= 1e-5
 
 
+@pytest.mark.parametrize("defer", [False, True], ids=["grad-in-fwd", "deferred"])
+@pytest.mark.parametrize("layout", ["step-2", "stride-0", "column"])
+def test_strided_targets(layout, defer):
+    """The kernels read target[row]: a target with another layout (labels[:, 0], a sliced or
+    expanded one) was read as if contiguous: wrong losses, NaN for stride 0 (a helper's audit, s36)."""
+    logits = torch.randn(3, 4, 29, device=DEVICE) * 2
+    full = torch.randint(0, 29, (3, 8, 2), device=DEVICE)
+    target = {"step-2": full[:, ::2, 0], "stride-0": full[:1, :1, 0].expand(3, 4),
+              "column": full[:, :4, 1]}[layout]
+    assert not target.is_contiguous()
+    x = logits.clone().requires_grad_(True)
+    ref_x = logits.double().requires_grad_(True)
+    out = cross_entropy(x, target, reduction="none", defer_grad=defer)
+    ref = cross_entropy_reference(ref_x, target.contiguous(), reduction="none")
+    assert rel_err(out, ref) <= 1e-5
+    go = torch.randn_like(ref)
+    (g,) = torch.autograd.grad(out, x, go.float())
+    (rg,) = torch.autograd.grad(ref, ref_x, go)
+    assert rel_err(g, rg) <= 1e-5
+    assert rel_err(cross_entropy(logits, target), cross_entropy_reference(logits.double(), target.contiguous())) <= 1e-5
+
+
+@pytest.mark.parametrize("inplace", [False, True], ids=["buffered", "inplace"])
+def test_repeated_backward_leaves_handed_out_grads_alone(inplace):
+    """The first backward hands out the forward's gradient buffer; a later one through the same
+    graph must not rescale what the caller holds (it did: 2x / 5x, a helper's audit, s36), .grad
+    accumulation over two backwards is g1 + g2, and a zero first grad_output (the stored values
+    zeroed) makes a later backward raise instead of returning NaN."""
+    logits = torch.randn(6, 29, device=DEVICE) * 2
+    target = _targets(6, 29)
+    ref_x = logits.double().requires_grad_(True)
+    ref = cross_entropy_reference(ref_x, target, reduction="sum")
+    (unit,) = torch.autograd.grad(ref, ref_x)
+    base = logits.clone().requires_grad_(True)
+    x = base * 1.0 if inplace else base     # the in-place mode needs a non-leaf
+    out = cross_entropy(x, target, reduction="sum", logits_inplace_grad=inplace)
+    (g1,) = torch.autograd.grad(out, base, torch.tensor(1.0, device=DEVICE), retain_graph=True)
+    held = g1.clone()
+    (g5,) = torch.autograd.grad(out, base, torch.tensor(5.0, device=DEVICE), retain_graph=True)
+    assert torch.equal(g1, held) and rel_err(g5, 5 * unit) <= 1e-5
+    out.backward(torch.tensor(2.0, device=DEVICE), retain_graph=True)
+    out.backward(torch.tensor(3.0, device=DEVICE), retain_graph=True)
+    assert rel_err(base.grad, 5 * unit) <= 1e-5
+    x2 = logits.clone().requires_grad_(True)
+    out = cross_entropy(x2, target, reduction="none")
+    torch.autograd.grad(out, x2, torch.tensor([0.0, 1, 1, 1, 1, 1], device=DEVICE), retain_graph=True)
+    with pytest.raises(RuntimeError, match="grad_output was 0"):
+        torch.autograd.grad(out, x2, torch.ones(6, device=DEVICE))
+
+
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_deferred_repeated_backward(reduction):
     """Deferred, buffered: every backward recomputes from the saved logits, any grad_output; in

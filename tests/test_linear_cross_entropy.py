@@ -150,6 +150,38 @@ def test_repeated_backward(monkeypatch):
             assert all(rel_err(g, r) <= 1e-5 for g, r in zip(got, want))
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_strided_target(monkeypatch, reduction):
+    """A target sliced with a step was read as if contiguous (a helper's audit, s36)."""
+    _tiny_chunks(monkeypatch, 23, 4, 3)
+    hidden, weight, _, _ = _inputs(8, 16, 23)
+    target = torch.randint(0, 23, (16,), device=DEVICE)[::2]
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    rh, rw = hidden.double().requires_grad_(True), weight.double().requires_grad_(True)
+    out = linear_cross_entropy(h, w, target, reduction=reduction)
+    ref = linear_cross_entropy_reference(rh, rw, target.contiguous(), reduction=reduction)
+    assert rel_err(out, ref) <= 1e-5
+    go = torch.randn_like(ref)
+    got = torch.autograd.grad(out, [h, w], go.float())
+    want = torch.autograd.grad(ref, [rh, rw], go)
+    assert all(rel_err(a, b) <= 1e-5 for a, b in zip(got, want))
+
+
+def test_repeated_backward_accumulates_into_grad(monkeypatch):
+    """.grad of a leaf that was None takes the handed-out buffer; a second backward
+    (retain_graph) used to rescale that buffer in place: h.grad came out 6 g for g + 3 g (a
+    helper's audit, s36)."""
+    _tiny_chunks(monkeypatch, 23, 4, 3)
+    hidden, weight, _, target = _inputs(8, 16, 23)
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    rh, rw = hidden.double().requires_grad_(True), weight.double().requires_grad_(True)
+    loss = linear_cross_entropy(h, w, target)
+    loss.backward(retain_graph=True)
+    loss.backward(torch.tensor(3.0, device=DEVICE), retain_graph=True)
+    linear_cross_entropy_reference(rh, rw, target).backward(torch.tensor(4.0, device=DEVICE, dtype=torch.float64))
+    assert rel_err(h.grad, rh.grad) <= 1e-5 and rel_err(w.grad, rw.grad) <= 1e-5
+
+
 def test_no_grad_is_loss_only():
     hidden, weight, _, target = _inputs(4, 8, 20)
     with torch.no_grad():

@@ -15,7 +15,8 @@ term is torch's (``F.cross_entropy(label_smoothing=eps)``), the z-loss PaLM's.
 By default the gradient is written in the same kernel as the loss (second walk over the row), as
 Liger does: into a fresh [T, V] buffer, or -- ``logits_inplace_grad=True`` -- into the logits' own
 storage, so no second [T, V] tensor ever exists. Backward only scales the stored gradient by
-grad_output, in place, and skips that pass when grad_output is exactly 1 (``loss.backward()``).
+grad_output, in place, and skips that pass when grad_output is exactly 1 (``loss.backward()``);
+a second backward through the same graph scales a copy (``saved_grads_for_backward``).
 
 ``defer_grad=True`` instead saves three fp32 numbers per row (max, log2 of the exp-sum, 1 - p_t)
 and computes the gradient in the backward, grad_output applied in the same pass (in place into
@@ -278,7 +279,7 @@ def _forward_into(logits, target, grad, ignore_index, label_smoothing, z_loss, s
                   stats=None):
     opts = CEOptions(ignore_index, label_smoothing, z_loss, softcap)
     x2 = rows_view(logits)
-    t1 = target.reshape(-1)
+    t1 = target.reshape(-1).contiguous()   # the kernels read target[row]: unit stride
     scale, finish_check = scan_targets(t1, x2.shape[1], ignore_index, reduction, check)
     # in place, the caller's logits must be intact when the error is raised: the kernel reads the
     # test's device flag and writes nothing when it is set (an out-of-place kernel only masks the
@@ -356,7 +357,8 @@ def _grad_scale(target, grad_output, ignore_index, reduction):
 def _grad_into(grad, logits, target, stats, grad_output, ignore_index, label_smoothing, z_loss, softcap,
                reduction):
     x2 = rows_view(logits)
-    cross_entropy_grad_rows(x2, target.reshape(-1), stats, _grad_scale(target, grad_output, ignore_index, reduction),
+    t1 = target.reshape(-1).contiguous()   # the kernel reads target[row]: unit stride
+    cross_entropy_grad_rows(x2, t1, stats, _grad_scale(target, grad_output, ignore_index, reduction),
                             grad.view(x2.shape), CEOptions(ignore_index, label_smoothing, z_loss, softcap))
 
 
@@ -410,18 +412,42 @@ def _(grads, applied, grad_output):
 
 
 def scale_saved_grads_(grads: list, applied: torch.Tensor, grad_output: torch.Tensor) -> None:
-    """Scale gradients stored by a forward in place, from inside a backward.
-
-    In eager mode the saved tensors' version counters are preserved, so a second backward over the
-    same graph (retain_graph=True) can unpack them again; compiled graphs functionalize the op.
-    """
-    if torch.compiler.is_compiling():
-        _scale_saved_grads_op(grads, applied, grad_output)
-        return
+    """Scale gradients stored by a forward in place, from inside an eager backward. The saved
+    tensors' version counters are preserved, so a second backward over the same graph
+    (retain_graph=True) can unpack them again."""
     with contextlib.ExitStack() as stack:
         for t in [*grads, applied]:
             stack.enter_context(torch.autograd._unsafe_preserve_version_counter(t))
         _scale_saved_grads_op(grads, applied, grad_output)
+
+
+def saved_grads_for_backward(ctx, grads: list, applied: torch.Tensor, grad_output: torch.Tensor) -> list:
+    """The gradients a forward computed (for grad_output 1), scaled by this backward's grad_output.
+
+    The first backward scales them in place and hands the buffers out: no second [T, V] (or
+    [V, H]) tensor exists. Those buffers then belong to the caller (a returned gradient, a leaf's
+    ``.grad``), so a later backward through the same graph (``retain_graph=True``) scales fresh
+    copies of them and leaves what it handed out alone. Where the values are gone it raises
+    instead of answering wrong: a buffer modified in place since (``.grad`` accumulation, an
+    optimizer step, ``clip_grad_norm_``: autograd's own version check on the saved tensors) or a
+    zero grad_output in the first backward (one host sync, on repeated backwards only). Traced
+    graphs functionalize the scaling (no aliasing).
+    """
+    if torch.compiler.is_compiling():
+        _scale_saved_grads_op(grads, applied, grad_output)
+        return grads
+    if not getattr(ctx, "grads_handed_out", False):
+        scale_saved_grads_(grads, applied, grad_output)
+        ctx.grads_handed_out = True
+        return grads
+    if bool((applied == 0).any()):
+        raise RuntimeError(
+            "a second backward through this loss: the first backward's grad_output was 0 and scaled the "
+            "gradient computed in the forward to zeros in place, so it is gone; compute it in the backward "
+            "instead (cross_entropy(defer_grad=True), or linear_cross_entropy(reduction='none') reduced by hand)")
+    fresh = [g.clone() for g in grads]
+    _scale_saved_grads_op(fresh, applied.clone(), grad_output)
+    return fresh
 
 
 class _CrossEntropyFunction(torch.autograd.Function):
@@ -460,8 +486,7 @@ class _CrossEntropyFunction(torch.autograd.Function):
                 return (logits.detach(),) + nones
             return (_ce_bwd_op(logits, target, stats, grad_loss, *ctx.args),) + nones
         grad, applied = ctx.saved_tensors
-        scale_saved_grads_([grad], applied, grad_loss)
-        return (grad,) + nones
+        return (saved_grads_for_backward(ctx, [grad], applied, grad_loss)[0],) + nones
 
 
 # ----------------------------------------------------------------------------------------------

@@ -55,7 +55,7 @@ from .cross_entropy import (
     reduce_loss_rows,
     reference_cross_entropy,
     scan_targets,
-    scale_saved_grads_,
+    saved_grads_for_backward,
     softcap_reference,
     torch_cross_entropy,
 )
@@ -170,7 +170,7 @@ def _grads_and_pass(hidden, weight, target, bias, row_scale, opts, need_h, need_
     """Allocate the wanted gradients (empty [0] tensors for the others) and run the chunked pass
     (``chunk`` tokens at a time; 0: _chunk_tokens' choice; ``before_targets``: _chunked_pass's)."""
     h2 = hidden.reshape(-1, hidden.shape[-1])
-    t1 = target.reshape(-1)
+    t1 = target.reshape(-1).contiguous()   # the CE kernel reads target[row]: unit stride
     gh = empty(hidden.shape, hidden.dtype, hidden.device) if need_h else hidden.new_empty(0)
     gw = empty(weight.shape, weight.dtype, weight.device) if need_w else weight.new_empty(0)
     gb32 = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_b else None
@@ -215,7 +215,7 @@ def _lce_fwd_op(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor
     """(loss, grad_hidden, grad_weight, grad_bias); a gradient not wanted (or any, for "none")
     comes back as an empty [0] tensor."""
     opts = CEOptions(ignore_index, label_smoothing, z_loss, softcap)
-    t1 = target.reshape(-1)
+    t1 = target.reshape(-1).contiguous()
     # the range test's result is awaited only once the first logits GEMM is queued
     scale, finish_check = scan_targets(t1, weight.shape[0], ignore_index, reduction, check_targets)
     in_fwd = reduction != "none"
@@ -282,7 +282,7 @@ def _backward(ctx, grad_loss, _gh, _gw, _gb):
                                  ctx.chunk_tokens)
     else:
         gh, gw, gb, applied = ctx.saved_tensors
-        scale_saved_grads_([gh, gw, gb], applied, grad_loss)
+        gh, gw, gb = saved_grads_for_backward(ctx, [gh, gw, gb], applied, grad_loss)
     return (gh if need_h else None, gw if need_w else None, None, gb if need_b else None,
             None, None, None, None, None, None, None, None, None, None)
 
