@@ -283,6 +283,10 @@ def _bad_inputs():
         (dict(good, softcap=-1.0), ValueError, "softcap"),
         (dict(good, softcap=float("inf")), ValueError, "softcap"),
         (dict(good, scale=float("nan")), ValueError, "scale"),
+        # one prompt's cache expanded over the batch: every row's append would land on row 0's
+        # slots (row 0's output 0.85 off, a helper's audit, s36)
+        (dict(good, k_cache=good["k_cache"][:1].expand(2, -1, -1, -1)), ValueError, "k_cache is written in place"),
+        (dict(good, v_cache=good["v_cache"][:1].expand(2, -1, -1, -1)), ValueError, "v_cache is written in place"),
     ]
 
 @pytest.fixture
@@ -345,7 +349,7 @@ def test_fast_path_keys_layouts_and_options(checked_decode):
 
 
 
-@pytest.mark.parametrize("i", range(19))
+@pytest.mark.parametrize("i", range(21))
 def test_bad_input(i):
     kwargs, exc, match = _bad_inputs()[i]
     before = kwargs["k_cache"].clone()

@@ -420,6 +420,20 @@ def test_bad_input(change, err, match):
         rope(**args)
 
 
+@pytest.mark.parametrize("which", ["q", "k"])
+def test_inplace_refuses_expanded_tensors(which):
+    """In place into an expanded view, each batch row rotated the shared row again (0.53 off, a
+    helper's audit, s36): refused as torch refuses such writes; out of place it is fine."""
+    args = _good()
+    t = args[which]
+    args[which] = t[:1].clone().expand(t.shape)
+    with pytest.raises(ValueError, match=f"{which} is written in place"):
+        rope(**args, inplace=True)
+    out = rope(**args)
+    ref = rope_reference(**{n: (v.double() if n in ("q", "k") else v) for n, v in args.items()})
+    assert all(rel_err(a, b) <= 1e-5 for a, b in zip(out, ref))
+
+
 # ---- GPU: bf16 options, int64 offsets ------------------------------------------------------
 
 

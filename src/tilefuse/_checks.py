@@ -63,6 +63,15 @@ def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name} must be contiguous in its last dimension (stride {t.stride()})")
 
 
+def check_writable(name: str, t: torch.Tensor, what: str) -> None:
+    """A tensor written in place must not have elements sharing memory (an ``expand``-ed view):
+    each write would land on the shared element, and the last one win. torch raises for the same
+    write ("more than one element of the written-to tensor refers to a single memory location")."""
+    if torch._debug_has_internal_overlap(t) == 1:
+        raise ValueError(f"{name} is written in place ({what}) but several of its elements share memory "
+                         f"(strides {t.stride()}, e.g. an expanded view): pass a tensor of its own (.clone())")
+
+
 def check_dim(name: str, t: torch.Tensor, dim: int) -> int:
     if isinstance(dim, bool) or not isinstance(dim, int):
         raise TypeError(f"{name}: dim must be an int, got {type(dim).__name__}")

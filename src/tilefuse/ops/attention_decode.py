@@ -42,7 +42,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch.autograd.graph import increment_version
 
-from .._checks import check_same_device, check_same_dtype, check_shape, check_tensor
+from .._checks import check_same_device, check_same_dtype, check_shape, check_tensor, check_writable
 from .._dispatch import cdiv, contiguous_strides, empty, next_power_of_2, num_sms, use_triton, workspace
 from .._launch import PreparedArgs, config_key
 from .._op import CallCache, call_key, custom_op, direct_eager, layout_key, plain_tensors
@@ -413,6 +413,8 @@ def _check_inputs(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
             check_tensor(name, t)
             check_shape(name, t, (batch, s_q, h_kv, d), "[B, S_q, H_kv, D]")
         check_same_dtype(q=q, k_new=k_new, v_new=v_new)
+        check_writable("k_cache", k_cache, "k_new is appended to it")
+        check_writable("v_cache", v_cache, "v_new is appended to it")
     check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens,
                       block_table=block_table, k_new=k_new, v_new=v_new)
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1):

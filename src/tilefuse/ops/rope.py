@@ -39,7 +39,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch.autograd.graph import increment_version
 
-from .._checks import check_same_device, check_same_dtype, check_tensor
+from .._checks import check_same_device, check_same_dtype, check_tensor, check_writable
 from .._dispatch import cdiv, empty, next_power_of_2, num_sms, use_triton
 from .._launch import PreparedArgs
 from .._op import CallCache, call_key, custom_op, no_grad_layout, plain_tensors
@@ -378,6 +378,7 @@ def _check_rope_inputs(q, k, cos, sin, position_ids, interleaved, rotary_dim, in
         for name, t in (("q", q), ("k", k)):
             if t.numel() > 1 and t.stride(-1) != 1:
                 raise ValueError(f"inplace=True needs {name} contiguous in its last dimension (stride {t.stride()})")
+            check_writable(name, t, "inplace=True")
             if torch.is_grad_enabled() and t.requires_grad:
                 raise ValueError(f"inplace=True is for inference: {name} requires grad and grad mode is "
                                  "enabled; use inplace=False (or torch.no_grad()) to differentiate")
