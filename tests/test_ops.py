@@ -263,3 +263,33 @@ def test_reused_workspaces_give_fresh_buffer_results(name, shape, monkeypatch):
             for g, e in zip(got, expected):
                 assert torch.equal(g, e) or (g.isnan() == e.isnan()).all() and torch.equal(g.nan_to_num(), e.nan_to_num())
     assert _dispatch._WORKSPACES, "no workspace was used"
+
+
+def _smallest_cpu_case(spec):
+    shape = min(spec.test_shapes, key=lambda s: torch.Size(s).numel())
+    dtype = torch.float32 if torch.float32 in spec.dtypes else spec.dtypes[0]
+    return tuple(shape), dtype
+
+
+@pytest.mark.parametrize("name", [s.name for s in registry.all_ops() if s.has_backward])
+def test_second_derivative_raises(name):
+    """create_graph=True gives the right first derivative, and differentiating it again raises
+    (the kernels' backward is not differentiable). It used to come back detached, so a gradient
+    penalty's term dropped silently (layer_norm: x.grad 1.0 off; matmul + gelu: a.grad None, b.grad
+    0.6 off; a helper's audit, s36)."""
+    spec = registry.get(name)
+    shape, dtype = _smallest_cpu_case(spec)
+    if dtype == torch.bfloat16 and DEVICE == "cpu":
+        pytest.skip("bf16 only: GPU")
+    inp = spec.make_inputs(shape, dtype, DEVICE)
+    leaves = [inp.args[i] for i in inp.grad_args]
+    outs = [o for o in as_tuple(spec.fn(*inp.args, **inp.kwargs)) if o.requires_grad]
+    gos = make_grad_outputs(outs)
+    first = torch.autograd.grad(outs, leaves, gos, create_graph=True, allow_unused=True)
+    plain = torch.autograd.grad(as_tuple(spec.fn(*inp.args, **inp.kwargs))[:len(outs)], leaves, gos,
+                                allow_unused=True)
+    for a, b in zip(first, plain):
+        assert (a is None) == (b is None) and (a is None or torch.allclose(a.detach(), b, rtol=1e-5, atol=1e-6))
+    penalty = sum((g.float() ** 2).sum() for g in first if g is not None)
+    with pytest.raises(RuntimeError, match="not differentiable"):
+        penalty.backward()

@@ -61,6 +61,30 @@ def _eager_grad_state(args) -> bool | None:
     return needs_grad
 
 
+_NOT_TWICE = (b"tilefuse's backward kernels are not differentiable: a second derivative through this op "
+              b"(create_graph=True, then differentiating the gradient) is not supported; use torch's op there")
+
+
+def once_differentiable(backward: Callable) -> Callable:
+    """``backward`` as torch's ``once_differentiable`` would have it, but stricter. Under
+    ``create_graph=True`` the gradients come back with a grad_fn that raises when they are
+    differentiated. Returning them detached instead (what the kernels' backward custom ops did)
+    lets a gradient penalty's term drop silently. torch's version attaches the error only when a
+    grad_output requires grad; our gradients also depend on saved inputs, so it is attached
+    whenever a graph is being built."""
+    def wrapper(ctx, *grads):
+        if not torch.is_grad_enabled():      # the usual backward: no graph of the gradients
+            return backward(ctx, *grads)
+        with torch.no_grad():
+            out = backward(ctx, *grads)
+        single = not isinstance(out, tuple)
+        outs = (out,) if single else out
+        err = torch._C._functions.DelayedError(_NOT_TWICE, len(outs))
+        marked = err(*[None if g is None else g.detach().requires_grad_(True) for g in outs])
+        return marked if single else tuple(marked) if isinstance(marked, tuple) else (marked,)
+    return wrapper
+
+
 def direct_eager(x) -> bool:
     """An eager call whose first tensor is ``x`` may skip the dispatcher: ``x`` is a plain tensor,
     nothing traces, no functorch transform (vmap / grad) is active. The ops' cached fast paths
@@ -191,6 +215,7 @@ class FastOp:
                 return output
 
             @staticmethod
+            @once_differentiable
             def backward(ctx, *grads):
                 return backward(ctx, *grads)
 

@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .._op import once_differentiable
+
 NO_WINDOW = -1
 MAX_GRID_YZ = 65535   # CUDA's limit on grid axes y and z (x takes 2**31 - 1)
 
@@ -389,6 +391,7 @@ class _ChunkedAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         left, right, softcap, scale, shift, rows, group = ctx.args

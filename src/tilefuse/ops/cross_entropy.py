@@ -51,7 +51,7 @@ import torch.nn.functional as F
 
 from .._checks import check_same_device, check_shape, check_tensor
 from .._dispatch import empty, rows_view, use_triton
-from .._op import custom_op
+from .._op import custom_op, once_differentiable
 from ..registry import Inputs, OpSpec, register, tensor_bytes
 from ._cross_entropy_kernels import (
     TARGET_SCAN_MAX,
@@ -474,6 +474,7 @@ class _CrossEntropyFunction(torch.autograd.Function):
         return loss
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_loss):
         nones = (None,) * 10
         if ctx.deferred:
