@@ -81,7 +81,8 @@ def once_differentiable(backward: Callable) -> Callable:
         outs = (out,) if single else out
         err = torch._C._functions.DelayedError(_NOT_TWICE, len(outs))
         marked = err(*[None if g is None else g.detach().requires_grad_(True) for g in outs])
-        return marked if single else tuple(marked) if isinstance(marked, tuple) else (marked,)
+        marked = marked if isinstance(marked, tuple) else (marked,)    # one input: one tensor back
+        return marked[0] if single else marked
     return wrapper
 
 
