@@ -9,11 +9,11 @@ then under ``torch.profiler``: the GPU time summed per kernel name, the kernels'
 step's wall time (the rest is GPU idle: host waits, syncs, allocator), and the largest idle gaps
 between consecutive kernels with the kernel that follows each.
 
-``--ab ROUNDS``: instead, interleaved rounds of step wall times (CUDA events, median of 3 steps per
-round) and do_bench medians of back-to-back steps (as the benchmark times them) for tilefuse with
-its default cross-entropy row config and with 8K tiles at 16 warps (the default below 64K classes), and eager:
-the same process and GPU for all. (Session 29's variants -- Gluon or cuBLAS GEMMs, the target test
-awaited late or up front -- are in git history.)
+``--ab ROUNDS [--variants ...]``: instead, interleaved rounds of step wall times (CUDA events,
+median of 3 steps per round), do_bench medians of back-to-back steps (as the benchmark times them)
+and the peak memory above the inputs, for the variants named (see ``ab``) and eager: the same
+process and GPU for all. (Earlier variants -- Gluon or cuBLAS GEMMs, the target test awaited late
+or up front, the CE rows' configs -- are in git history.)
 """
 
 from __future__ import annotations
@@ -87,37 +87,52 @@ def profile(name: str, step, iters: int) -> None:
     print(f"idle between kernels {sum(max(0, g) for g, _ in gaps) / iters / 1e3:.2f} ms per step")
 
 
-def ab(rounds: int, h, w, target) -> None:
+def peak_extra_mib(step) -> float:
+    """Peak memory above what was allocated before the step (gradients included), MiB."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = step()
+    torch.cuda.synchronize()
+    del out
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def ab(rounds: int, h, w, target, variants: list[str]) -> None:
+    """Interleaved rounds of the named variants: "default", "chunkN" (N tokens per chunk), "eager".
+    (s37 also had "streams": each chunk's grad_hidden GEMM on a side stream beside its grad_weight
+    GEMM; 45.85 against 44.53 ms do_bench, slower, removed.)"""
     import statistics
 
     import triton.testing
 
-    import tilefuse.ops._cross_entropy_kernels as cek
+    def configure(name):
+        chunk = int(name[5:]) if name.startswith("chunk") else None
+        if name == "eager":
+            return step_fn("eager", h, w, target)
+        g = torch.rand((), device="cuda", dtype=torch.bfloat16) + 0.5
 
-    # the cross-entropy rows' launch config per variant (None: the default); "eager": no tilefuse
-    rows_8k = {"single_tile": False, "BLOCK_V": 8192, "num_warps": 16, "maxnreg": None, "programs_per_sm": None,
-               "PREFETCH": True, "GRAD_PREFETCH": False, **cek.LOOPED_GRAD_EVICT}
-    variants = {"tilefuse (default)": None,
-                "tilefuse (CE rows in 8K tiles at 16 warps)": rows_8k,
-                "eager": "eager"}
-    looped = cek._looped_config
+        def step():
+            loss = linear_cross_entropy(h, w, target, chunk_tokens=chunk)
+            return torch.autograd.grad(loss, (h, w), g)
+        return step
+
     times = {name: [] for name in variants}
     benched = {name: [] for name in variants}
+    extra = {}
     for _ in range(rounds):
-        for name, rows_cfg in variants.items():
-            cek._looped_config = looped if rows_cfg in (None, "eager") else (
-                lambda write_grad, *shape, c=rows_cfg: dict(c) if write_grad else looped(write_grad, *shape))
-            step = step_fn("eager" if rows_cfg == "eager" else "tilefuse", h, w, target)
+        for name in variants:
+            step = configure(name)
             step()
+            extra.setdefault(name, peak_extra_mib(step))
             times[name].append(statistics.median(wall_ms(step, 3)))
             # back to back, as the benchmark times it (no sync between steps but the op's own)
             benched[name].append(triton.testing.do_bench(step, warmup=1, rep=300, return_mode="median"))
-    cek._looped_config = looped
-    print("step wall after a sync (CUDA events) | do_bench back to back; medians over rounds, ms")
+    print("step wall after a sync (CUDA events) | do_bench back to back; medians over rounds, ms; peak extra MiB")
     for name in variants:
         ts, bs = times[name], benched[name]
-        print(f"  {name:52s} {statistics.median(ts):7.2f} | {statistics.median(bs):7.2f}   rounds "
-              f"{' '.join(f'{t:.2f}' for t in ts)} | {' '.join(f'{b:.2f}' for b in bs)}")
+        print(f"  {name:24s} {statistics.median(ts):7.2f} | {statistics.median(bs):7.2f}  {extra[name]:7.0f} MiB"
+              f"   rounds {' '.join(f'{t:.2f}' for t in ts)} | {' '.join(f'{b:.2f}' for b in bs)}")
 
 
 def main() -> None:
@@ -126,12 +141,13 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--impls", nargs="+", default=["tilefuse", "eager"])
     ap.add_argument("--ab", type=int, default=0, metavar="ROUNDS")
+    ap.add_argument("--variants", nargs="+", default=["default", "eager"])
     args = ap.parse_args()
     t, hdim, vocab = args.shape
     print(torch.cuda.get_device_name(), f"T={t} H={hdim} V={vocab} bf16")
     h, w, target = make(t, hdim, vocab)
     if args.ab:
-        ab(args.ab, h, w, target)
+        ab(args.ab, h, w, target, args.variants)
         return
     for impl in args.impls:
         profile(impl, step_fn(impl, h, w, target), args.iters)

@@ -198,11 +198,13 @@ def test_cpu_reference_path(monkeypatch):
 
 
 def test_chunk_heuristic_memory_budget():
-    """The issue's shape: 512-token chunks, 125 MiB of chunk logits; with the 1002 MiB bf16
-    grad_weight and the 64 MiB grad_hidden the peak stays under 1.2 GiB extra."""
+    """The issue's shape: 640-token chunks, 157 MiB of chunk logits; with the 1002 MiB bf16
+    grad_weight and the 64 MiB grad_hidden the peak stays under 1.2 GiB extra (one more 128-row
+    step would not)."""
     chunk = _chunk_tokens(8192, 128256, 2)
     grads = 128256 * 4096 * 2 + 8192 * 4096 * 2
-    assert chunk == 512 and chunk * 128256 * 2 + grads <= 1.2 * 2**30
+    assert chunk == 640 and chunk * 128256 * 2 + grads <= 1.2 * 2**30
+    assert (chunk + lce_mod.CHUNK_ROWS_ALIGN) * 128256 * 2 + grads > 1.2 * 2**30
     assert _chunk_tokens(5, 128256, 2) == 5 and _chunk_tokens(10**6, 10**9, 4) == 1
 
 

@@ -14,13 +14,13 @@ scaled by 1/n_valid for ``mean``); then ``grad_hidden[chunk] = dlogits @ W`` and
 Liger's fused linear cross-entropy does, and the backward only scales them by grad_output in
 place (nothing at all when it is 1).
 
-Memory beyond the inputs and the gradients themselves: the [C, V] chunk buffer (<= 128 MiB:
-512 tokens of a 128256 vocab in bf16) plus O(T + V) fp32 vectors.
+Memory beyond the inputs and the gradients themselves: the [C, V] chunk buffer (<= 160 MiB:
+640 tokens of a 128256 vocab in bf16) plus O(T + V) fp32 vectors.
 
 Precision: ``grad_weight`` lives in the weight's dtype. Each chunk's GEMM accumulates in fp32,
-and the running sum over chunks is rounded to the weight's dtype once per chunk: 16 roundings at
-T=8192, V=128256 (512-token chunks). bf16, H200 (s35): 5.9e-3 relative error against fp64, where
-eager's single GEMM gives 3.4e-3 (its bf16 dlogits); 1.9e-2 with 128-token chunks, so a smaller
+and the running sum over chunks is rounded to the weight's dtype once per chunk: 13 roundings at
+T=8192, V=128256 (640-token chunks). bf16, H200 (s35, 512-token chunks): 5.9e-3 relative error
+against fp64, where eager's single GEMM gives 3.4e-3 (its bf16 dlogits); 1.9e-2 with 128-token chunks, so a smaller
 ``chunk_tokens`` than the default costs precision as well as time. An fp32 [V, H] accumulator
 would be 2 GiB at H=4096, over the 1.2 GiB budget.
 
@@ -60,11 +60,16 @@ from .cross_entropy import (
     torch_cross_entropy,
 )
 
-# the [C, V] logits buffer, the op's only large extra allocation. H100, T=8192 H=4096 V=128256
-# bf16 fwd+bwd (scripts/lce_chunk_sweep.py): 512 MiB 41.2 ms / 1.53 GiB extra, 256 MiB 41.4 / 1.29,
-# 128 MiB 47.3 / 1.16 (eager 51.2 / 11.7): smaller chunks re-read and re-write the [V, H]
-# grad_weight accumulator more often. 128 MiB is the largest within the 1.2 GiB budget.
-CHUNK_LOGITS_BYTES = 128 * 2**20
+# the [C, V] logits buffer, the op's only large extra allocation. Smaller chunks re-read and
+# re-write the [V, H] grad_weight accumulator more often (one pass over it per chunk). H100,
+# T=8192 H=4096 V=128256 bf16 fwd+bwd (scripts/lce_chunk_sweep.py): 512 MiB 41.2 ms / 1.53 GiB
+# extra, 256 MiB 41.4 / 1.29, 128 MiB 47.3 / 1.16 (eager 51.2 / 11.7). H200, 2026-11-25
+# (scripts/lce_profile.py --ab 4, -s37-lce-ab-streams-chunks.log, do_bench medians / peak extra):
+# 512 tokens 44.53 ms / 1,191 MiB, 640 tokens 43.74 / 1,223 MiB, 768 tokens 43.07 / 1,254 MiB
+# (eager 42.08 / 6,012). 160 MiB gives 640 tokens there: 1002 MiB of grad_weight + 64 of
+# grad_hidden + 157 of logits, the largest chunk within the 1.2 GiB (1,228.8 MiB) budget.
+CHUNK_LOGITS_BYTES = 160 * 2**20
+CHUNK_ROWS_ALIGN = 128      # chunk rows rounded down to the GEMMs' 128-row tiles (when >= 128)
 
 # Which GEMMs are tilefuse's (``tilefuse_gemm`` in _chunked_pass; TILEFUSE_GEMMS = False: all
 # cuBLAS): on CUDA (fp16 / bf16) the chunk's logits GEMM (M = 512 tokens, N = V, K = H; cuBLAS
@@ -95,11 +100,12 @@ GLUON_WEIGHT_GRAD = False
 
 
 def _chunk_tokens(n_tokens: int, vocab: int, elem_size: int, budget: int | None = None) -> int:
-    """Tokens per chunk: the chunk's logits fit ``budget`` (CHUNK_LOGITS_BYTES); multiples of 256
-    keep the GEMMs' M dimension tile-aligned (512 tokens at V=128256 bf16: 16 full chunks at T=8192)."""
+    """Tokens per chunk: the chunk's logits fit ``budget`` (CHUNK_LOGITS_BYTES); multiples of
+    CHUNK_ROWS_ALIGN keep the GEMMs' M dimension tile-aligned (640 tokens at V=128256 bf16: 12
+    full chunks and one of 512 at T=8192)."""
     rows = max(1, (budget or CHUNK_LOGITS_BYTES) // max(1, vocab * elem_size))
-    if rows >= 256:
-        rows = rows // 256 * 256
+    if rows >= CHUNK_ROWS_ALIGN:
+        rows = rows // CHUNK_ROWS_ALIGN * CHUNK_ROWS_ALIGN
     return max(1, min(n_tokens, rows))
 
 
@@ -316,8 +322,9 @@ def linear_cross_entropy(
     computed in this call (except for ``reduction="none"``, whose backward recomputes the logits).
 
     ``chunk_tokens``: tokens per chunk (None: as many as fit CHUNK_LOGITS_BYTES of logits). Larger
-    chunks are faster and need chunk_tokens·V more bytes (H100, T=8192, H=4096, V=128256: 512
-    tokens 47.3 ms / 1.16 GiB extra, 1024 tokens 41.4 ms / 1.29 GiB; module docstring). Each chunk
+    chunks are faster and need chunk_tokens·V more bytes (H200, T=8192, H=4096, V=128256: 512
+    tokens 44.5 ms / 1,191 MiB extra, 640 (the default) 43.7 ms / 1,223 MiB, 768 43.1 ms / 1,254 MiB;
+    CHUNK_LOGITS_BYTES). Each chunk
     rounds the running ``grad_weight`` to the weight's dtype once: with bf16 weights, chunks of
     fewer than ~512 tokens at T = 8192 put its error past eager's (module docstring)."""
     check_tensor("hidden", hidden, min_dim=1)
@@ -406,7 +413,7 @@ register(OpSpec(
     bytes_fn=_bytes,
     flops_fn=_flops,
     test_shapes=[(4, 16, 50), (9, 32, 130), (1, 8, 7)],
-    # (4096, 2048, 128256): eight 512-token chunks; (5000, 1024, 151936): 256-token chunks, a ragged last one
+    # (4096, 2048, 128256): six 640-token chunks and one of 256; (5000, 1024, 151936): 512-token chunks, a ragged last one
     gpu_test_shapes=[(37, 4096, 32000), (4096, 2048, 128256), (5000, 1024, 151936)],
     bench_shapes=[(8192, 4096, 128256)],
     peers={"torch": _torch_peer, "liger": _liger_peer},
