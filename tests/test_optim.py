@@ -419,6 +419,43 @@ def test_optimizer_rejects_bad_input():
     p.grad = torch.eye(4, device=DEVICE).to_sparse()
     with pytest.raises(ValueError, match="sparse"):
         AdamW([p]).step()
+    # named parameters get the same checks (a (name, tensor) pair used to skip them)
+    with pytest.raises(TypeError, match="dtype"):
+        AdamW([("w", torch.nn.Parameter(torch.zeros(3, dtype=torch.cfloat)))])
+    with pytest.raises(ValueError, match="not one dense block"):
+        AdamW([("w", torch.nn.Parameter(base[:, :5]))])
+
+
+@pytest.mark.parametrize("named", [False, True])
+def test_param_groups_from_generators_match_torch(named):
+    """Groups given as generators (``{'params': m.parameters()}``, add_param_group(...)) keep
+    their params, as torch's do (the checks used to consume the generator: empty groups whose
+    params never trained), with plain and named parameters."""
+    torch.manual_seed(0)
+    mods = [torch.nn.Linear(3, 4).to(DEVICE) for _ in range(3)]
+    twins = copy.deepcopy(mods)
+
+    def params(m):
+        return m.named_parameters() if named else m.parameters()
+
+    def build(cls, ms):
+        opt = cls([{"params": params(ms[0])}, {"params": params(ms[1]), "lr": 1e-2}], lr=0.1, weight_decay=0.1)
+        opt.add_param_group({"params": params(ms[2]), "lr": 3e-2})
+        return opt
+
+    ours, ref = build(AdamW, mods), build(torch.optim.AdamW, twins)
+    assert [len(g["params"]) for g in ours.param_groups] == [2, 2, 2]
+    x = torch.randn(5, 3, device=DEVICE)
+    for _ in range(3):
+        for opt, ms in ((ours, mods), (ref, twins)):
+            opt.zero_grad()
+            sum(m(x).square().sum() for m in ms).backward()
+            opt.step()
+    for m, t in zip(mods, twins):
+        for p, q in zip(m.parameters(), t.parameters()):
+            assert rel_err(p, q) < 1e-6
+    with pytest.raises(TypeError):      # torch's own error for a set
+        AdamW([{"params": set(mods[0].parameters())}])
 
 
 # ----------------------------------------------------------------------------------------------

@@ -86,8 +86,14 @@ class Adam(torch.optim.Adam):
 
     def add_param_group(self, param_group: dict) -> None:
         params = param_group["params"]
+        if isinstance(params, set):     # torch's own TypeError (a set has no stable order)
+            return super().add_param_group(param_group)
+        # a generator (``m.parameters()``) is consumed here: the group keeps the list, as torch's does
         params = [params] if isinstance(params, torch.Tensor) else list(params)
+        param_group["params"] = params
         for i, p in enumerate(params):
+            if isinstance(p, tuple) and len(p) == 2:    # named parameters: (name, tensor)
+                p = p[1]
             if isinstance(p, torch.Tensor) and p.dtype not in FLOAT_DTYPES:
                 raise TypeError(f"param {i} of the new group has dtype {p.dtype}; tilefuse Adam "
                                 f"supports float32, float16 and bfloat16 params")
