@@ -420,6 +420,45 @@ def test_bad_input(change, err, match):
         rope(**args)
 
 
+def test_ambiguous_layout_needs_to_be_named():
+    """A Hugging Face [B, H, S, D] pair with H = S passes every shape check read as [B, S, H, D]
+    and came out rotated along the heads (5.43 off, s37 audit): layout=None refuses that case;
+    naming either layout works, and S = H = 1 (where both readings agree) needs no name."""
+    q, k = _rand(1, 4, 4, 8), _rand(1, 4, 4, 8)
+    cos, sin = rope_cos_sin_table(4, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="layout is ambiguous"):
+        rope(q, k, cos, sin)
+    for layout in ("bshd", "bhsd"):
+        ref = rope_reference(q.double(), k.double(), cos.double(), sin.double(), layout=layout)
+        assert all(rel_err(a, b) <= 1e-6 for a, b in zip(rope(q, k, cos, sin, layout=layout), ref))
+    one = _rand(2, 1, 1, 8)
+    assert rope(one, one.clone(), *rope_cos_sin_table(1, 8, device=DEVICE))[0].shape == one.shape
+
+
+def test_out_of_range_position_ids_read_zero_tables():
+    """Ids outside [0, max_pos) rotate with cos = sin = 0 on every path (the reference used to
+    raise an IndexError, or wrap -1 to the last row, where the kernel reads zeros)."""
+    q, k = _rand(2, 5, 3, 12), _rand(2, 5, 1, 12)
+    cos, sin = rope_cos_sin_table(6, 8, device=DEVICE)
+    pos = torch.tensor([[0, 5, 6, -1, 2], [7, 1, 2, 3, 100]], device=DEVICE)
+    out = rope(q, k, cos, sin, position_ids=pos, rotary_dim=8)
+    bad = (pos < 0) | (pos >= 6)
+    for x, o in zip((q, k), out):
+        assert (o[..., :8][bad] == 0).all() and torch.equal(o[..., 8:], x[..., 8:])
+        good = rope_reference(x[~bad][None].double(), x[~bad][None].double(), cos.double(), sin.double(),
+                              position_ids=pos[~bad], rotary_dim=8)[0][0]
+        assert rel_err(o[~bad], good) <= 1e-6
+    ref = rope_reference(q.double(), k.double(), cos.double(), sin.double(), position_ids=pos, rotary_dim=8)
+    assert all(rel_err(a, b) <= 1e-6 for a, b in zip(out, ref))     # the CPU path's reference agrees
+
+
+@pytest.mark.parametrize("args, err", [((10, 5), ValueError), ((-1, 4), ValueError), ((4, -2), ValueError),
+                                       ((3.0, 4), TypeError), ((4, True), TypeError)])
+def test_cos_sin_table_bad_input(args, err):
+    with pytest.raises(err, match="max_pos|rotary_dim"):
+        rope_cos_sin_table(*args)
+
+
 @pytest.mark.parametrize("which", ["q", "k"])
 def test_inplace_refuses_expanded_tensors(which):
     """In place into an expanded view, each batch row rotated the shared row again (0.53 off, a

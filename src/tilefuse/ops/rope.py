@@ -240,8 +240,11 @@ def _wide(t: torch.Tensor) -> torch.Tensor:
 
 
 def _rope_reference(q, k, cos, sin, position_ids, interleaved, rotary_dim, layout, inverse):
-    if position_ids is not None:
-        cos, sin = cos[position_ids], sin[position_ids]
+    if position_ids is not None:    # ids outside [0, max_pos) read cos = sin = 0, as the kernel does
+        valid = ((position_ids >= 0) & (position_ids < cos.shape[0]))[..., None]
+        ids = position_ids.clamp(0, max(cos.shape[0] - 1, 0))
+        cos, sin = (torch.where(valid, t[ids], 0.0) if t.shape[0] else t.new_zeros(ids.shape + t.shape[1:])
+                    for t in (cos, sin))
     half = slice(0, None, 2) if interleaved else slice(0, rotary_dim // 2)
     c = _wide(cos)[..., half].unsqueeze(-2)          # [(B,) S, 1, r/2]: broadcast over heads
     s = _wide(sin)[..., half].unsqueeze(-2) * (-1.0 if inverse else 1.0)
@@ -385,12 +388,25 @@ def _check_rope_inputs(q, k, cos, sin, position_ids, interleaved, rotary_dim, in
     return rotary_dim
 
 
+def _default_layout(q, k) -> str:
+    """``layout=None``: "bshd", unless q and k read as well one way as the other (S = H, and k's
+    too): then a Hugging Face [B, H, S, D] pair taken as [B, S, H, D] would pass every shape check
+    and come out rotated along the wrong axis, so the caller must say which."""
+    if (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.dim() in (3, 4) and k.dim() in (3, 4)
+            and q.shape[-3] == q.shape[-2] > 1 and k.shape[-3] == k.shape[-2]):
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} have as many heads as positions, so "
+                         f"their layout is ambiguous: pass layout='bshd' ([B, S, H, D]) or 'bhsd' ([B, H, S, D])")
+    return "bshd"
+
+
 def rope(q, k, cos, sin, position_ids=None, interleaved=False, rotary_dim=None, inplace=False,
-         layout="bshd"):
+         layout=None):
     """Rotary position embedding of q and k in one launch; returns ``(q_out, k_out)``.
 
-    q ``[B, S, H_q, D]``, k ``[B, S, H_k, D]`` (``layout="bhsd"``: ``[B, H, S, D]``; 3-D: one
-    batch), any strides with unit stride along D. cos/sin: last dim ``rotary_dim`` (default D),
+    q ``[B, S, H_q, D]``, k ``[B, S, H_k, D]`` (``layout="bhsd"``: ``[B, H, S, D]``, as Hugging
+    Face passes them; 3-D: one batch), any strides with unit stride along D. ``layout=None`` means
+    "bshd", except that it raises when S equals the head counts (where both readings pass the
+    shape checks). cos/sin: last dim ``rotary_dim`` (default D),
     shape ``[S, r]``, ``[1, S, r]`` or ``[B, S, r]``; or a ``[max_pos, r]`` table indexed by
     ``position_ids`` (``[S]`` or ``[B, S]``; ids must lie in ``[0, max_pos)``, others read
     cos = sin = 0). NeoX halves by default, GPT-J pairs with ``interleaved=True`` (cos/sin then
@@ -399,6 +415,8 @@ def rope(q, k, cos, sin, position_ids=None, interleaved=False, rotary_dim=None, 
     ``inplace=True`` rotates q and k in place and returns them; it is for inference: autograd
     through it is not supported (error when q or k requires grad under grad mode).
     """
+    if layout is None:
+        layout = _default_layout(q, k)
     key = call_key(no_grad_layout(q, k, cos, sin, position_ids), (interleaved, rotary_dim, inplace, layout))
     hit = _FAST.get(key)
     if hit is not None:
@@ -451,6 +469,11 @@ def rope_cos_sin_table(max_pos: int, rotary_dim: int, base: float = 10000.0, int
                        dtype: torch.dtype = torch.float32, device=None):
     """(cos, sin) tables ``[max_pos, rotary_dim]`` in rope's convention, θ_j = base^(−2j/r):
     NeoX halves duplicated (HF Llama), or repeat_interleaved for ``interleaved=True`` (HF GPT-J)."""
+    for name, v in (("max_pos", max_pos), ("rotary_dim", rotary_dim)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+    if max_pos < 0 or rotary_dim < 0 or rotary_dim % 2:
+        raise ValueError(f"max_pos must be >= 0 and rotary_dim even and >= 0, got {max_pos} and {rotary_dim}")
     inv_freq = base ** (-torch.arange(0, rotary_dim, 2, dtype=torch.float64, device=device) / rotary_dim)
     angles = torch.arange(max_pos, dtype=torch.float64, device=device)[:, None] * inv_freq[None, :]
     full = angles.repeat_interleave(2, -1) if interleaved else torch.cat((angles, angles), -1)
