@@ -102,6 +102,23 @@ def test_silu_relu_match_torch():
     assert torch.equal(bias_act(x, activation="relu"), torch.relu(x))
 
 
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_nan_stays_nan(activation):
+    """NaN in, NaN out, as torch's activations (relu was Triton's default maximum, maxnum on
+    the GPU: relu(NaN) = 0 hid a divergence); here and in the GEMM epilogue. The interpreter's
+    maximum propagates NaN either way: the GPU run is the real check."""
+    from tilefuse import matmul
+
+    x = torch.randn(2, 70, device=DEVICE)
+    x[1, 5] = float("nan")
+    y = bias_act(x, torch.randn(70, device=DEVICE), activation=activation)
+    assert torch.isnan(y[1, 5]) and torch.isfinite(y[0]).all()
+    a = torch.randn(3, 16, device=DEVICE)
+    a[1, 2] = float("nan")
+    out = matmul(a, torch.randn(16, 20, device=DEVICE), activation=None if activation == "none" else activation)
+    assert torch.isnan(out[1]).all() and torch.isfinite(out[0]).all()
+
+
 # ----------------------------------------------------------------------------------------------
 # dropout
 # ----------------------------------------------------------------------------------------------

@@ -423,6 +423,41 @@ def test_empty(m, n, k):
     assert fp8.scaled_matmul(qa, one, torch.zeros(n, k, device=DEVICE, dtype=E4M3), one).shape == (m, n)
 
 
+@pytest.mark.parametrize("path", ["kernels", "cpu-reference"])
+def test_empty_on_each_path(monkeypatch, path):
+    """K = 0 and M = 0 (whose weight gradient reduces over M) on the kernels and, for CPU
+    tensors without the interpreter, the reference path (its reshape(-1, 0) raised, s37 audit)."""
+    if path == "cpu-reference":
+        if DEVICE != "cpu":
+            pytest.skip("the reference path is the CPU path")
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+    y = fp8.matmul(torch.randn(3, 0, device=DEVICE), torch.randn(4, 0, device=DEVICE), out_dtype=torch.float32)
+    assert y.shape == (3, 4) and not y.any()
+    a, b = _leaf((0, 5)), _leaf((4, 5))
+    ga, gb = torch.autograd.grad(fp8.matmul(a, b, out_dtype=torch.float32).sum(), (a, b))
+    assert ga.shape == (0, 5) and gb.shape == (4, 5) and not gb.any()
+
+
+@pytest.mark.parametrize("scaling", ["tensor", "row"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_inputs_give_non_finite_outputs(scaling, bad):
+    """A NaN / inf in an operand or in the output gradient never comes out as a finite product:
+    the amax and the clamp propagate NaN (they dropped it, s37 audit: a NaN gave a plausible
+    finite row, +inf gave -inf, and a NaN gradient vanished from x.grad and weight.grad)."""
+    a, b = torch.randn(3, 16, device=DEVICE), torch.randn(4, 16, device=DEVICE)
+    a[1, 3] = bad
+    out = fp8.matmul(a, b, scaling, torch.float32)
+    assert not torch.isfinite(out[1]).any()
+    if scaling == "row":      # the other rows have their own scales
+        assert torch.isfinite(out[0]).all() and torch.isfinite(out[2]).all()
+    x, w = _leaf((4, 16)), _leaf((8, 16))
+    y = fp8.matmul(x, w, scaling, torch.float32)
+    dy = torch.randn_like(y)
+    dy[2, 5] = bad
+    gx, gw = torch.autograd.grad(y, (x, w), dy)
+    assert not torch.isfinite(gx).all() and not torch.isfinite(gw).all()
+
+
 _A, _B = (lambda: torch.randn(3, 8, device=DEVICE)), (lambda: torch.randn(6, 8, device=DEVICE))
 _Q = (lambda: torch.randn(3, 8, device=DEVICE).to(E4M3))
 _ONE = (lambda: torch.ones((), device=DEVICE))

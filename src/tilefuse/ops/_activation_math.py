@@ -124,8 +124,8 @@ def _gelu_tanh_sigmoid(z):
 def activation_fwd(z, ACT: tl.constexpr, PRECISE: tl.constexpr):
     """act(z) for an fp32 tile; ACT is one of ACTIVATIONS. PRECISE: the result is stored in fp32
     (else fp16 / bf16, whose rounding allows a shorter erf fit: ``_erfc_fit``)."""
-    if ACT == "relu":
-        return tl.maximum(z, 0.0)
+    if ACT == "relu":       # NaN stays NaN, as torch.relu (the default maximum is maxnum on the GPU: 0)
+        return tl.maximum(z, 0.0, propagate_nan=tl.PropagateNan.ALL)
     elif ACT == "gelu":
         return _gelu_erf(z, PRECISE)
     elif ACT == "gelu_tanh":
@@ -142,8 +142,7 @@ def activation_fwd_bwd(z, ACT: tl.constexpr, PRECISE: tl.constexpr):
     """(act(z), act'(z)) for an fp32 tile, sharing the sigmoid / erf between the two; a caller
     that uses only one gets the other removed by the compiler. PRECISE as activation_fwd."""
     if ACT == "relu":
-        pos = z > 0.0
-        return tl.where(pos, z, 0.0), tl.where(pos, 1.0, 0.0)
+        return tl.maximum(z, 0.0, propagate_nan=tl.PropagateNan.ALL), tl.where(z > 0.0, 1.0, 0.0)
     elif ACT == "gelu":
         return _gelu_erf_fwd_bwd(z, PRECISE)
     elif ACT == "gelu_tanh":

@@ -72,11 +72,25 @@ def _round_to_fp8_grid(x, MANT_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr)
     return (r.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
 
 
+# NaN in, NaN out: the amax, its floor and the clamp propagate NaN (tl.maximum / tl.max / tl.clamp
+# drop it by default on the GPU: a NaN input came out as a finite product, a NaN gradient as a
+# finite grad that no GradScaler sees). An inf input makes amax inf, inv_scale 0 and inf · 0 NaN.
+@triton.jit
+def _nan_max(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _amax(x, axis):
+    """max |x| along ``axis``, NaN if any element is NaN."""
+    return tl.reduce(tl.abs(x), axis, _nan_max)
+
+
 @triton.jit
 def _to_fp8(x, inv_scale, FP8_MAX: tl.constexpr, SOFT_ROUND: tl.constexpr,
             MANT_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr):
-    """clamp(x · inv_scale, ±FP8_MAX) in fp32, rounded onto the fp8 grid under the interpreter."""
-    y = tl.clamp(x * inv_scale, -FP8_MAX, FP8_MAX)
+    """clamp(x · inv_scale, ±FP8_MAX) in fp32 (NaN kept), rounded onto the fp8 grid under the interpreter."""
+    y = tl.clamp(x * inv_scale, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
     if SOFT_ROUND:
         y = _round_to_fp8_grid(y, MANT_BITS, MIN_NORMAL_EXP)
     return y
@@ -116,9 +130,9 @@ def quantize_rows_kernel(
             mask = row_ok[:, None] & (cols < C)[None, :]
             x = tl.load(x_ptr + rows64[:, None] * stride_xr + cols[None, :].to(tl.int64) * stride_xc,
                         mask=mask, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
-        block_max = tl.maximum(block_max, amax)
-        amax = tl.maximum(amax, AMAX_FLOOR)
+            amax = _nan_max(amax, _amax(x, 1))
+        block_max = _nan_max(block_max, amax)
+        amax = _nan_max(amax, AMAX_FLOOR)
         tl.store(scale_ptr + rows64, tl.div_rn(amax, FP8_MAX), mask=row_ok)
         inv_scale = tl.div_rn(tl.full((BLOCK_R,), FP8_MAX, tl.float32), amax)
         for c0 in range(0, C, BLOCK_C):
@@ -128,7 +142,7 @@ def quantize_rows_kernel(
                         mask=mask, other=0.0).to(tl.float32)
             q = _to_fp8(x, inv_scale[:, None], FP8_MAX, SOFT_ROUND, MANT_BITS, MIN_NORMAL_EXP)
             tl.store(q_ptr + rows64[:, None] * stride_qr + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(partial_ptr + tl.program_id(0), tl.max(block_max, axis=0))
+    tl.store(partial_ptr + tl.program_id(0), tl.reduce(block_max, 0, _nan_max))
 
 
 @triton.jit
@@ -159,8 +173,8 @@ def amax_partials_kernel(
     for tile in range(tl.program_id(0), n_tiles, NUM_PROGRAMS):
         rows, cols, mask = _tile_offsets(tile, n_col_tiles, R, C, BLOCK_R, BLOCK_C)
         x = tl.load(x_ptr + rows[:, None] * stride_xr + cols[None, :] * stride_xc, mask=mask, other=0.0)
-        amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-    tl.store(partial_ptr + tl.program_id(0), tl.max(tl.max(amax, axis=1), axis=0))
+        amax = _nan_max(amax, tl.abs(x.to(tl.float32)))
+    tl.store(partial_ptr + tl.program_id(0), tl.reduce(tl.reduce(amax, 1, _nan_max), 0, _nan_max))
 
 
 @fast_launch
@@ -191,8 +205,8 @@ def quantize_tensor_kernel(
     BLOCK_C: tl.constexpr,
 ):
     p = tl.arange(0, BLOCK_P)
-    amax = tl.max(tl.load(partial_ptr + p, mask=p < n_partials, other=0.0), axis=0)
-    amax = tl.maximum(amax, AMAX_FLOOR)
+    amax = tl.reduce(tl.load(partial_ptr + p, mask=p < n_partials, other=0.0), 0, _nan_max)
+    amax = _nan_max(amax, AMAX_FLOOR)
     if tl.program_id(0) == 0:
         tl.store(scale_ptr, tl.div_rn(amax, FP8_MAX))
     inv_scale = tl.div_rn(FP8_MAX, amax)

@@ -78,7 +78,7 @@ def scaled_matmul_reference(a_fp8, scale_a, b_fp8, scale_b, bias=None, out_dtype
                             use_fast_accum=False):
     """(a @ bᵀ) · scale_a · scale_b + bias in fp64 from the (exactly widened) fp8 operands; the
     registry's reference (fp64 out) and, cast, the CPU path. Scales as :func:`scaled_matmul`."""
-    a2 = a_fp8.reshape(-1, a_fp8.shape[-1]).double()
+    a2 = a_fp8.reshape(math.prod(a_fp8.shape[:-1]), a_fp8.shape[-1]).double()   # (-1 fails at K = 0)
     sa, sb = scale_a.double().reshape(-1, 1), scale_b.double().reshape(1, -1)
     out = (a2 @ b_fp8.double().t()) * sa * sb
     if bias is not None:
