@@ -310,6 +310,31 @@ def test_compile_fullgraph():
     assert rel_err(fn(q, k, v), attention(q, k, v, causal=True, window=(5, -1)) * 2) == 0.0
 
 
+def test_compile_dynamic_shapes_default_options():
+    """dynamic=True turns the float defaults into SymFloats: math.isinf on softcap failed to trace
+    (the s37 audit); the options are now checked by comparisons."""
+    q, k, v = (_rand((1, n, 2, 16), torch.float32) for n in (9, 12, 12))
+    fn = torch.compile(lambda a, b, c: attention(a, b, c, causal=True), fullgraph=True, dynamic=True,
+                       backend="eager")
+    assert rel_err(fn(q, k, v), attention(q, k, v, causal=True)) == 0.0
+
+
+def test_varlen_plan_checks_the_tensors_own_strides():
+    """The varlen plan adds a batch stride 0 in front of each tensor's strides; the descriptor test
+    zipped those against the 3-D shapes, one dim off, so a head stride of 72 bytes (a slice of a
+    [.., 36] buffer) got in-kernel TMA descriptors (base / stride not 16-byte aligned)."""
+    from tilefuse.ops._attention_fwd_kernels import _forward_plan
+
+    x = torch.randn(40, 4, 36, dtype=torch.float16)
+    q, k = x[..., :32], torch.randn(40, 2, 32, dtype=torch.float16)
+    plan = _forward_plan(tuple(q.shape), tuple(k.shape), (q.stride(), k.stride(), k.stride()), torch.float16, 9, True,
+                         True, 1, 4096, 4096, 0.1, None, None, 0.0, (), 132)
+    assert plan.load == "ptr"
+    plan = _forward_plan(tuple(k.shape), tuple(k.shape), (k.stride(),) * 3, torch.float16, 9, True,
+                         True, 1, 4096, 4096, 0.1, None, None, 0.0, (), 132)
+    assert plan.load == "desc_device"     # aligned: the descriptors stay
+
+
 def test_cpu_reference_path(monkeypatch):
     """Without the interpreter CPU tensors take the reference path, internal bounds included."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")

@@ -82,7 +82,7 @@ def normalize_scale(scale: float | None, head_dim: int) -> float:
         return 1.0 / math.sqrt(head_dim)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
-    if not math.isfinite(scale):
+    if not -math.inf < scale < math.inf:     # comparisons, not math.isfinite: dynamo traces them on SymFloats
         raise ValueError(f"scale must be finite, got {scale}")
     return float(scale)
 
@@ -90,7 +90,7 @@ def normalize_scale(scale: float | None, head_dim: int) -> float:
 def normalize_softcap(softcap: float) -> float:
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
         raise TypeError(f"softcap must be a float (0 for none), got {type(softcap).__name__}")
-    if not softcap >= 0 or math.isinf(softcap):       # (NaN fails the first test)
+    if not 0 <= softcap < math.inf:     # NaN fails too; comparisons trace on SymFloats (dynamic=True)
         raise ValueError(f"softcap must be finite and >= 0 (0 for none), got {softcap}")
     return float(softcap)
 

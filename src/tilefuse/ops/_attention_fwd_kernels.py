@@ -537,8 +537,10 @@ def _forward_plan(q_shape: tuple, k_shape: tuple, strides: tuple, dtype: torch.d
     for n in q_shape:
         q_numel *= n
     shapes = (q_shape, k_shape, k_shape)
+    # varlen strides carry the leading batch stride 0 added above: the tensors' own are st[1:]
+    own = tuple(st[1:] for st in strides) if varlen else strides
     fits = (aligned and q_numel > 0 and k_shape[0] * k_shape[1] > 0
-            and all(_strides_fit(sh, st, elem) for sh, st in zip(shapes, strides)))
+            and all(_strides_fit(sh, st, elem) for sh, st in zip(shapes, own)))
     if cfg["LOAD"] != "ptr" and not fits:
         cfg["LOAD"] = "ptr"
     load = cfg["LOAD"]
