@@ -346,6 +346,24 @@ def test_cpu_reference_path(monkeypatch):
         assert rel_err(scaled_dot_product_attention(q[:, :, :5], k, v, is_causal=causal), ref) <= 1e-5
 
 
+@pytest.mark.parametrize("path", ["0", "1"])
+def test_windows_past_int64_are_no_windows(monkeypatch, path):
+    """A side of 2^64 or more (past int64) is no bound on every path: the CPU reference compared
+    it with its int64 index tensors and raised OverflowError (s37 audit)."""
+    monkeypatch.setenv("TRITON_INTERPRET", path)
+    from tilefuse import attention_decode
+
+    q, k = torch.randn(1, 5, 2, 16), torch.randn(1, 7, 2, 16)
+    assert torch.equal(attention(q, k, k, window=(2**64, 0)), attention(q, k, k, window=(-1, 0)))
+    assert torch.equal(attention(q, k, k, window=(-1, 2**70)), attention(q, k, k))
+    cu_q, cu_k = torch.tensor([0, 5], dtype=torch.int32), torch.tensor([0, 7], dtype=torch.int32)
+    assert torch.equal(attention_varlen(q[0], k[0], k[0], cu_q, cu_k, 5, 7, window=(2**64, 0)),
+                       attention_varlen(q[0], k[0], k[0], cu_q, cu_k, 5, 7, window=(-1, 0)))
+    kc, lens = torch.randn(1, 40, 2, 16), torch.tensor([20], dtype=torch.int32)
+    assert torch.equal(attention_decode(q[:, :1], kc, kc, lens, window=(2**64, 0)),
+                       attention_decode(q[:, :1], kc, kc, lens, window=(-1, 0)))
+
+
 def test_bad_input():
     f32 = torch.float32
     q, k, v = _rand((1, 4, 4, 16), f32), _rand((1, 4, 2, 16), f32), _rand((1, 4, 2, 16), f32)

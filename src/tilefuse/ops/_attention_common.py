@@ -290,6 +290,9 @@ def visible_mask(seqlen_q: int, seqlen_k: int, left: int, right: int, device=Non
     j = torch.arange(seqlen_k, device=device)[None, :]
     d = j - i - shift
     ok = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    # |d| <= S_q + S_k + |shift|: a wider side is no limit (and a Python int past int64 cannot be compared)
+    bound = seqlen_q + seqlen_k + abs(shift) + 1
+    right, left = min(right, bound), min(left, bound)
     if right >= 0:
         ok &= d <= right
     if left >= 0:

@@ -32,7 +32,7 @@ from .._op import custom_op
 from ..registry import Inputs, OpSpec, register, tensor_bytes
 from ._attention_common import (
     attention_reference, attention_varlen_reference, normalize_scale, normalize_softcap, normalize_window,
-    visible_mask,
+    unbounded_past, visible_mask,
 )
 from ._attention_bwd import attention_backward
 from ._attention_fwd_kernels import attention_flops, attention_forward
@@ -46,7 +46,11 @@ MAX_HEAD_DIM = 256
 
 def _reference_dense(q, k, v, scale, window_left, window_right, softcap):
     """attention_reference with internal bounds (None = unbounded, any int): a right bound r is
-    the reference's causal rule (right = 0) with the shift moved by r, and left by r with it."""
+    the reference's causal rule (right = 0) with the shift moved by r, and left by r with it.
+    A side past every |query - key| distance is no bound (a Python int past int64 would not fit
+    the index tensors)."""
+    bound = q.shape[1] + k.shape[1] + 1
+    window_left, window_right = unbounded_past(window_left, bound), unbounded_past(window_right, bound)
     if window_right is None:
         return attention_reference(q, k, v, window=(-1 if window_left is None else window_left, -1),
                                    softcap=softcap, scale=scale, return_lse=True)
