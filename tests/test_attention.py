@@ -310,6 +310,33 @@ def test_compile_fullgraph():
     assert rel_err(fn(q, k, v), attention(q, k, v, causal=True, window=(5, -1)) * 2) == 0.0
 
 
+@pytest.mark.parametrize("path", ["kernels", "cpu-reference"])
+def test_varlen_padded_buffers(monkeypatch, path):
+    """Packed buffers with rows before cu[0] and after cu[-1] (padding): those rows get out 0,
+    lse -inf and zero dq / dk / dv; the kernels left them unwritten (NaN under poison, stale
+    memory otherwise: dk of 1e35 that then reached the weight gradients; s37 audit) and the CPU
+    path returned only the covered rows."""
+    if path == "cpu-reference":
+        if DEVICE != "cpu":
+            pytest.skip("the reference path is the CPU path")
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+    q = _rand((14, 2, 16), torch.float32, grad=True)
+    k, v = (_rand((15, 2, 16), torch.float32, grad=True) for _ in range(2))
+    cu_q = torch.tensor([2, 5, 11], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([1, 6, 13], dtype=torch.int32, device=DEVICE)
+    out, lse = attention_varlen(q, k, v, cu_q, cu_k, 6, 7, causal=True, return_lse=True)
+    ref, ref_lse = attention_varlen_reference(*(t.double() for t in (q, k, v)), cu_q, cu_k, causal=True,
+                                              return_lse=True)
+    assert out.shape == q.shape and rel_err(out, ref) <= 1e-5
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse)) and torch.isinf(lse[:, :2]).all()
+    assert not out[:2].any() and not out[11:].any()
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    refs = torch.autograd.grad(ref, (q, k, v), dout.double())
+    for g, r, (lo, hi) in zip(grads, refs, ((2, 11), (1, 13), (1, 13))):
+        assert rel_err(g, r) <= 1e-5 and not g[:lo].any() and not g[hi:].any()
+
+
 def test_compile_dynamic_shapes_default_options():
     """dynamic=True turns the float defaults into SymFloats: math.isinf on softcap failed to trace
     (the s37 audit); the options are now checked by comparisons."""

@@ -111,6 +111,20 @@ def empty(shape, dtype: torch.dtype, device) -> torch.Tensor:
     return t
 
 
+def packed_output(shape, dtype: torch.dtype, device, cu_seqlens: torch.Tensor, fill: float = 0.0,
+                  row_dim: int = 0) -> torch.Tensor:
+    """Output of a varlen kernel, which writes only the rows ``[cu_seqlens[0], cu_seqlens[-1])``
+    along ``row_dim`` (a packed buffer may hold padding before or after the sequences): the
+    others are ``fill``. While POISON_OUTPUTS is on (tests), the rows the kernel must write start
+    as NaN (reading the offsets there is a host sync: tests only)."""
+    t = torch.full(shape, fill, dtype=dtype, device=device)
+    if POISON_OUTPUTS and t.numel() and cu_seqlens.numel():
+        n = t.shape[row_dim]
+        lo, hi = (min(max(int(x), 0), n) for x in (cu_seqlens[0], cu_seqlens[-1]))
+        t.narrow(row_dim, lo, max(hi - lo, 0)).fill_(float("nan"))
+    return t
+
+
 _WORKSPACES: dict = {}
 WORKSPACE_ENTRIES = 32      # kept before the cache starts over (distinct shapes, streams, threads)
 

@@ -47,7 +47,7 @@ from typing import NamedTuple
 import torch
 
 from .._launch import PreparedArgs, config_key, use_device_descriptors
-from .._dispatch import cdiv, contiguous_strides, device_major, empty, num_sms, workspace
+from .._dispatch import cdiv, contiguous_strides, device_major, empty, num_sms, packed_output, workspace
 from ._attention_common import config_wants_gluon, schedule_grid
 from ._attention_bwd_kernels import attention_bwd_dkdv_kernel, attention_bwd_dq_kernel, attention_bwd_preprocess_kernel
 from ._attention_fwd_kernels import head_block
@@ -344,9 +344,14 @@ def launch_attention_backward(
     # reused workspace, not an allocation (~5-9 µs of host time each on the H200 host)
     delta, lse2 = workspace("attention_bwd_stats", (plan.stat_shape[1:],) * 2, torch.float32, q.device)
     attention_bwd_preprocess_kernel.launch_prepared(plan.pre_grid, (out, do, lse, delta, lse2, cu_q), plan.pre)
-    dq = empty(q.shape, q.dtype, q.device)
-    dk = empty(k.shape, k.dtype, k.device)
-    dv = empty(v.shape, v.dtype, v.device)
+    if varlen:      # rows outside [cu[0], cu[-1]) belong to no sequence: zero gradients
+        dq = packed_output(q.shape, q.dtype, q.device, cu_seqlens_q)
+        dk = packed_output(k.shape, k.dtype, k.device, cu_seqlens_k)
+        dv = packed_output(v.shape, v.dtype, v.device, cu_seqlens_k)
+    else:
+        dq = empty(q.shape, q.dtype, q.device)
+        dk = empty(k.shape, k.dtype, k.device)
+        dv = empty(v.shape, v.dtype, v.device)
     left, right = plan.window
     if plan.gluon_dkdv is not None:
         from ._attention_bwd_gluon import launch_attention_bwd_dkdv_ws   # Gluon imports on first use

@@ -343,7 +343,9 @@ def attention_reference(q, k, v, causal: bool = False, window=(-1, -1), softcap:
 
 def attention_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=False, window=(-1, -1),
                                softcap=0.0, scale=None, return_lse=False):
-    """Varlen reference: packed ``[total, H, D]``, one dense reference call per sequence."""
+    """Varlen reference: packed ``[total, H, D]``, one dense reference call per sequence. Rows
+    outside ``[cu[0], cu[-1])`` (padding of the packed buffer) belong to no sequence: out 0,
+    lse -inf."""
     outs, lses = [], []
     cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     for i in range(len(cq) - 1):
@@ -352,8 +354,14 @@ def attention_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=False
         o, lse = attention_reference(qi, ki, vi, causal, window, softcap, scale, return_lse=True)
         outs.append(o[0])
         lses.append(lse[0])                                           # [H, S_i]
-    out = torch.cat(outs, 0) if outs else q.new_zeros(q.shape[:-1] + (v.shape[-1],))
-    lse = torch.cat(lses, 1) if lses else q.new_zeros((q.shape[1], 0), dtype=torch.float32)
+    total = q.shape[0]
+    lo, hi = (cq[0], cq[-1]) if cq else (0, 0)
+    dtype = outs[0].dtype if outs else q.dtype
+    head = q.new_zeros((lo,) + q.shape[1:-1] + (v.shape[-1],), dtype=dtype)
+    tail = q.new_zeros((total - hi,) + q.shape[1:-1] + (v.shape[-1],), dtype=dtype)
+    out = torch.cat([head, *outs, tail], 0)
+    lse_pad = (lambda n: torch.full((q.shape[1], n), float("-inf"), device=q.device))
+    lse = torch.cat([lse_pad(lo), *lses, lse_pad(total - hi)], 1)
     return (out, lse) if return_lse else out
 
 

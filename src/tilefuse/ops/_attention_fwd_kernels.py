@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .._dispatch import cdiv, device_major, empty, next_power_of_2, num_sms
+from .._dispatch import cdiv, device_major, empty, next_power_of_2, num_sms, packed_output
 from .._launch import PreparedArgs, cached_by_view, cached_descriptor, config_key, fast_launch, use_device_descriptors
 from ._attention_common import (config_wants_gluon, exp2_mixed, key_range, schedule_grid, scheduled_block,
                                 tanh_via_exp2, unbounded_past, visible)
@@ -591,8 +591,12 @@ def attention_forward(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_
                          device_major(q), (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 == 0, varlen, batch,
                          max_seqlen_q or 0, max_seqlen_k or 0, scale, window_left, window_right, softcap,
                          config_key(config), num_sms(q))
-    out = empty(q.shape, q.dtype, q.device)
-    lse = empty(plan.lse_shape, torch.float32, q.device)
+    if varlen:      # rows outside [cu[0], cu[-1]) (a padded packed buffer): out 0, lse -inf
+        out = packed_output(q.shape, q.dtype, q.device, cu_seqlens_q)
+        lse = packed_output(plan.lse_shape, torch.float32, q.device, cu_seqlens_q, float("-inf"), row_dim=1)
+    else:
+        out = empty(q.shape, q.dtype, q.device)
+        lse = empty(plan.lse_shape, torch.float32, q.device)
     if out.numel() == 0 and lse.numel() == 0:
         return out, lse
     if not plan.keys_exist:    # no key anywhere: every row sees nothing (out 0, lse -inf)
