@@ -432,3 +432,32 @@ def test_gpu_split_partials_reuse_a_workspace(monkeypatch):
             torch.testing.assert_close(out, expected, rtol=0, atol=0)
     # per stream, reused by the calls: the partials' buffer and the lse's (not returned here)
     assert len(_dispatch._WORKSPACES) == 4
+
+
+def test_cache_values_are_checked_on_cpu():
+    """Page ids outside the cache among the pages a row uses, a negative length or keys past the
+    capacity: a ValueError naming the row on CPU tensors (the kernels read and the append wrote
+    outside the cache through a bad id, s37 audit); -1 padding past the used pages stays fine."""
+    i32 = (lambda *x: torch.tensor(x, dtype=torch.int32, device=DEVICE))
+    kp, vp = torch.zeros(4, 16, 1, 16, device=DEVICE), torch.zeros(4, 16, 1, 16, device=DEVICE)
+    q, kn = torch.randn(1, 1, 2, 16, device=DEVICE), torch.ones(1, 1, 1, 16, device=DEVICE)
+    if DEVICE == "cpu":
+        for lens, table, new, match in ((20, (0, 7), True, "page ids"), (20, (0, -1), False, "page ids"),
+                                        (32, (0, 1), True, "capacity"), (-3, (0, 1), False, "capacity")):
+            with pytest.raises(ValueError, match=f"{'block_table' if match == 'page ids' else 'cache_seqlens'}"):
+                attention_decode(q, kp, vp, i32(lens), block_table=i32(*table).view(1, 2),
+                                 k_new=kn if new else None, v_new=kn if new else None)
+    out = attention_decode(q, kp, vp, i32(10), block_table=i32(2, -1).view(1, 2))
+    assert out.shape == q.shape and torch.isfinite(out).all()
+
+
+def test_append_kernel_never_writes_through_a_bad_page_id():
+    """The append kernel itself (the GPU path does not read the values on the host): a page id
+    outside [0, num_pages) writes nothing, in memory past the cache included."""
+    big_k, big_v = torch.zeros(8, 16, 1, 16, device=DEVICE), torch.zeros(8, 16, 1, 16, device=DEVICE)
+    kn = torch.ones(1, 2, 1, 16, device=DEVICE)
+    table = torch.tensor([[0, 7]], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([15], dtype=torch.int32, device=DEVICE)     # slot 15 of page 0, slot 0 of "page 7"
+    ad._launch_append(big_k[:4], big_v[:4], kn, kn, lens, table)
+    assert big_k[0, 15].eq(1).all() and big_v[0, 15].eq(1).all()
+    assert not big_k[4:].any() and not big_v[4:].any() and big_k[:4].sum() == 16

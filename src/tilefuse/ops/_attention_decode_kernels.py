@@ -85,6 +85,7 @@ def kv_append_kernel(
     stride_vb, stride_vn, stride_vh,         # v_cache strides
     stride_bt,          # block_table row stride
     capacity,           # slots per batch row (L_max, or max_pages · PAGE_SIZE)
+    num_pages,          # pages of the cache (paged: a page id outside [0, num_pages) is not written)
     n_kv_heads,         # H_kv
     head_dim,           # D
     S_Q: tl.constexpr,          # new tokens per row
@@ -100,6 +101,8 @@ def kv_append_kernel(
     in_range = (pos >= 0) & (pos < capacity)          # no write outside the cache, ever
     dims = tl.arange(0, BLOCK_D)
     page, slot = _cache_slots(pos, b, block_table_ptr, stride_bt, in_range, PAGED, PAGE_SIZE)
+    if PAGED:       # a bad page id in the table: no write outside the cache's pages either
+        in_range = in_range & (page >= 0) & (page < num_pages)
     k_slot = page * stride_kb + slot * stride_kn
     v_slot = page * stride_vb + slot * stride_vn
     b64 = b.to(tl.int64)

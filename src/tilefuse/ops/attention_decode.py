@@ -13,9 +13,13 @@ row ``b`` lives in page ``block_table[b, j // page_size]``, slot ``j % page_size
 ``cache_seqlens`` int32 ``[B]``: valid keys per row *before* the append. With ``k_new``/``v_new``
 ``[B, S_q, H_kv, D]`` those are written IN PLACE into slots ``cache_seqlens[b] .. + S_q - 1``
 and attended to, so ``seqlen_k = cache_seqlens + S_q``; ``cache_seqlens`` itself is NOT
-incremented (flash-attn's convention: the caller advances it). The caller guarantees room:
-``cache_seqlens[b] + S_q <= capacity``; larger values are clamped to the capacity inside the
-kernels (never an out-of-bounds access) and give unspecified results.
+incremented (flash-attn's convention: the caller advances it). The caller guarantees room,
+``0 <= cache_seqlens[b]`` and ``cache_seqlens[b] + S_q <= capacity``, and page ids within the
+cache for the pages those keys use. CPU tensors are checked (a ValueError naming the row); on a
+GPU the values are not read on the host (a decode step stays free of syncs and extra launches):
+lengths are clamped to the capacity inside the kernels and the append writes nothing through a
+page id outside ``[0, num_pages)``, but the results are then unspecified, and the split kernel
+reads whatever page a bad id names.
 
 Kernels. (1) ``kv_append_kernel`` (only with k_new): one program per new token. (2)
 ``decode_split_kernel``: grid ``(B · H_kv · query blocks, splits)``; a program takes all ``G·S_q``
@@ -142,6 +146,24 @@ def _capacity(k_cache: torch.Tensor, block_table: torch.Tensor | None) -> int:
     return block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
 
 
+def _check_cache_values(k_cache, cache_seqlens, block_table, n_new: int) -> None:
+    """The values of ``cache_seqlens`` (and the pages they use) against the cache, on the host:
+    CPU tensors only. On a GPU they are not read (a check would be a host sync, or a kernel and an
+    assertion per decode step); there the append never writes outside the cache's pages, and
+    keys past the capacity are dropped. In the ops' implementations (real tensors under
+    torch.compile too) and on the eager fast path."""
+    capacity, page_size = _capacity(k_cache, block_table), k_cache.shape[1]
+    for b, n in enumerate(cache_seqlens.tolist()):
+        if not 0 <= n <= capacity - n_new:
+            raise ValueError(f"cache_seqlens[{b}] = {n}: the row's keys (+ {n_new} appended) must fit "
+                             f"[0, {capacity}], the cache's capacity")
+        if block_table is not None and n + n_new > 0:
+            pages = block_table[b, :cdiv(n + n_new, page_size)]
+            if bool(((pages < 0) | (pages >= k_cache.shape[0])).any()):
+                raise ValueError(f"block_table[{b}] holds page ids outside [0, {k_cache.shape[0]}) among the "
+                                 f"{pages.numel()} pages its {n + n_new} keys use: {pages.tolist()}")
+
+
 def _launch_append(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table) -> None:
     batch, s_q, h_kv, d = k_new.shape
     if batch * s_q == 0:
@@ -153,7 +175,7 @@ def _launch_append(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table) -
     kv_append_kernel[(batch * s_q,)](
         k_new, v_new, k_cache, v_cache, cache_seqlens.contiguous(), bt,
         *k_new.stride()[:3], *v_new.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
-        bt.stride(0) if paged else 0, _capacity(k_cache, block_table), h_kv, d,
+        bt.stride(0) if paged else 0, _capacity(k_cache, block_table), k_cache.shape[0], h_kv, d,
         S_Q=s_q, PAGED=paged, PAGE_SIZE=k_cache.shape[1] if paged else 1,
         BLOCK_H=max(1, min(next_power_of_2(h_kv), 4096 // block_d)), BLOCK_D=block_d,
     )
@@ -335,6 +357,8 @@ def attention_decode_reference(q, k_cache, v_cache, cache_seqlens, block_table=N
 @custom_op("tilefuse::kv_cache_append", mutates_args=("k_cache", "v_cache"))
 def _append_op(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                cache_seqlens: torch.Tensor, block_table: Optional[torch.Tensor]) -> None:
+    if not cache_seqlens.is_cuda:
+        _check_cache_values(k_cache, cache_seqlens, block_table, k_new.shape[1])
     if use_triton(k_cache):
         _launch_append(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table)
     else:
@@ -351,6 +375,8 @@ def _decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ca
                block_table: Optional[torch.Tensor], n_new: int, window_left: int, window_right: int,
                softcap: float, scale: float, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse); ``n_new`` keys were appended (seqlen_k = cache_seqlens + n_new); num_splits 0: auto."""
+    if not cache_seqlens.is_cuda:
+        _check_cache_values(k_cache, cache_seqlens, block_table, n_new)
     if use_triton(q):
         return _launch_decode(q, k_cache, v_cache, cache_seqlens, block_table, n_new, window_left,
                               window_right, softcap, scale, num_splits)
@@ -465,6 +491,8 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                     (causal, window, softcap, scale, return_lse, num_splits))
     hit = _FAST.get(key)
     if hit is not None:
+        if not cache_seqlens.is_cuda:
+            _check_cache_values(k_cache, cache_seqlens, block_table, 0 if k_new is None else k_new.shape[1])
         return hit.run(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new)
     _check_inputs(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, num_splits)
     left, right = normalize_window(causal, window)
