@@ -48,6 +48,36 @@ def _bound_check(w, qw):
 # ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("fmt", [(8, None), (4, 32)], ids=["int8", "int4-g32"])
+def test_fp16_weights_at_the_format_maximum_stay_finite(fmt):
+    """The scale is rounded up, so q·s of a weight at fp16's maximum landed past it (65,520 /
+    65,532): dequantize_weight gave inf and quant_linear's backward an inf dx (s37 audit). It
+    saturates to 65,504 now, the weight's own value."""
+    from tilefuse import dequantize_weight, quant_linear, quantize_weight
+
+    w = torch.zeros(2, 64, dtype=torch.float16, device=DEVICE)
+    w[0, 0] = 65504.0
+    w[1] = torch.linspace(-1, 1, 64)
+    qw = quantize_weight(w, *fmt)
+    assert dequantize_weight(qw)[0, 0].item() == 65504.0
+    x = torch.full((1, 64), 1e-3, dtype=torch.float16, device=DEVICE, requires_grad=True)
+    quant_linear(x, qw).sum().backward()
+    assert torch.isfinite(x.grad).all()
+
+
+def test_format_arguments_are_typed():
+    from tilefuse import QuantLinear, quantize_weight
+
+    with pytest.raises(TypeError, match="group_size"):
+        quantize_weight(torch.randn(4, 64, device=DEVICE), 4, 32.0)
+    with pytest.raises(TypeError, match="bits"):
+        quantize_weight(torch.randn(4, 64, device=DEVICE), 4.0)
+    lin = torch.nn.Linear(64, 8).to(DEVICE)    # int8 from the default group_size (an int4 option)
+    ql = QuantLinear.from_linear(lin, bits=8)
+    x = torch.randn(3, 64, device=DEVICE)
+    assert ql.bits == 8 and rel_err(ql(x), lin(x).detach().double()) < 1e-2
+
+
 @pytest.mark.parametrize("fmt", FORMATS, ids=_fmt_id)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_round_trip_bound(fmt, dtype):

@@ -40,7 +40,8 @@ class QuantLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, bits: int = 4, group_size: Optional[int] = 128) -> "QuantLinear":
-        qw = quantize_weight(linear.weight.detach(), bits, group_size)
+        """``group_size`` applies to int4; int8 is per output channel (the default 128 is dropped)."""
+        qw = quantize_weight(linear.weight.detach(), bits, None if bits == 8 else group_size)
         return cls(qw, linear.bias)
 
     def quantized_weight(self) -> QuantizedWeight:

@@ -93,6 +93,9 @@ def _round_up_to(s64: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _check_format(bits: int, group_size: Optional[int]) -> Optional[int]:
+    for name, v in (("bits", bits), ("group_size", group_size)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+            raise TypeError(f"{name} must be an int, got {type(v).__name__}")
     if bits not in SUPPORTED_BITS:
         raise ValueError(f"bits must be 4 or 8; got {bits!r}")
     if bits == 8:
@@ -143,15 +146,22 @@ def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
 
 def dequantize_weight(q: QuantizedWeight, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """The float weight ``[N, K]`` that ``q`` stands for, in ``dtype`` (default: the scales'
-    dtype); computed in fp32 (fp64 when ``dtype`` is fp64), rounded once."""
+    dtype); computed in fp32 (fp64 when ``dtype`` is fp64), rounded once, saturating at the
+    dtype's largest finite value: the scale is rounded up when quantizing, so q·s of a weight at
+    fp16's maximum can land just past it (65,520 for 65,504: inf in fp16)."""
     dtype = q.scales.dtype if dtype is None else dtype
     wide = torch.float64 if dtype == torch.float64 else torch.float32
     s = q.scales.to(wide)
     if q.bits == 8:
-        return (q.qweight.to(wide) * s[:, None]).to(dtype)
-    n, k = q.shape
-    ints = unpack_int4(q.qweight).to(wide).reshape(n, k // q.group_size, q.group_size)
-    return ((ints - q.zeros.to(wide)[..., None]) * s[..., None]).reshape(n, k).to(dtype)
+        w = q.qweight.to(wide) * s[:, None]
+    else:
+        n, k = q.shape
+        ints = unpack_int4(q.qweight).to(wide).reshape(n, k // q.group_size, q.group_size)
+        w = ((ints - q.zeros.to(wide)[..., None]) * s[..., None]).reshape(n, k)
+    if dtype.is_floating_point and torch.finfo(dtype).max < torch.finfo(wide).max:
+        big = torch.finfo(dtype).max
+        w = w.clamp(-big, big)
+    return w.to(dtype)
 
 
 # ----------------------------------------------------------------------------------------------
