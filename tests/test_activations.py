@@ -317,7 +317,7 @@ def test_empty(shape, p):
     (lambda x, b: bias_act(x.long(), None), TypeError, "x has dtype int64"),
     (lambda x, b: bias_act(x[0, 0], None), ValueError, "x must have at least 1"),
     (lambda x, b: bias_act(x, b[:-1]), ValueError, "bias has shape"),
-    (lambda x, b: bias_act(x, b.half()), TypeError, "bias has dtype"),
+    (lambda x, b: bias_act(x, b.long()), TypeError, "bias has dtype"),
     (lambda x, b: bias_act(x, b, residual=x[:1]), ValueError, "residual has shape"),
     (lambda x, b: bias_act(x, b, residual=x.half()), TypeError, "residual has dtype"),
     (lambda x, b: bias_act(x, b, activation="tanh"), ValueError, "activation must be one of"),

@@ -4,7 +4,7 @@ CUDA tensors run the Triton kernels; CPU tensors run the PyTorch reference path,
 kernels through the interpreter when ``TRITON_INTERPRET=1`` is set (see ``tilefuse._dispatch``).
 """
 
-from . import fp8, optim
+from . import fp8, nn, optim
 from .ops.activations import bias_act
 from .ops.adamw import adam_step, adamw_step
 from .ops.attention import attention, attention_varlen
@@ -24,6 +24,6 @@ from .quantization import QuantLinear, quantize
 __version__ = "0.1.0"
 
 __all__ = ["softmax", "log_softmax", "layer_norm", "rms_norm", "bias_act", "swiglu", "geglu", "rope", "rope_cos_sin_table",
-           "adam_step", "adamw_step", "optim", "fp8",
+           "adam_step", "adamw_step", "optim", "fp8", "nn",
            "cross_entropy", "linear_cross_entropy", "attention", "attention_varlen", "attention_decode",
            "matmul", "swiglu_linear", "qkv_proj", "quantize_weight", "dequantize_weight", "quant_linear", "QuantizedWeight", "quantize", "QuantLinear"]

@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import torch
 
+from ._autocast import autocast_off
 from ._dispatch import interpreting
 
 _is_functorch_wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
@@ -201,6 +202,7 @@ class FastOp:
         tensors: for ops with side outputs (a norm's mean/rstd) each zero-fill is a launch and
         ~tens of µs of host time per backward. Such a ``backward`` must accept both forms,
         since the traced path still materializes."""
+        backward = autocast_off(backward)     # its dtypes are the ones it writes (see _autocast)
         self.op.register_autograd(backward, setup_context=setup_context)
         impl = self.op._init_fn
 
@@ -247,9 +249,13 @@ class FastOp:
 
 
 def custom_op(name: str, *, mutates_args, **kwargs) -> Callable[[Callable], FastOp]:
-    """``torch.library.custom_op`` returning a :class:`FastOp` (same arguments)."""
+    """``torch.library.custom_op`` returning a :class:`FastOp` (same arguments). The implementation
+    runs with autocast off (:func:`tilefuse._autocast.autocast_off`); the schema is inferred from
+    ``fn`` itself (its annotations resolve in its own module)."""
 
     def wrap(fn: Callable) -> FastOp:
-        return FastOp(torch.library.custom_op(name, mutates_args=mutates_args, **kwargs)(fn), mutates_args)
+        schema = kwargs.pop("schema", None) or torch.library.infer_schema(fn, mutates_args=mutates_args)
+        op = torch.library.custom_op(name, autocast_off(fn), mutates_args=mutates_args, schema=schema, **kwargs)
+        return FastOp(op, mutates_args)
 
     return wrap

@@ -12,7 +12,7 @@ quantized, in the same step; no amax history, no delayed scaling):
 * master weight and bias stay in the parameter dtype (fp32 or bf16); the optimizer never sees fp8;
 * forward ``y = x Wᵀ + b``: x quantized to e4m3 per row (one scale per token), W to e4m3 per
   output channel (one scale per row of W), one fp8 GEMM with fp32 accumulation, both scales and
-  the bias applied in its epilogue; y in x's dtype;
+  the bias applied in its epilogue; y in x's dtype (the autocast dtype under torch.autocast);
 * backward, every operand per-tensor scaled: dy quantized once to ``grad_dtype`` (e5m2 by default:
   gradients need range more than precision; e4m3 selectable) in both layouts from one read,
   ``dx = q(dy) @ q(W)`` (W re-quantized as the K-major ``Wᵀ`` [K, N] by the transposing quantize
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import torch
 
+from ._autocast import autocast_dtype
 from .ops._fp8_kernels import FP8_DTYPES, FP8_MAX
 from .ops.fp8 import (E4M3, E5M2, matmul, matmul_reference, quantize_fp8, quantize_reference, scaled_matmul,
                       scaled_matmul_reference)
@@ -64,7 +65,9 @@ class Linear(torch.nn.Linear):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return matmul(x, self.weight, "row", x.dtype, self.bias, self.grad_dtype, self.use_fast_accum)
+        # y in x's dtype, or autocast's: x and W are quantized from their own dtypes either way
+        out_dtype = autocast_dtype(x) or x.dtype
+        return matmul(x, self.weight, "row", out_dtype, self.bias, self.grad_dtype, self.use_fast_accum)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, grad_dtype={str(self.grad_dtype).replace('torch.', '')}"

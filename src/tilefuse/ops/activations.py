@@ -274,6 +274,11 @@ def _launch_fwd(x, bias, residual, activation: str, p: float, seed: int, config:
     return y
 
 
+def _dbias_dtype(dy: torch.Tensor, bias: torch.Tensor | None) -> torch.dtype:
+    """The bias gradient's dtype: the bias's own (an fp32 bias may sit beside 16-bit x)."""
+    return dy.dtype if bias is None else bias.dtype
+
+
 def _launch_bwd(dy, x, bias, activation: str, p: float, seed: int, want_dx: bool, want_dbias: bool,
                 n_cols: int, config: dict | None = None):
     """(dx or None, dbias or None); ``x``/``bias`` may be None when the activation is "none".
@@ -282,7 +287,7 @@ def _launch_bwd(dy, x, bias, activation: str, p: float, seed: int, want_dx: bool
     if dy.numel() == 0:
         dx = empty(dy.shape, dy.dtype, dy.device) if want_dx else None
         if want_dbias:
-            dbias = torch.zeros(n_cols, dtype=dy.dtype, device=dy.device)
+            dbias = torch.zeros(n_cols, dtype=_dbias_dtype(dy, bias), device=dy.device)
         return dx, dbias
     dy2 = rows_view(dy)
     n_rows = dy2.shape[0]
@@ -297,7 +302,7 @@ def _launch_bwd(dy, x, bias, activation: str, p: float, seed: int, want_dx: bool
     bias_arg = bias.contiguous() if bias is not None else dy2
     bias_act_bwd_kernel.launch_prepared(plan.grid, (dy2, x2, bias_arg, dx, partials), _seeded(plan.prepared, seed))
     if want_dbias:
-        dbias = empty(n_cols, dy.dtype, dy.device)
+        dbias = empty(n_cols, _dbias_dtype(dy, bias), dy.device)
         launch_sum_partials(partials, None, dbias, None)
     return (dx if want_dx else None), dbias
 
@@ -373,7 +378,7 @@ def _bias_act_bwd_op(dy: torch.Tensor, x: Optional[torch.Tensor], bias: Optional
         dx, dbias = _launch_bwd(dy, x, bias, activation, dropout_p, seed, want_dx, want_dbias, n_cols)
     else:
         dz, dz_sum = _bias_act_bwd_reference(dy, x, bias, activation, dropout_p, seed)
-        dx, dbias = dz.to(dy.dtype).contiguous(), dz_sum.to(dy.dtype)
+        dx, dbias = dz.to(dy.dtype).contiguous(), dz_sum.to(_dbias_dtype(dy, bias))
     nothing = dy.new_empty(0)
     return (dx if want_dx else nothing), (dbias if want_dbias else nothing)
 
@@ -382,7 +387,7 @@ def _bias_act_bwd_op(dy: torch.Tensor, x: Optional[torch.Tensor], bias: Optional
 def _(dy, x, bias, activation, dropout_p, seed, n_cols, want_dx, want_dbias):
     dx_shape = dy.shape if want_dx else (0,)
     dbias_shape = (n_cols,) if want_dbias else (0,)
-    return dy.new_empty(dx_shape), dy.new_empty(dbias_shape)
+    return dy.new_empty(dx_shape), dy.new_empty(dbias_shape, dtype=_dbias_dtype(dy, bias))
 
 
 def _setup_context(ctx, inputs, output):
@@ -390,8 +395,10 @@ def _setup_context(ctx, inputs, output):
     ctx.activation, ctx.dropout_p, ctx.seed = activation, dropout_p, seed   # the seed, not the mask
     ctx.n_cols = x.shape[-1]
     ctx.has_bias = bias is not None
-    # act'(x + b) needs x and b back; without an activation the backward never reads them
-    ctx.save_for_backward(*((x, bias) if activation != "none" else (None, None)))
+    ctx.bias_dtype = None if bias is None else bias.dtype
+    # act'(x + b) needs x and b back; without an activation the backward reads neither (the
+    # bias still goes back as its gradient's dtype, a tensor of n_cols elements)
+    ctx.save_for_backward(x if activation != "none" else None, bias)
 
 
 def _backward(ctx, dy):
@@ -403,7 +410,7 @@ def _backward(ctx, dy):
         # y = x + b (+ r): dx is dy itself, db its column sum; no kernel has anything to fuse
         dx = dy if want_dx else None
         if want_dbias:
-            dbias = dy.reshape(-1, ctx.n_cols).sum(0, dtype=torch.float32).to(dy.dtype)
+            dbias = dy.reshape(-1, ctx.n_cols).sum(0, dtype=torch.float32).to(ctx.bias_dtype)
     elif want_dx or want_dbias:
         dx, dbias = _bias_act_bwd_op(dy, x, bias, ctx.activation, ctx.dropout_p, ctx.seed,
                                      ctx.n_cols, want_dx, want_dbias)
@@ -447,7 +454,9 @@ def bias_act(
     ``training`` and ``dropout_p > 0``) scales kept elements by 1/(1 - p); its mask is a function
     of ``seed`` and the element's position only, so the same seed gives the same mask on any
     device or launch config; ``seed=None`` draws one from torch's CPU generator. ``bias`` is
-    ``[x.shape[-1]]``, ``residual`` has x's shape; all in x's dtype. fp32 math; output in x's dtype.
+    ``[x.shape[-1]]``, ``residual`` has x's shape and dtype; the bias may be any float dtype (an
+    fp32 parameter beside 16-bit activations, as under ``torch.autocast``; its gradient comes back
+    in its dtype). fp32 math; output in x's dtype.
     """
     check_tensor("x", x, min_dim=1)
     if bias is not None:
@@ -456,7 +465,7 @@ def bias_act(
     if residual is not None:
         check_tensor("residual", residual)
         check_shape("residual", residual, x.shape, "x's shape")
-    check_same_dtype(x=x, bias=bias, residual=residual)
+    check_same_dtype(x=x, residual=residual)
     check_same_device(x=x, bias=bias, residual=residual)
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {', '.join(map(repr, ACTIVATIONS))}; got {activation!r}")

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .._autocast import autocast_inputs
 from .._checks import check_same_device, check_same_dtype, check_tensor
 from .._dispatch import use_triton
 from .._op import custom_op
@@ -290,7 +291,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     ``softcap`` > 0 caps the scores as softcap·tanh(s / softcap); ``scale`` defaults to
     1/sqrt(D). Returns out ``[B, S_q, H_q, D]`` in q's dtype, and with ``return_lse`` also the
     float32 log-sum-exp ``[B, H_q, S_q]`` (-inf for rows that see no key; it has no gradient).
-    ``deterministic`` makes the backward avoid atomics. fp16, bf16 and fp32 (fp32 math inside)."""
+    ``deterministic`` makes the backward avoid atomics. fp16, bf16 and fp32 (fp32 math inside);
+    under ``torch.autocast`` q, k and v are cast to its dtype first, as SDPA's are."""
+    q, k, v = autocast_inputs(q, k, v)
     _check_qkv(q, k, v, 4, "[B, S, H, D]")
     _check_flags(return_lse=return_lse, deterministic=deterministic)
     left, right = _bounds(causal, window)
@@ -326,7 +329,8 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     the longest query / key sequence (they size the grids). The offsets' values are checked
     against the tensors and these bounds (:func:`check_cu_seqlens_values`: a ValueError on the
     CPU; on a GPU a queued device assertion, no sync). Causal and windows apply per sequence.
-    lse is ``[H_q, total_q]``."""
+    lse is ``[H_q, total_q]``. Autocast as in :func:`attention`."""
+    q, k, v = autocast_inputs(q, k, v)
     _check_qkv(q, k, v, 3, "[total, H, D]")
     _check_cu_seqlens(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     _check_flags(return_lse=return_lse, deterministic=deterministic)

@@ -46,6 +46,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch.autograd.graph import increment_version
 
+from .._autocast import autocast_dtype, cast_to
 from .._checks import check_same_device, check_same_dtype, check_shape, check_tensor, check_writable
 from .._dispatch import cdiv, contiguous_strides, empty, next_power_of_2, num_sms, use_triton, workspace
 from .._launch import PreparedArgs, config_key
@@ -484,9 +485,13 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     ``tilefuse.attention`` with the queries bottom-right aligned (causal by default). Returns
     out ``[B, S_q, H_q, D]``, and lse fp32 ``[B, H_q, S_q]`` with ``return_lse``. ``num_splits``:
     key-range splits per (row, kv head); None picks from shapes. No gradient (inference op).
+    Under ``torch.autocast`` q, k_new and v_new are cast to the cache's dtype (the cache is
+    written in place, so its dtype decides).
 
     Host path: a repeated eager call (a decode loop) takes the launches its layout and options got
     the first time, after the checks passed then (:func:`_fast_key`)."""
+    if autocast_dtype(q) is not None and isinstance(k_cache, torch.Tensor):
+        q, k_new, v_new = cast_to(k_cache.dtype, q, k_new, v_new)
     key = _fast_key(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
                     (causal, window, softcap, scale, return_lse, num_splits))
     hit = _FAST.get(key)

@@ -40,6 +40,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .._autocast import autocast_inputs
 from .._checks import check_same_device, check_same_dtype, check_shape, check_tensor
 from .._dispatch import empty, is_hopper
 from .._op import custom_op
@@ -326,7 +327,11 @@ def linear_cross_entropy(
     tokens 44.5 ms / 1,191 MiB extra, 640 (the default) 43.7 ms / 1,223 MiB, 768 43.1 ms / 1,254 MiB;
     CHUNK_LOGITS_BYTES). Each chunk
     rounds the running ``grad_weight`` to the weight's dtype once: with bf16 weights, chunks of
-    fewer than ~512 tokens at T = 8192 put its error past eager's (module docstring)."""
+    fewer than ~512 tokens at T = 8192 put its error past eager's (module docstring).
+
+    Under ``torch.autocast`` hidden, weight and bias are cast to its dtype first (the linear
+    torch would autocast); the loss then has that dtype (torch's would be fp32)."""
+    hidden, weight, bias = autocast_inputs(hidden, weight, bias)
     check_tensor("hidden", hidden, min_dim=1)
     check_tensor("weight", weight)
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:

@@ -27,6 +27,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from .._autocast import autocast_inputs
 from .._checks import FLOAT_DTYPES, check_same_device, check_same_dtype, check_shape, check_tensor
 from .._dispatch import use_triton
 from .._op import CallCache, call_key, custom_op, no_grad_layout, plain_tensors
@@ -159,8 +160,9 @@ def _check_inputs(a, b, bias, activation, residual, out_dtype) -> tuple[str, tor
         raise ValueError(f"b has K = {b.shape[0]} rows but a's last dimension is {a.shape[-1]} "
                          f"(a {tuple(a.shape)}, b {tuple(b.shape)})")
     check_same_dtype(a=a, b=b)
-    if out_dtype is None:
-        out_dtype = a.dtype
+    if out_dtype is None:      # a's dtype, or promoted with the residual's (linear(...) + residual)
+        wider = isinstance(residual, torch.Tensor) and residual.dtype in FLOAT_DTYPES
+        out_dtype = torch.promote_types(a.dtype, residual.dtype) if wider else a.dtype
     elif out_dtype not in FLOAT_DTYPES:
         raise TypeError(f"out_dtype must be one of float32, float16, bfloat16; got {out_dtype}")
     act = "none" if activation is None else activation
@@ -214,10 +216,14 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     same dtype (fp16 / bf16; fp32 computed exactly, without TF32); bias ``[N]`` in a's dtype;
     activation None, "relu", "gelu", "gelu_tanh" or "silu"; residual ``[..., N]`` in the output
     dtype, added after the activation. Accumulates in fp32; returns ``[..., N]`` in ``out_dtype``
-    (default a's dtype).
+    (default a's dtype, promoted with the residual's as ``linear(...) + residual`` would: an fp32
+    residual stream beside 16-bit operands stays fp32).
+
+    Under ``torch.autocast`` a, b and bias are cast to the autocast dtype (:mod:`tilefuse._autocast`).
 
     Host path: a repeated eager call with no gradient to build takes the launch its layout and
     options got the first time, after the checks passed then (:func:`_fast_key`)."""
+    a, b, bias = autocast_inputs(a, b, bias)
     key = _fast_key(a, b, bias, activation, residual, out_dtype)
     hit = _FAST.get(key)
     if hit is not None:

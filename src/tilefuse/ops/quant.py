@@ -46,6 +46,7 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
+from .._autocast import autocast_dtype, cast_to
 from .._checks import check_same_device, check_same_dtype, check_shape, check_tensor
 from .._dispatch import rows_view, use_triton
 from .._op import CallCache, call_key, custom_op, no_grad_layout, plain_tensors
@@ -272,10 +273,13 @@ def quant_linear(x: torch.Tensor, qw: QuantizedWeight, bias: Optional[torch.Tens
 
     ``x`` ``[..., K]`` in the scales' dtype (fp32/fp16/bf16), ``bias`` ``[N]`` or None; ``y``
     ``[..., N]`` in x's dtype, fp32 accumulation. M = prod(leading dims) = 1: the FMA GEMV kernel;
-    more: the tensor-core kernel (see :func:`launch_plan`).
+    more: the tensor-core kernel (see :func:`launch_plan`). Under ``torch.autocast`` x and bias
+    are cast to the scales' dtype (the weight's dtype, fixed when it was quantized).
 
     Host path: a repeated eager call with no gradient to build (a decode step) takes the launch
     its input layout got the first time, after the checks passed then (:func:`_fast_key`)."""
+    if autocast_dtype(x) is not None and isinstance(qw, QuantizedWeight):
+        x, bias = cast_to(qw.scales.dtype, x, bias)
     key = _fast_key(x, qw, bias)
     hit = _FAST.get(key)
     if hit is not None:
