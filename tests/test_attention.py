@@ -311,6 +311,24 @@ def test_compile_fullgraph():
 
 
 @pytest.mark.parametrize("path", ["kernels", "cpu-reference"])
+def test_compiled_backward(monkeypatch, path):
+    """The backward through torch.compile's graph (the dispatcher path): the CPU reference's
+    backward builds its graph by autograd, which recorded nothing below the Autograd keys and
+    raised "element 0 of tensors does not require grad" (s37 finding)."""
+    if path == "cpu-reference":
+        if DEVICE != "cpu":
+            pytest.skip("the reference path is the CPU path")
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+    q, k, v = (_rand((1, 11, 2, 16), torch.float32, grad=True) for _ in range(3))
+    fn = torch.compile(lambda a, b, c: attention(a, b, c, causal=True), fullgraph=True, backend="aot_eager")
+    dout = torch.randn(1, 11, 2, 16, device=DEVICE)
+    grads = torch.autograd.grad(fn(q, k, v), (q, k, v), dout)
+    refs = torch.autograd.grad(attention(q, k, v, causal=True), (q, k, v), dout)
+    for g, r in zip(grads, refs):
+        assert rel_err(g, r) <= 1e-6
+
+
+@pytest.mark.parametrize("path", ["kernels", "cpu-reference"])
 def test_varlen_padded_buffers(monkeypatch, path):
     """Packed buffers with rows before cu[0] and after cu[-1] (padding): those rows get out 0,
     lse -inf and zero dq / dk / dv; the kernels left them unwritten (NaN under poison, stale

@@ -273,6 +273,7 @@ def _bad_inputs():
         (dict(good, q=torch.randn(2, 2, 4, 12)), ValueError, "head dim"),
         (dict(good, q=torch.randn(2, 2, 4, 264)), ValueError, "head dim"),
         (dict(good, k_new=good["k_new"][:, :1]), ValueError, "k_new"),
+        (dict(good, k_cache=good["k_cache"].clone().requires_grad_(True)), ValueError, "require grad"),
         (dict(good, v_new=None), ValueError, "k_new and v_new"),
         (dict(good, q=good["q"].half()), TypeError, "dtype"),
         (dict(good, k_cache=good["k_cache"][:1], v_cache=good["v_cache"][:1]), ValueError, "batch"),
@@ -349,10 +350,10 @@ def test_fast_path_keys_layouts_and_options(checked_decode):
 
 
 
-@pytest.mark.parametrize("i", range(21))
+@pytest.mark.parametrize("i", range(22))
 def test_bad_input(i):
     kwargs, exc, match = _bad_inputs()[i]
-    before = kwargs["k_cache"].clone()
+    before = kwargs["k_cache"].detach().clone()
     with pytest.raises(exc, match=match):
         attention_decode(**kwargs)
     assert torch.equal(kwargs["k_cache"].nan_to_num(), before.nan_to_num())   # raised before any write

@@ -1,5 +1,6 @@
 """tilefuse._op.FastOp: eager calls skip the dispatcher, tracing goes through it, results agree."""
 
+import pytest
 import torch
 from conftest import DEVICE
 
@@ -117,3 +118,35 @@ def test_workspace_roles_never_share_memory(monkeypatch):
     fresh = _dispatch.workspace("role_a", ((3, 5),), torch.float32, torch.device(DEVICE))
     assert fresh[0].isnan().all()
     _dispatch.clear_workspaces()
+
+
+def test_forward_mode_ad_raises():
+    """Dual tensors (torch.autograd.forward_ad): the kernels have no JVP and the tangent vanished
+    from the output, on the direct path, the fast paths and the dispatcher alike (s38 audit)."""
+    import torch.autograd.forward_ad as fwAD
+
+    from tilefuse.ops.matmul import _matmul_fwd_op
+
+    a, b = torch.randn(4, 8, device=DEVICE), torch.randn(8, 5, device=DEVICE)
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(a, torch.randn_like(a))
+        calls = [lambda: tilefuse.matmul(dual, b), lambda: tilefuse.matmul(dual, b),      # checked, then cached
+                 lambda: tilefuse.rms_norm(dual), lambda: tilefuse.softmax(dual),
+                 lambda: _matmul_fwd_op.op(dual, b, None, None, "none", torch.float32, False)]
+        for call in calls:
+            with pytest.raises(NotImplementedError, match="forward-mode AD"):
+                call()
+        assert torch.equal(tilefuse.matmul(a, b), tilefuse.matmul(a, b))      # no tangent: runs
+
+
+def test_meta_tensors_repeat():
+    """Meta tensors take the reference path (shapes only); the fast-path key said "the Triton path
+    runs" for any device under the interpreter, so a repeated call launched the cached kernel on
+    meta tensors ("Cannot copy out of meta tensor", s38 audit)."""
+    a, b = torch.randn(6, 8, device="meta"), torch.randn(8, 5, device="meta")
+    cos, sin = tilefuse.rope_cos_sin_table(4, 8, device="meta")
+    q = torch.randn(1, 4, 2, 8, device="meta")
+    for _ in range(2):
+        assert tilefuse.matmul(a, b).shape == (6, 5)
+        assert tilefuse.rms_norm(a).shape == (6, 8)
+        assert tilefuse.rope(q, q.clone(), cos, sin)[0].shape == (1, 4, 2, 8)

@@ -464,9 +464,13 @@ def test_param_groups_from_generators_match_torch(named):
 
 
 @pytest.mark.gpu
-def test_cuda_graph_capture_matches_eager_torch():
+@pytest.mark.parametrize("evict", [False, True])
+def test_cuda_graph_capture_matches_eager_torch(evict):
     """step() captured in a CUDA graph (device steps, tensor lr changed between replays) follows
-    torch.optim.AdamW(capturable=True) run eagerly."""
+    torch.optim.AdamW(capturable=True) run eagerly. ``evict``: between capture and replay, 20
+    other optimizers of the same sizes step (more than the table cache holds): the captured
+    pointer tables must outlive their cache entries, or a replay reads freed memory that the
+    others' tables now occupy and updates their params (s38 audit)."""
     ours, theirs = _twin_params([(4097,), (33, 65), (1,)], device="cuda")
     lr, ref_lr = torch.tensor(1e-2, device="cuda"), torch.tensor(1e-2, device="cuda")
     opt = AdamW(ours, lr=lr, capturable=True, weight_decay=0.1)
@@ -485,6 +489,13 @@ def test_cuda_graph_capture_matches_eager_torch():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         opt.step()
+    others = []
+    for _ in range(20 if evict else 0):
+        params = [torch.nn.Parameter(torch.randn(p.shape, device="cuda")) for p in ours]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        AdamW(params, lr=1e-2).step()
+        others.append((params, [p.detach().clone() for p in params]))
     for step in range(5):
         new = [torch.randn_like(g) for g in static_grads]
         for g, n_, q in zip(static_grads, new, theirs):
@@ -496,6 +507,8 @@ def test_cuda_graph_capture_matches_eager_torch():
         ref.step()
     torch.cuda.synchronize()
     _assert_close(ours, theirs, opt, ref)
+    for params, after_their_step in others:        # the replays never touched them
+        assert all(torch.equal(p, q) for p, q in zip(params, after_their_step))
 
 
 @pytest.mark.gpu

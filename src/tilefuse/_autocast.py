@@ -21,14 +21,13 @@ the casts are ordinary autograd ops, and torch.compile traces them (``is_autocas
   of them to fp32, twice the bytes); a norm's or bias_act's parameter may be fp32 beside a 16-bit
   input.
 
-Inside every op's implementation and backward autocast is off (:func:`autocast_off`): the
+Inside every op's implementation and backward autocast is off (:func:`autocast_disabled`): the
 reference path's fp32 math and any torch op a launcher calls run in the dtypes written there.
 """
 
 from __future__ import annotations
 
-import functools
-from typing import Callable
+import contextlib
 
 import torch
 
@@ -61,13 +60,15 @@ def autocast_inputs(*tensors):
     return cast_to(autocast_dtype(tensors[0]), *tensors)
 
 
-def autocast_off(fn: Callable) -> Callable:
-    """``fn`` run with autocast disabled on every device type when any is enabled (an op's
-    implementation or backward: its dtypes are the ones it writes)."""
-    @functools.wraps(fn)
-    def run(*args, **kwargs):
-        if not torch._C._is_any_autocast_enabled():
-            return fn(*args, **kwargs)
-        with torch.autocast("cuda", enabled=False), torch.autocast("cpu", enabled=False):
-            return fn(*args, **kwargs)
-    return run
+def autocast_disabled():
+    """A context with autocast off on every device type (an op's implementation or backward runs in
+    it when any autocast is on: its dtypes are the ones it writes)."""
+    return _Disabled()
+
+
+class _Disabled(contextlib.ExitStack):
+    def __enter__(self):
+        super().__enter__()
+        self.enter_context(torch.autocast("cuda", enabled=False))
+        self.enter_context(torch.autocast("cpu", enabled=False))
+        return self

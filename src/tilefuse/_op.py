@@ -15,12 +15,14 @@ FakeTensor, functionalization or any other dispatch mode is active, the direct p
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any, Callable
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 
-from ._autocast import autocast_off
+from ._autocast import autocast_disabled
 from ._dispatch import interpreting
 
 _is_functorch_wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
@@ -87,11 +89,57 @@ def once_differentiable(backward: Callable) -> Callable:
     return wrapper
 
 
+def _cuda_index(args) -> int:
+    """The CUDA device index of the first tensor among ``args`` (looking into lists), -1 when it
+    is not on a GPU or there is none."""
+    for a in args:
+        if type(a) is list or type(a) is tuple:
+            for t in a:
+                if isinstance(t, torch.Tensor):
+                    return t.get_device()
+        elif isinstance(a, torch.Tensor):
+            return a.get_device()
+    return -1
+
+
+def _reject_tangents(args) -> None:
+    """Forward-mode AD (``torch.autograd.forward_ad`` dual tensors): the kernels have no JVP, and
+    the tangent used to vanish from the output without a word (s38 audit). Raise instead."""
+    for t in _tensors(args):
+        if _forward_ad.unpack_dual(t).tangent is not None:
+            raise NotImplementedError(
+                "tilefuse ops do not support forward-mode AD (an input is a dual tensor with a tangent); "
+                "use torch's ops under torch.autograd.forward_ad / torch.func.jvp")
+
+
+def op_impl(fn: Callable) -> Callable:
+    """``fn`` (an op's implementation or backward) as it must run: on its tensors' GPU, and with
+    autocast off (its dtypes are the ones it writes; :mod:`tilefuse._autocast`).
+
+    Triton launches on the *current* device and stream, and the workspaces are keyed by the
+    tensors' device: tensors on cuda:1 while cuda:0 is current would launch on the wrong GPU. The
+    common case costs two cheap queries (no context switch)."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        if _forward_ad._current_level >= 0:
+            _reject_tangents(args)
+        index = _cuda_index(args)
+        if index >= 0 and index != torch._C._cuda_getDevice():
+            with torch.cuda.device(index):
+                return run(*args, **kwargs)
+        if torch._C._is_any_autocast_enabled():
+            with autocast_disabled():
+                return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+    return run
+
+
 def direct_eager(x) -> bool:
     """An eager call whose first tensor is ``x`` may skip the dispatcher: ``x`` is a plain tensor,
     nothing traces, no functorch transform (vmap / grad) is active. The ops' cached fast paths
     (``quant_linear``, ``attention_decode``, the norms, ``matmul``) start here."""
     return (type(x) is torch.Tensor and not _tracing() and not torch._C._are_functorch_transforms_active()
+            and _forward_ad._current_level < 0
             and not (_is_functorch_wrapped is not None and _is_functorch_wrapped(x)))
 
 
@@ -127,7 +175,11 @@ def call_key(layout: tuple | None, options: tuple) -> tuple | None:
     if layout is None:
         return None
     device = layout[0][4]
-    return layout, tuple([_typed(o) for o in options]), device.type == "cuda" or interpreting()
+    if device.type == "cuda":
+        if device.index != torch._C._cuda_getDevice():
+            return None          # another GPU than the current one: the checked path guards it
+        return layout, tuple([_typed(o) for o in options]), True
+    return layout, tuple([_typed(o) for o in options]), device.type == "cpu" and interpreting()
 
 
 def _typed(option):
@@ -202,7 +254,7 @@ class FastOp:
         tensors: for ops with side outputs (a norm's mean/rstd) each zero-fill is a launch and
         ~tens of µs of host time per backward. Such a ``backward`` must accept both forms,
         since the traced path still materializes."""
-        backward = autocast_off(backward)     # its dtypes are the ones it writes (see _autocast)
+        backward = op_impl(backward)
         self.op.register_autograd(backward, setup_context=setup_context)
         impl = self.op._init_fn
 
@@ -250,12 +302,12 @@ class FastOp:
 
 def custom_op(name: str, *, mutates_args, **kwargs) -> Callable[[Callable], FastOp]:
     """``torch.library.custom_op`` returning a :class:`FastOp` (same arguments). The implementation
-    runs with autocast off (:func:`tilefuse._autocast.autocast_off`); the schema is inferred from
-    ``fn`` itself (its annotations resolve in its own module)."""
+    runs as :func:`op_impl` has it; the schema is inferred from ``fn`` itself (its annotations
+    resolve in its own module)."""
 
     def wrap(fn: Callable) -> FastOp:
         schema = kwargs.pop("schema", None) or torch.library.infer_schema(fn, mutates_args=mutates_args)
-        op = torch.library.custom_op(name, autocast_off(fn), mutates_args=mutates_args, schema=schema, **kwargs)
+        op = torch.library.custom_op(name, op_impl(fn), mutates_args=mutates_args, schema=schema, **kwargs)
         return FastOp(op, mutates_args)
 
     return wrap

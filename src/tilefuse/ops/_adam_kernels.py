@@ -242,12 +242,19 @@ _layout_cache: collections.OrderedDict = collections.OrderedDict()
 _pointer_cache: collections.OrderedDict = collections.OrderedDict()
 
 
+# Tables a CUDA graph captured a launch with: a replay reads them by address, long after the LRU
+# may have evicted (and freed) its entry, so they are kept for the process (a few KB each).
+_captured_tables: dict = {}
+
+
 def _cached(cache: collections.OrderedDict, key, build):
     """LRU lookup. Entries are pure functions of their key (addresses and sizes), so a hit is
     always right, even if the tensors that produced it are gone and others now sit there."""
     hit = cache.get(key)
     if hit is not None:
         cache.move_to_end(key)
+        if device_is_capturing(key[0]):
+            _captured_tables[key] = hit
         return hit
     if device_is_capturing(key[0]):
         raise RuntimeError(

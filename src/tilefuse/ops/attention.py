@@ -19,6 +19,7 @@ with ragged=1 the lengths of :func:`varlen_lengths` (include 0 and 1).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -73,11 +74,27 @@ def _reference_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, window_left, wind
                                       softcap=softcap, scale=scale, return_lse=True)
 
 
+@contextlib.contextmanager
+def _autograd_recording():
+    """Autograd records again inside a custom op's implementation. Called through the dispatcher
+    (torch.compile's graphs, tensor subclasses) the implementation runs below the Autograd keys,
+    so ``enable_grad`` alone builds no graph there (the CPU path's backward under torch.compile
+    raised "element 0 of tensors does not require grad"); the eager direct path needs nothing."""
+    key = torch._C.DispatchKey.AutogradFunctionality
+    excluded = torch._C._dispatch_tls_is_dispatch_key_excluded(key)
+    torch._C._dispatch_tls_set_dispatch_key_excluded(key, False)
+    try:
+        with torch.enable_grad():
+            yield
+    finally:
+        torch._C._dispatch_tls_set_dispatch_key_excluded(key, excluded)
+
+
 def _reference_bwd(do, q, k, v, cu_seqlens_q, cu_seqlens_k, scale, window_left, window_right, softcap):
     """(dq, dk, dv) by autograd through the reference, in fp32 math (fp64 for fp64 inputs)."""
     wide = torch.float64 if q.dtype == torch.float64 else torch.float32
     leaves = [t.detach().to(wide).requires_grad_(True) for t in (q, k, v)]
-    with torch.enable_grad():
+    with _autograd_recording():
         out, _ = _reference_fwd(*leaves, cu_seqlens_q, cu_seqlens_k, scale, window_left, window_right, softcap)
         grads = torch.autograd.grad(out, leaves, do.to(wide), allow_unused=True)
     return tuple((torch.zeros_like(t) if g is None else g).to(t.dtype) for g, t in zip(grads, (q, k, v)))

@@ -415,6 +415,10 @@ def _check_inputs(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
             raise ValueError(f"{name} must be contiguous in its last dimension (stride {c.stride()})")
     check_shape("v_cache", v_cache, k_cache.shape, "k_cache's shape")
     check_same_dtype(q=q, k_cache=k_cache, v_cache=v_cache)
+    if k_new is not None and torch.is_grad_enabled() and (k_cache.requires_grad or v_cache.requires_grad):
+        # torch's own in-place ops refuse this; the append wrote silently (s38 audit)
+        raise ValueError("k_cache / v_cache require grad: attention_decode appends k_new / v_new into them in "
+                         "place and has no gradient; detach the caches or call it under torch.no_grad()")
     h_kv = k_cache.shape[2]
     if k_cache.shape[3] != d:
         raise ValueError(f"k_cache: head dim {k_cache.shape[3]} differs from q's {d}")
