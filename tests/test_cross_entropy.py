@@ -503,3 +503,69 @@ def test_hypothesis(n_rows, n_cols, reduction, label_smoothing, z_loss, softcap,
     logits = torch.randn(n_rows, n_cols, device=DEVICE) * scale
     _check(logits, _targets(n_rows, n_cols), inplace=inplace, reduction=reduction,
            label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap, defer_grad=defer)
+
+
+def _head_and_target():
+    h = torch.randn(6, 16, device=DEVICE, requires_grad=True)
+    w = torch.randn(40, 16, device=DEVICE, requires_grad=True)
+    return h, w, torch.randint(0, 40, (6,), device=DEVICE)
+
+
+@pytest.mark.parametrize("kwargs", [{"logits_inplace_grad": True}, {"logits_inplace_grad": True, "defer_grad": True}])
+def test_selective_checkpoint_with_inplace_modes(kwargs):
+    """Selective activation checkpointing caches the ops it saves: the cached in-place op never
+    re-ran on recompute, and the saved "gradient" was the recomputed logits (dh off by 169, s38
+    audit). Under a dispatch mode the buffered mode runs instead."""
+    import functools
+
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    def policy(ctx, op, *args, **kw):
+        return CheckpointPolicy.MUST_SAVE if "tilefuse" in str(op) else CheckpointPolicy.PREFER_RECOMPUTE
+
+    h, w, target = _head_and_target()
+    loss = checkpoint(lambda h, w: cross_entropy(h @ w.t(), target, **kwargs), h, w, use_reentrant=False,
+                      context_fn=functools.partial(create_selective_checkpoint_contexts, policy))
+    grads = torch.autograd.grad(loss, (h, w))
+    ref = F.cross_entropy(h.double() @ w.double().t(), target)
+    refs = torch.autograd.grad(ref, (h, w))
+    assert rel_err(loss, ref) <= 1e-6
+    for g, r in zip(grads, refs):
+        assert rel_err(g, r) <= 1e-5
+
+
+@pytest.mark.parametrize("strict", [True, False])
+@pytest.mark.parametrize("defer", [False, True])
+def test_exported_module_trains(strict, defer):
+    """torch.export of a module whose loss is cross_entropy: strict export ran the autograd.Function
+    with grad off, so the loss's gradient was silently missing (non-strict raised); the ops now
+    carry their autograd themselves (s38 audit)."""
+    class Head(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(16, 40, device=DEVICE)
+
+        def forward(self, h, target):
+            return cross_entropy(self.proj(h), target, defer_grad=defer)
+
+    h, _, target = _head_and_target()
+    model = Head()
+    exported = torch.export.export(model, (h.detach(), target), strict=strict).module()
+    exported(h.detach(), target).backward()
+    got = dict(exported.named_parameters())["proj.weight"].grad
+    ref = F.cross_entropy(F.linear(h.detach().double(), model.proj.weight.double(), model.proj.bias.double()), target)
+    (want,) = torch.autograd.grad(ref, model.proj.weight)
+    assert got is not None and rel_err(got, want) <= 1e-5
+
+
+def test_per_row_losses_can_be_edited_in_place():
+    """reduction='none' in fp32 returned a view made inside the op: masked_fill_ on it raised
+    (torch allows it)."""
+    logits = torch.randn(5, 30, device=DEVICE, requires_grad=True)
+    target = torch.randint(0, 30, (5,), device=DEVICE)
+    loss = cross_entropy(logits, target, reduction="none")
+    loss.masked_fill_(target < 10, 0.0)
+    (g,) = torch.autograd.grad(loss.sum(), logits)
+    ref = F.cross_entropy(logits.double(), target, reduction="none").masked_fill(target < 10, 0.0)
+    (r,) = torch.autograd.grad(ref.sum(), logits)
+    assert rel_err(loss, ref) <= 1e-6 and rel_err(g, r) <= 1e-5

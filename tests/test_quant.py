@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from tilefuse.ops import _quant_kernels as quant_kernels
 from tilefuse.ops import _quant_plan as quant_plan
 from tilefuse.ops import quant   # registers int4_gemm / int8_gemm (until ops/__init__ imports it)
-from tilefuse.ops.quant import dequantize_weight, quant_linear, quantize_weight, unpack_int4
+from tilefuse.ops.quant import dequantize_weight, quant_linear, quant_linear_reference, quantize_weight, unpack_int4
 from tilefuse.quantization import QuantLinear, quantize
 from tilefuse.testing import rel_err
 
@@ -944,3 +944,18 @@ def test_llama_logit_error(fmt, max_err, record_property):
     print(f"\n{report}\nlogit rel err {err:.4f}, top-1 agreement {top1:.3f}")
     # top-1 is printed, not asserted: a randomly initialized model's logits are nearly tied
     assert math.isfinite(err) and err <= max_err
+
+
+def test_output_can_be_edited_in_place():
+    """The Triton path returned a view of the op's own [M, N] buffer: an in-place edit of y raised
+    under autograd (the reference path allowed it; s38 audit)."""
+    w = torch.randn(24, 64, device=DEVICE)
+    x = torch.randn(2, 3, 64, device=DEVICE, requires_grad=True)
+    bias = torch.randn(24, device=DEVICE, requires_grad=True)
+    qw = quantize_weight(w, 4, 32)
+    y = quant_linear(x, qw, bias)
+    y.mul_(2.0)
+    (gx,) = torch.autograd.grad(y.sum(), x)
+    ref = 2.0 * quant_linear_reference(x.double(), qw, bias.double())
+    (rx,) = torch.autograd.grad(ref.sum(), x)
+    assert y.shape == (2, 3, 24) and rel_err(y, ref) <= 1e-5 and rel_err(gx, rx) <= 1e-5

@@ -264,8 +264,8 @@ def mean_scale(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
 
 
 def reduce_loss_rows(loss_rows, scale, reduction, shape, dtype):
-    if reduction == "none":
-        return loss_rows.reshape(shape).to(dtype)
+    if reduction == "none":       # a copy, never a view of the rows: callers may edit it in place
+        return loss_rows.reshape(shape).to(dtype, copy=True)
     total = loss_rows.sum()
     return (total if reduction == "sum" else total * scale[0]).to(dtype)
 
@@ -450,44 +450,86 @@ def saved_grads_for_backward(ctx, grads: list, applied: torch.Tensor, grad_outpu
     return fresh
 
 
-class _CrossEntropyFunction(torch.autograd.Function):
-    # a torch.autograd.Function rather than register_autograd: the in-place mode mutates logits,
-    # and register_autograd only takes functional ops; the kernels still run as custom ops
+def _ce_setup_context(ctx, inputs, output):
+    """The default mode: the gradient the forward wrote (for grad_output 1), scaled by the backward."""
+    reduction = inputs[6]
+    loss, grad = output
+    n_scales = loss.numel() if reduction == "none" else 1
+    ctx.save_for_backward(grad, torch.ones(n_scales, dtype=torch.float32, device=grad.device))
+
+
+def _ce_backward(ctx, grad_loss, _grad):
+    grad, applied = ctx.saved_tensors
+    return (saved_grads_for_backward(ctx, [grad], applied, grad_loss)[0],) + (None,) * 8
+
+
+# registered on the ops themselves (not only an autograd.Function around them), so torch.export's
+# graphs and every dispatcher path keep the gradient (s38 audit: strict export dropped it silently);
+# the gradient output is never differentiated: no [T, V] zero-fill for it
+_ce_fwd_op.register_autograd(_ce_backward, setup_context=_ce_setup_context, materialize_grads=False)
+
+
+def _ce_stats_setup_context(ctx, inputs, output):
+    """defer_grad: the logits and the forward's row statistics, the gradient written in the backward."""
+    logits, target, ignore_index, label_smoothing, z_loss, softcap, reduction, _check = inputs
+    ctx.args = (ignore_index, label_smoothing, z_loss, softcap, reduction)
+    ctx.save_for_backward(logits, target, output[1])
+
+
+def _ce_stats_backward(ctx, grad_loss, _stats):
+    logits, target, stats = ctx.saved_tensors
+    return (_ce_bwd_op(logits, target, stats, grad_loss, *ctx.args),) + (None,) * 7
+
+
+_ce_fwd_stats_op.register_autograd(_ce_stats_backward, setup_context=_ce_stats_setup_context,
+                                   materialize_grads=False)
+
+
+class _InplaceCrossEntropy(torch.autograd.Function):
+    # the in-place modes only: they mutate logits, and register_autograd takes functional ops; the
+    # kernels still run as custom ops
     @staticmethod
-    def forward(ctx, logits, target, ignore_index, label_smoothing, z_loss, softcap, reduction, write_grad,
-                inplace, check, defer):
+    def forward(ctx, logits, target, ignore_index, label_smoothing, z_loss, softcap, reduction, check, defer):
         args = (ignore_index, label_smoothing, z_loss, softcap, reduction)
-        ctx.deferred = write_grad and defer
-        if ctx.deferred:
+        ctx.deferred = defer
+        if defer:
             loss, stats = _ce_fwd_stats_op(logits, target, *args, check)
-            ctx.args, ctx.inplace = args, inplace
+            ctx.args = args
             ctx.save_for_backward(logits, target, stats)
             return loss
-        if write_grad and inplace:
-            loss = _ce_fwd_inplace_op(logits, target, *args, check)
-            grad = logits.detach()
-        else:
-            loss, grad = _ce_fwd_op(logits, target, *args, write_grad, check)
+        loss = _ce_fwd_inplace_op(logits, target, *args, check)
         n_scales = loss.numel() if reduction == "none" else 1
-        applied = torch.ones(n_scales, dtype=torch.float32, device=logits.device)
-        ctx.save_for_backward(grad, applied)
+        ctx.save_for_backward(logits.detach(), torch.ones(n_scales, dtype=torch.float32, device=logits.device))
         return loss
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_loss):
-        nones = (None,) * 10
+        nones = (None,) * 8
         if ctx.deferred:
             logits, target, stats = ctx.saved_tensors
             # logits become their gradient (a second backward then raises: version); not in a
             # traced backward: AOT autograd copies a backward's mutation of a forward input back
             # into it, and logits is a leaf that requires grad (it raises, seen on the H200)
-            if ctx.inplace and not torch.compiler.is_compiling():
+            if not torch.compiler.is_compiling():
                 _ce_bwd_inplace_op(logits, target, stats, grad_loss, *ctx.args)
                 return (logits.detach(),) + nones
             return (_ce_bwd_op(logits, target, stats, grad_loss, *ctx.args),) + nones
         grad, applied = ctx.saved_tensors
         return (saved_grads_for_backward(ctx, [grad], applied, grad_loss)[0],) + nones
+
+
+_is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
+
+
+def _inplace_allowed() -> bool:
+    """The in-place modes run eagerly and under torch.compile; under another dispatch mode
+    (selective activation checkpointing caches op results: the cached in-place op never re-ran,
+    and the saved "gradient" was the recomputed logits, s38 audit) and under torch.export the
+    buffered modes run instead (same values)."""
+    if _is_exporting():
+        return False
+    return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() == 0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -550,11 +592,14 @@ def cross_entropy(
     check_ce_options(ignore_index, label_smoothing, z_loss, softcap, reduction)
     # no gradient wanted (no_grad, eval, frozen logits): loss only, logits left alone
     write_grad = logits.requires_grad and torch.is_grad_enabled()
+    args = (ignore_index, float(label_smoothing), float(z_loss), None if softcap is None else float(softcap),
+            reduction)
     # the in-place mode needs logits' own rows; other layouts take the buffered path
-    inplace = bool(logits_inplace_grad) and logits.is_contiguous()
-    return _CrossEntropyFunction.apply(logits, target, ignore_index, float(label_smoothing), float(z_loss),
-                                       None if softcap is None else float(softcap), reduction, write_grad,
-                                       inplace, bool(check_targets), bool(defer_grad))
+    if write_grad and logits_inplace_grad and logits.is_contiguous() and _inplace_allowed():
+        return _InplaceCrossEntropy.apply(logits, target, *args, bool(check_targets), bool(defer_grad))
+    if write_grad and defer_grad:
+        return _ce_fwd_stats_op(logits, target, *args, bool(check_targets))[0]
+    return _ce_fwd_op(logits, target, *args, write_grad, bool(check_targets))[0]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -187,9 +187,8 @@ def quant_linear_reference(x: torch.Tensor, qw: QuantizedWeight, bias: Optional[
 @custom_op("tilefuse::quant_linear", mutates_args=())
 def _quant_linear_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
                      bias: Optional[torch.Tensor], bits: int, group_size: int) -> torch.Tensor:
-    n = scales.shape[0]
-    if use_triton(x):
-        return launch(rows_view(x), qweight, scales, zeros, bias, bits, group_size).view(*x.shape[:-1], n)
+    if use_triton(x):           # x is [M, K] (the public function reshapes: no view returned)
+        return launch(rows_view(x), qweight, scales, zeros, bias, bits, group_size)
     return quant_linear_reference(x, _as_qw(qweight, scales, zeros, bits, group_size), bias).contiguous()
 
 
@@ -300,7 +299,10 @@ def quant_linear(x: torch.Tensor, qw: QuantizedWeight, bias: Optional[torch.Tens
     check_same_device(x=x, **{"qw.qweight": qw.qweight, "qw.scales": qw.scales, "qw.zeros": qw.zeros}, bias=bias)
     scales = qw.scales.contiguous()
     zeros = qw.zeros.contiguous() if qw.zeros is not None else None
-    y = _quant_linear_op(x, qw.qweight.contiguous(), scales, zeros, bias, qw.bits, qw.group_size or 0)
+    # [M, K] into the op, the leading dims restored outside it: an op's output that is a view of
+    # its own buffer cannot be edited in place by the caller (autograd refuses; s38 audit)
+    y = _quant_linear_op(x.reshape(-1, k), qw.qweight.contiguous(), scales, zeros, bias, qw.bits,
+                         qw.group_size or 0).view(*x.shape[:-1], n)
     if key is not None:
         _remember(key, x, qw, bias)
     return y
