@@ -89,6 +89,11 @@ def once_differentiable(backward: Callable) -> Callable:
     return wrapper
 
 
+# More than one GPU visible: only then can a tensor sit on a device other than the current one
+# (counted once: torch.cuda.device_count does not initialize CUDA)
+SEVERAL_GPUS = torch.cuda.is_available() and torch.cuda.device_count() > 1
+
+
 def _cuda_index(args) -> int:
     """The CUDA device index of the first tensor among ``args`` (looking into lists), -1 when it
     is not on a GPU or there is none."""
@@ -118,15 +123,16 @@ def op_impl(fn: Callable) -> Callable:
 
     Triton launches on the *current* device and stream, and the workspaces are keyed by the
     tensors' device: tensors on cuda:1 while cuda:0 is current would launch on the wrong GPU. The
-    common case costs two cheap queries (no context switch)."""
+    common case costs a few flag reads (no device query at all with one GPU)."""
     @functools.wraps(fn)
     def run(*args, **kwargs):
         if _forward_ad._current_level >= 0:
             _reject_tangents(args)
-        index = _cuda_index(args)
-        if index >= 0 and index != torch._C._cuda_getDevice():
-            with torch.cuda.device(index):
-                return run(*args, **kwargs)
+        if SEVERAL_GPUS:
+            index = _cuda_index(args)
+            if index >= 0 and index != torch._C._cuda_getDevice():
+                with torch.cuda.device(index):
+                    return run(*args, **kwargs)
         if torch._C._is_any_autocast_enabled():
             with autocast_disabled():
                 return fn(*args, **kwargs)
@@ -176,7 +182,7 @@ def call_key(layout: tuple | None, options: tuple) -> tuple | None:
         return None
     device = layout[0][4]
     if device.type == "cuda":
-        if device.index != torch._C._cuda_getDevice():
+        if SEVERAL_GPUS and device.index != torch._C._cuda_getDevice():
             return None          # another GPU than the current one: the checked path guards it
         return layout, tuple([_typed(o) for o in options]), True
     return layout, tuple([_typed(o) for o in options]), device.type == "cpu" and interpreting()

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .._autocast import autocast_inputs
+from .._autocast import autocast_inputs, autocast_on
 from .._checks import FLOAT_DTYPES
 from ..ops.attention import MAX_HEAD_DIM, _dense
 from ..ops._attention_common import normalize_scale
@@ -63,7 +63,8 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     semantics as ``torch.nn.functional.scaled_dot_product_attention`` (``is_causal`` top-left
     aligned); unsupported cases run torch's SDPA (module docstring). Under ``torch.autocast``
     query, key and value are cast to its dtype, as torch's SDPA casts them."""
-    query, key, value = autocast_inputs(query, key, value)
+    if autocast_on():
+        query, key, value = autocast_inputs(query, key, value)
     if not _kernel_covers(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa):
         return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                                               is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .._autocast import autocast_inputs
+from .._autocast import autocast_inputs, autocast_on
 from .._checks import check_same_device, check_same_dtype, check_tensor
 from .._dispatch import use_triton
 from .._op import custom_op
@@ -310,7 +310,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     float32 log-sum-exp ``[B, H_q, S_q]`` (-inf for rows that see no key; it has no gradient).
     ``deterministic`` makes the backward avoid atomics. fp16, bf16 and fp32 (fp32 math inside);
     under ``torch.autocast`` q, k and v are cast to its dtype first, as SDPA's are."""
-    q, k, v = autocast_inputs(q, k, v)
+    if autocast_on():
+        q, k, v = autocast_inputs(q, k, v)
     _check_qkv(q, k, v, 4, "[B, S, H, D]")
     _check_flags(return_lse=return_lse, deterministic=deterministic)
     left, right = _bounds(causal, window)
@@ -347,7 +348,8 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     against the tensors and these bounds (:func:`check_cu_seqlens_values`: a ValueError on the
     CPU; on a GPU a queued device assertion, no sync). Causal and windows apply per sequence.
     lse is ``[H_q, total_q]``. Autocast as in :func:`attention`."""
-    q, k, v = autocast_inputs(q, k, v)
+    if autocast_on():
+        q, k, v = autocast_inputs(q, k, v)
     _check_qkv(q, k, v, 3, "[total, H, D]")
     _check_cu_seqlens(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     _check_flags(return_lse=return_lse, deterministic=deterministic)

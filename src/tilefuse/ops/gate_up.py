@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .._autocast import autocast_inputs
+from .._autocast import autocast_inputs, autocast_on
 from .._checks import check_same_device, check_same_dtype, check_tensor
 from .._dispatch import use_triton
 from .._op import custom_op
@@ -146,7 +146,8 @@ def swiglu_linear(x: torch.Tensor, w_gate_up: torch.Tensor, activation: str = "s
     x ``[..., H]``; fp16 / bf16 (fp32 computed without TF32); activation "silu" (SwiGLU), "gelu"
     or "gelu_tanh" (GeGLU). Accumulates in fp32; returns ``[..., I]`` in x's dtype (under
     ``torch.autocast`` x and w_gate_up are cast to its dtype first, as ``linear``'s are)."""
-    x, w_gate_up = autocast_inputs(x, w_gate_up)
+    if autocast_on():
+        x, w_gate_up = autocast_inputs(x, w_gate_up)
     _check_inputs(x, w_gate_up, activation)
     lead, (two_i, h) = x.shape[:-1], w_gate_up.shape
     x2 = x.reshape(-1, h) if h else x.reshape(lead.numel(), 0)

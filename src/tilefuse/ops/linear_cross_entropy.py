@@ -40,7 +40,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .._autocast import autocast_inputs
+from .._autocast import autocast_inputs, autocast_on
 from .._checks import check_same_device, check_same_dtype, check_shape, check_tensor
 from .._dispatch import empty, is_hopper
 from .._op import custom_op
@@ -331,7 +331,8 @@ def linear_cross_entropy(
 
     Under ``torch.autocast`` hidden, weight and bias are cast to its dtype first (the linear
     torch would autocast); the loss then has that dtype (torch's would be fp32)."""
-    hidden, weight, bias = autocast_inputs(hidden, weight, bias)
+    if autocast_on():
+        hidden, weight, bias = autocast_inputs(hidden, weight, bias)
     check_tensor("hidden", hidden, min_dim=1)
     check_tensor("weight", weight)
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:

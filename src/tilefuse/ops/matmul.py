@@ -27,7 +27,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .._autocast import autocast_inputs
+from .._autocast import autocast_inputs, autocast_on
 from .._checks import FLOAT_DTYPES, check_same_device, check_same_dtype, check_shape, check_tensor
 from .._dispatch import use_triton
 from .._op import CallCache, call_key, custom_op, no_grad_layout, plain_tensors
@@ -223,7 +223,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
 
     Host path: a repeated eager call with no gradient to build takes the launch its layout and
     options got the first time, after the checks passed then (:func:`_fast_key`)."""
-    a, b, bias = autocast_inputs(a, b, bias)
+    if autocast_on():
+        a, b, bias = autocast_inputs(a, b, bias)
     key = _fast_key(a, b, bias, activation, residual, out_dtype)
     hit = _FAST.get(key)
     if hit is not None:

@@ -36,7 +36,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .._autocast import autocast_inputs
+from .._autocast import autocast_inputs, autocast_on
 from .._checks import check_same_device, check_same_dtype, check_shape, check_tensor
 from .._dispatch import cdiv, empty, use_triton
 from .._op import custom_op
@@ -246,7 +246,8 @@ def qkv_proj(x: torch.Tensor, w_qkv: torch.Tensor, num_heads: int, num_kv_heads:
     or a ``[max_pos, r]`` table indexed by position_ids). Returns contiguous
     ``q [..., num_heads, head_dim]``, ``k`` and ``v [..., num_kv_heads, head_dim]`` in x's dtype.
     Under ``torch.autocast`` x, w_qkv and bias are cast to its dtype first (the rope tables keep theirs)."""
-    x, w_qkv, bias = autocast_inputs(x, w_qkv, bias)
+    if autocast_on():
+        x, w_qkv, bias = autocast_inputs(x, w_qkv, bias)
     head_dim, rotary_dim, seq_len = _check_inputs(x, w_qkv, num_heads, num_kv_heads, head_dim, bias, cos, sin,
                                                   position_ids, interleaved, rotary_dim)
     lead, hidden = x.shape[:-1], x.shape[-1]
