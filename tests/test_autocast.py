@@ -100,10 +100,43 @@ def test_attention_casts_like_sdpa(dtype):
 
 
 @pytest.mark.parametrize("dtype", AMP_DTYPES)
-def test_linear_cross_entropy_casts_hidden_and_weight(dtype):
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_linear_cross_entropy_casts_hidden_and_weight(dtype, reduction):
+    """The linear in the autocast dtype, the loss in fp32 (torch's autocast cross-entropy's dtype),
+    not rounded through the 16-bit dtype on the way."""
     h, w = _leaves((9, 32), (70, 32))
     target = torch.randint(0, 70, (9,), device=DEVICE)
-    _same_as_cast_by_hand(lambda h, w: tilefuse.linear_cross_entropy(h, w, target), [h, w], dtype)
+    with torch.autocast(DEVICE, dtype=dtype):
+        loss = tilefuse.linear_cross_entropy(h, w, target, reduction=reduction)
+        ref = F.cross_entropy(F.linear(h, w), target, reduction=reduction)
+    assert loss.dtype == ref.dtype == torch.float32
+    h16, w16 = (t.detach().to(dtype).requires_grad_(True) for t in (h, w))
+    # the logits in the autocast dtype (as torch's linear leaves them), the loss in fp64 from them
+    exact = F.cross_entropy(F.linear(h16, w16).double(), target, reduction=reduction)
+    assert rel_err(loss, exact) <= 1e-5        # no 16-bit rounding of the loss itself (~2e-4 in fp16)
+    dy = torch.randn_like(loss)
+    grads = torch.autograd.grad(loss, (h, w), dy)
+    refs = torch.autograd.grad(exact, (h16, w16), dy.double())
+    for g, r in zip(grads, refs):
+        assert g.dtype == torch.float32 and rel_err(g, r) <= _tol(dtype)
+
+
+@pytest.mark.parametrize("dtype", AMP_DTYPES)
+@pytest.mark.parametrize("mode", [{}, {"defer_grad": True}, {"logits_inplace_grad": True}])
+def test_cross_entropy_loss_is_fp32_under_autocast(dtype, mode):
+    """16-bit logits under autocast: torch's cross-entropy returns fp32; ours too (the logits are
+    not upcast: only the loss, which the kernels compute in fp32 anyway)."""
+    logits = torch.randn(7, 50, device=DEVICE).to(dtype).requires_grad_(True)
+    target = torch.randint(0, 50, (7,), device=DEVICE)
+    with torch.autocast(DEVICE, dtype=dtype):
+        ref = F.cross_entropy(logits.double(), target)
+        loss = tilefuse.cross_entropy(logits * 1, target, **mode)
+        assert F.cross_entropy(logits, target).dtype == torch.float32
+    assert loss.dtype == torch.float32 and rel_err(loss, ref) <= 1e-6
+    (g,) = torch.autograd.grad(loss, logits)
+    (r,) = torch.autograd.grad(ref, logits)
+    assert g.dtype == dtype and rel_err(g, r) <= _tol(dtype)
+    assert tilefuse.cross_entropy(logits, target).dtype == dtype          # outside autocast: logits' dtype
 
 
 @pytest.mark.parametrize("dtype", AMP_DTYPES)
@@ -158,7 +191,7 @@ def test_row_ops_keep_their_dtype_and_answer(dtype):
     target = torch.randint(0, 40, (6,), device=DEVICE)
     ops = [lambda: tilefuse.softmax(x, -1), lambda: tilefuse.rms_norm(x, (40,), w),
            lambda: tilefuse.layer_norm(x, (40,), w, w), lambda: tilefuse.cross_entropy(x, target),
-           lambda: tilefuse.bias_act(x, w, "gelu")]
+           lambda: tilefuse.bias_act(x, w, "gelu")]          # (cross_entropy: fp32 logits, fp32 loss)
     for op in ops:
         with torch.autocast(DEVICE, dtype=dtype):
             out = op()

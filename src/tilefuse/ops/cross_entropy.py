@@ -49,6 +49,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .._autocast import autocast_dtype
 from .._checks import check_same_device, check_shape, check_tensor
 from .._dispatch import empty, rows_view, use_triton
 from .._op import custom_op, once_differentiable
@@ -276,7 +277,7 @@ def reduce_loss_rows(loss_rows, scale, reduction, shape, dtype):
 
 
 def _forward_into(logits, target, grad, ignore_index, label_smoothing, z_loss, softcap, reduction, check,
-                  stats=None):
+                  loss_dtype, stats=None):
     opts = CEOptions(ignore_index, label_smoothing, z_loss, softcap)
     x2 = rows_view(logits)
     t1 = target.reshape(-1).contiguous()   # the kernels read target[row]: unit stride
@@ -293,59 +294,61 @@ def _forward_into(logits, target, grad, ignore_index, label_smoothing, z_loss, s
     cross_entropy_rows(x2, t1, scale, loss_rows, g2, opts, stats=stats, skip_if=skip_if)
     if finish_check is not None:
         finish_check()
-    return reduce_loss_rows(loss_rows, scale, reduction, target.shape, logits.dtype)
+    return reduce_loss_rows(loss_rows, scale, reduction, target.shape, loss_dtype)
 
 
-def _loss_fake(logits, target, reduction):
+def _loss_fake(logits, target, reduction, loss_dtype):
     shape = target.shape if reduction == "none" else ()
-    return torch.empty(shape, dtype=logits.dtype, device=logits.device)
+    return torch.empty(shape, dtype=loss_dtype, device=logits.device)
 
 
 @custom_op("tilefuse::cross_entropy_fwd", mutates_args=())
 def _ce_fwd_op(logits: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float,
                z_loss: float, softcap: Optional[float], reduction: str, write_grad: bool,
-               check_targets: bool) -> tuple[torch.Tensor, torch.Tensor]:
+               check_targets: bool, loss_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     grad = empty(logits.shape, logits.dtype, logits.device) if write_grad else logits.new_empty(0)
     loss = _forward_into(logits, target, grad if write_grad else None, ignore_index, label_smoothing,
-                         z_loss, softcap, reduction, check_targets)
+                         z_loss, softcap, reduction, check_targets, loss_dtype)
     return loss, grad
 
 
 @_ce_fwd_op.register_fake
-def _(logits, target, ignore_index, label_smoothing, z_loss, softcap, reduction, write_grad, check_targets):
+def _(logits, target, ignore_index, label_smoothing, z_loss, softcap, reduction, write_grad, check_targets,
+      loss_dtype):
     grad = torch.empty(logits.shape if write_grad else (0,), dtype=logits.dtype, device=logits.device)
-    return _loss_fake(logits, target, reduction), grad
+    return _loss_fake(logits, target, reduction, loss_dtype), grad
 
 
 @custom_op("tilefuse::cross_entropy_fwd_inplace", mutates_args=("logits",))
 def _ce_fwd_inplace_op(logits: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float,
                        z_loss: float, softcap: Optional[float], reduction: str,
-                       check_targets: bool) -> torch.Tensor:
+                       check_targets: bool, loss_dtype: torch.dtype) -> torch.Tensor:
     """Like cross_entropy_fwd, but the gradient overwrites ``logits`` (contiguous)."""
     return _forward_into(logits, target, logits, ignore_index, label_smoothing, z_loss, softcap,
-                         reduction, check_targets)
+                         reduction, check_targets, loss_dtype)
 
 
 @_ce_fwd_inplace_op.register_fake
-def _(logits, target, ignore_index, label_smoothing, z_loss, softcap, reduction, check_targets):
-    return _loss_fake(logits, target, reduction)
+def _(logits, target, ignore_index, label_smoothing, z_loss, softcap, reduction, check_targets, loss_dtype):
+    return _loss_fake(logits, target, reduction, loss_dtype)
 
 
 @custom_op("tilefuse::cross_entropy_fwd_stats", mutates_args=())
 def _ce_fwd_stats_op(logits: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float,
                      z_loss: float, softcap: Optional[float], reduction: str,
-                     check_targets: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                     check_targets: bool, loss_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss, stats [3, rows] fp32): the deferred mode's forward, one read of the logits."""
     n_rows = target.numel()
     stats = empty((3, n_rows), torch.float32, logits.device)
     loss = _forward_into(logits, target, None, ignore_index, label_smoothing, z_loss, softcap, reduction,
-                         check_targets, stats=stats)
+                         check_targets, loss_dtype, stats=stats)
     return loss, stats
 
 
 @_ce_fwd_stats_op.register_fake
-def _(logits, target, ignore_index, label_smoothing, z_loss, softcap, reduction, check_targets):
-    return _loss_fake(logits, target, reduction), logits.new_empty((3, target.numel()), dtype=torch.float32)
+def _(logits, target, ignore_index, label_smoothing, z_loss, softcap, reduction, check_targets, loss_dtype):
+    return (_loss_fake(logits, target, reduction, loss_dtype),
+            logits.new_empty((3, target.numel()), dtype=torch.float32))
 
 
 def _grad_scale(target, grad_output, ignore_index, reduction):
@@ -460,7 +463,7 @@ def _ce_setup_context(ctx, inputs, output):
 
 def _ce_backward(ctx, grad_loss, _grad):
     grad, applied = ctx.saved_tensors
-    return (saved_grads_for_backward(ctx, [grad], applied, grad_loss)[0],) + (None,) * 8
+    return (saved_grads_for_backward(ctx, [grad], applied, grad_loss)[0],) + (None,) * 9
 
 
 # registered on the ops themselves (not only an autograd.Function around them), so torch.export's
@@ -471,14 +474,14 @@ _ce_fwd_op.register_autograd(_ce_backward, setup_context=_ce_setup_context, mate
 
 def _ce_stats_setup_context(ctx, inputs, output):
     """defer_grad: the logits and the forward's row statistics, the gradient written in the backward."""
-    logits, target, ignore_index, label_smoothing, z_loss, softcap, reduction, _check = inputs
+    logits, target, ignore_index, label_smoothing, z_loss, softcap, reduction, _check, _dtype = inputs
     ctx.args = (ignore_index, label_smoothing, z_loss, softcap, reduction)
     ctx.save_for_backward(logits, target, output[1])
 
 
 def _ce_stats_backward(ctx, grad_loss, _stats):
     logits, target, stats = ctx.saved_tensors
-    return (_ce_bwd_op(logits, target, stats, grad_loss, *ctx.args),) + (None,) * 7
+    return (_ce_bwd_op(logits, target, stats, grad_loss, *ctx.args),) + (None,) * 8
 
 
 _ce_fwd_stats_op.register_autograd(_ce_stats_backward, setup_context=_ce_stats_setup_context,
@@ -489,15 +492,16 @@ class _InplaceCrossEntropy(torch.autograd.Function):
     # the in-place modes only: they mutate logits, and register_autograd takes functional ops; the
     # kernels still run as custom ops
     @staticmethod
-    def forward(ctx, logits, target, ignore_index, label_smoothing, z_loss, softcap, reduction, check, defer):
+    def forward(ctx, logits, target, ignore_index, label_smoothing, z_loss, softcap, reduction, check, loss_dtype,
+                defer):
         args = (ignore_index, label_smoothing, z_loss, softcap, reduction)
         ctx.deferred = defer
         if defer:
-            loss, stats = _ce_fwd_stats_op(logits, target, *args, check)
+            loss, stats = _ce_fwd_stats_op(logits, target, *args, check, loss_dtype)
             ctx.args = args
             ctx.save_for_backward(logits, target, stats)
             return loss
-        loss = _ce_fwd_inplace_op(logits, target, *args, check)
+        loss = _ce_fwd_inplace_op(logits, target, *args, check, loss_dtype)
         n_scales = loss.numel() if reduction == "none" else 1
         ctx.save_for_backward(logits.detach(), torch.ones(n_scales, dtype=torch.float32, device=logits.device))
         return loss
@@ -505,7 +509,7 @@ class _InplaceCrossEntropy(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_loss):
-        nones = (None,) * 8
+        nones = (None,) * 9
         if ctx.deferred:
             logits, target, stats = ctx.saved_tensors
             # logits become their gradient (a second backward then raises: version); not in a
@@ -520,6 +524,12 @@ class _InplaceCrossEntropy(torch.autograd.Function):
 
 
 _is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
+
+
+def loss_dtype(logits: torch.Tensor) -> torch.dtype:
+    """The loss's dtype: the logits' (hidden's), or fp32 under autocast on their device (torch's
+    autocast runs cross-entropy in fp32; the kernels do anyway, so only the loss's dtype differs)."""
+    return torch.float32 if autocast_dtype(logits) is not None else logits.dtype
 
 
 def _inplace_allowed() -> bool:
@@ -574,7 +584,8 @@ def cross_entropy(
 ) -> torch.Tensor:
     """``F.cross_entropy(logits, target)`` over the last dim of ``logits [..., V]`` (``target
     [...]`` int64/int32), plus ``z_loss`` (z·lse² per valid row) and ``softcap`` (logits →
-    c·tanh(logits/c) first). fp32 math; the loss has logits' dtype.
+    c·tanh(logits/c) first). fp32 math; the loss has logits' dtype, or fp32 under ``torch.autocast``
+    (as torch's autocast cross-entropy returns it; the logits are not upcast, only the loss).
 
     The gradient is computed in this call. ``logits_inplace_grad=True`` writes it into ``logits``
     (which then no longer holds the logits: don't reuse them, and nothing else may have saved them
@@ -594,12 +605,13 @@ def cross_entropy(
     write_grad = logits.requires_grad and torch.is_grad_enabled()
     args = (ignore_index, float(label_smoothing), float(z_loss), None if softcap is None else float(softcap),
             reduction)
+    check = bool(check_targets)
     # the in-place mode needs logits' own rows; other layouts take the buffered path
     if write_grad and logits_inplace_grad and logits.is_contiguous() and _inplace_allowed():
-        return _InplaceCrossEntropy.apply(logits, target, *args, bool(check_targets), bool(defer_grad))
+        return _InplaceCrossEntropy.apply(logits, target, *args, check, loss_dtype(logits), bool(defer_grad))
     if write_grad and defer_grad:
-        return _ce_fwd_stats_op(logits, target, *args, bool(check_targets))[0]
-    return _ce_fwd_op(logits, target, *args, write_grad, bool(check_targets))[0]
+        return _ce_fwd_stats_op(logits, target, *args, check, loss_dtype(logits))[0]
+    return _ce_fwd_op(logits, target, *args, write_grad, check, loss_dtype(logits))[0]
 
 
 # ----------------------------------------------------------------------------------------------

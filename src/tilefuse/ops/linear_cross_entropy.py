@@ -51,6 +51,7 @@ from .cross_entropy import (
     CEOptions,
     check_ce_options,
     check_target,
+    loss_dtype,
     cross_entropy_rows,
     random_targets,
     reduce_loss_rows,
@@ -218,7 +219,7 @@ def linear_cross_entropy_reference(hidden, weight, target, bias=None, ignore_ind
 def _lce_fwd_op(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: Optional[torch.Tensor],
                 ignore_index: int, label_smoothing: float, z_loss: float, softcap: Optional[float],
                 reduction: str, need_h: bool, need_w: bool, need_b: bool, check_targets: bool,
-                chunk_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                chunk_tokens: int, loss_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, grad_hidden, grad_weight, grad_bias); a gradient not wanted (or any, for "none")
     comes back as an empty [0] tensor."""
     opts = CEOptions(ignore_index, label_smoothing, z_loss, softcap)
@@ -229,7 +230,7 @@ def _lce_fwd_op(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor
     loss_rows, gh, gw, gb = _grads_and_pass(hidden, weight, target, bias, scale, opts,
                                             need_h and in_fwd, need_w and in_fwd, need_b and in_fwd, chunk_tokens,
                                             before_targets=finish_check)
-    return reduce_loss_rows(loss_rows, scale, reduction, target.shape, hidden.dtype), gh, gw, gb
+    return reduce_loss_rows(loss_rows, scale, reduction, target.shape, loss_dtype), gh, gw, gb
 
 
 def _grad_fakes(hidden, weight, need_h, need_w, need_b):
@@ -242,9 +243,9 @@ def _grad_fakes(hidden, weight, need_h, need_w, need_b):
 
 @_lce_fwd_op.register_fake
 def _(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap, reduction, need_h, need_w,
-      need_b, check_targets, chunk_tokens):
+      need_b, check_targets, chunk_tokens, loss_dtype):
     in_fwd = reduction != "none"
-    loss = torch.empty(target.shape if not in_fwd else (), dtype=hidden.dtype, device=hidden.device)
+    loss = torch.empty(target.shape if not in_fwd else (), dtype=loss_dtype, device=hidden.device)
     return (loss, *_grad_fakes(hidden, weight, need_h and in_fwd, need_w and in_fwd, need_b and in_fwd))
 
 
@@ -269,7 +270,7 @@ def _(hidden, weight, target, bias, grad_rows, ignore_index, label_smoothing, z_
 
 def _setup_context(ctx, inputs, output):
     (hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap, reduction,
-     need_h, need_w, need_b, _check, chunk_tokens) = inputs
+     need_h, need_w, need_b, _check, chunk_tokens, _dtype) = inputs
     ctx.options = (ignore_index, label_smoothing, z_loss, softcap)
     ctx.chunk_tokens = chunk_tokens
     ctx.needs = (need_h, need_w, need_b)
@@ -290,8 +291,7 @@ def _backward(ctx, grad_loss, _gh, _gw, _gb):
     else:
         gh, gw, gb, applied = ctx.saved_tensors
         gh, gw, gb = saved_grads_for_backward(ctx, [gh, gw, gb], applied, grad_loss)
-    return (gh if need_h else None, gw if need_w else None, None, gb if need_b else None,
-            None, None, None, None, None, None, None, None, None, None)
+    return (gh if need_h else None, gw if need_w else None, None, gb if need_b else None) + (None,) * 11
 
 
 # the stored gradients are outputs too: never materialize zero [V, H] / [T, H] grads for them
@@ -330,7 +330,7 @@ def linear_cross_entropy(
     fewer than ~512 tokens at T = 8192 put its error past eager's (module docstring).
 
     Under ``torch.autocast`` hidden, weight and bias are cast to its dtype first (the linear
-    torch would autocast); the loss then has that dtype (torch's would be fp32)."""
+    torch would autocast), and the loss is fp32 (as torch's autocast cross-entropy returns it)."""
     if autocast_on():
         hidden, weight, bias = autocast_inputs(hidden, weight, bias)
     check_tensor("hidden", hidden, min_dim=1)
@@ -354,6 +354,7 @@ def linear_cross_entropy(
         None if softcap is None else float(softcap), reduction,
         grad_on and hidden.requires_grad, grad_on and weight.requires_grad,
         grad_on and bias is not None and bias.requires_grad, bool(check_targets), int(chunk_tokens or 0),
+        loss_dtype(hidden),
     )
     return loss
 
