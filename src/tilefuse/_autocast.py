@@ -16,10 +16,11 @@ the casts are ordinary autograd ops, and torch.compile traces them (``is_autocas
   and the bias to the quantized weight's dtype (its scales'), ``attention_decode`` casts q and the
   new keys / values to the cache's dtype (the cache is written in place), and ``fp8`` quantizes
   its inputs from whatever dtype they have, returning the autocast dtype from ``fp8.Linear``.
-* Row ops (softmax, norms, bias_act, swiglu, rope, cross-entropy) keep their input's dtype: they
-  compute in fp32 inside and read 16-bit inputs as 16-bit (torch's autocast would upcast several
-  of them to fp32, twice the bytes); a norm's or bias_act's parameter may be fp32 beside a 16-bit
-  input.
+* Row ops (softmax, norms, bias_act, swiglu, rope) keep their input's dtype: they compute in fp32
+  inside and read 16-bit inputs as 16-bit (torch's autocast would upcast several of them to fp32,
+  twice the bytes); a norm's or bias_act's parameter may be fp32 beside a 16-bit input. The
+  cross-entropy losses are fp32, as torch's autocast returns them (only the loss: the logits are
+  read as they are).
 
 Inside every op's implementation and backward autocast is off (:func:`autocast_disabled`): the
 reference path's fp32 math and any torch op a launcher calls run in the dtypes written there.
