@@ -420,6 +420,20 @@ def test_bad_input(change, err, match):
         rope(**args)
 
 
+def test_inplace_refuses_q_and_k_in_the_same_memory():
+    """rope(x, x, inplace=True) rotated x twice; q and k slices of one fused qkv buffer
+    (interleaved, no shared element) stay allowed."""
+    cos, sin = rope_cos_sin_table(5, 16, device=DEVICE)
+    x = _rand(2, 5, 4, 16)
+    with pytest.raises(ValueError, match="same memory"):
+        rope(x, x, cos, sin, inplace=True)
+    qkv = _rand(2, 5, 3, 4, 16)
+    q, k = qkv[:, :, 0], qkv[:, :, 1]
+    ref_q, ref_k = rope(q, k, cos, sin)
+    rope(q, k, cos, sin, inplace=True)
+    assert rel_err(q, ref_q) <= 1e-6 and rel_err(k, ref_k) <= 1e-6
+
+
 def test_ambiguous_layout_needs_to_be_named():
     """A Hugging Face [B, H, S, D] pair with H = S passes every shape check read as [B, S, H, D]
     and came out rotated along the heads (5.43 off, s37 audit): layout=None refuses that case;

@@ -378,6 +378,10 @@ def _check_rope_inputs(q, k, cos, sin, position_ids, interleaved, rotary_dim, in
             raise ValueError(f"with position_ids, cos/sin must be a [max_pos, r] table with "
                              f"r=rotary_dim={rotary_dim}, got shape {tuple(cos.shape)}")
     if inplace:
+        if q.numel() and k.numel() and q.data_ptr() == k.data_ptr():
+            # rope(x, x, inplace=True) rotated x twice (once as q, once as k)
+            raise ValueError("inplace=True with q and k starting at the same memory (the same tensor?): each "
+                             "element would be rotated twice; pass distinct tensors or inplace=False")
         for name, t in (("q", q), ("k", k)):
             if t.numel() > 1 and t.stride(-1) != 1:
                 raise ValueError(f"inplace=True needs {name} contiguous in its last dimension (stride {t.stride()})")
