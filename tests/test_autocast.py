@@ -302,3 +302,22 @@ def test_training_step_of_a_block_under_autocast(dtype):
     for (name, _), g, tg, r in zip(ours.named_parameters(), grads, torch_grads, ref_grads):
         assert g.dtype == torch.float32, name
         assert rel_err(g, r) <= 2 * rel_err(tg, r) + 1e-4, (name, rel_err(g, r), rel_err(tg, r))
+
+
+@pytest.mark.parametrize("src", [torch.float16, torch.bfloat16] if HAS_CUDA else [torch.float16])
+def test_upcast_kernel_is_exact(src):
+    """The autocast cast's backward (16-bit gradient -> fp32): bit-equal to torch's .to on a
+    contiguous tensor, a transposed weight view (same strides out), a strided slice (torch's path),
+    odd and empty sizes; inf and NaN kept."""
+    from tilefuse.ops._cast import upcast
+
+    base = torch.randn(37, 129, device=DEVICE) * 1e3
+    base[0, :3] = torch.tensor([float("inf"), float("-inf"), float("nan")])
+    b16 = base.to(src)
+    for t16 in (b16, b16.t(), b16[:, ::2], b16[:0], b16.reshape(-1)[:4097]):
+        out = upcast(t16, torch.float32)
+        assert out.dtype == torch.float32 and out.shape == t16.shape
+        if t16 is b16 or t16.dim() == 2 and t16.t().is_contiguous():
+            assert out.stride() == t16.stride()
+        assert torch.equal(out.nan_to_num(), t16.to(torch.float32).nan_to_num())
+        assert torch.isnan(out).sum() == torch.isnan(t16).sum()

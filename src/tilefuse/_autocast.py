@@ -55,8 +55,27 @@ def cast_to(dtype: torch.dtype | None, *tensors):
     arguments (None, integer tensors, fp64, fp8) pass as they are."""
     if dtype is None:
         return tensors
-    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype in _CASTABLE and t.dtype != dtype else t
+    # eagerly the cast's backward (16-bit gradient -> fp32 parameter) takes a Triton pass at twice
+    # torch's speed (ops/_cast.py); traced, torch's own cast (the compiler fuses it)
+    cast = _cast_eager if _plain_eager() else _cast_traced
+    return tuple(cast(t, dtype) if isinstance(t, torch.Tensor) and t.dtype in _CASTABLE and t.dtype != dtype else t
                  for t in tensors)
+
+
+def _plain_eager() -> bool:
+    return not (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
+                or torch._C._are_functorch_transforms_active())
+
+
+def _cast_traced(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t.to(dtype)
+
+
+def _cast_eager(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+        return t.to(dtype)                       # a tensor subclass: its own cast
+    from .ops._cast import AutocastCast          # (ops import this module)
+    return AutocastCast.apply(t, dtype)
 
 
 def autocast_inputs(*tensors):
