@@ -71,6 +71,8 @@ def main() -> None:
     ap.add_argument("--ffn", type=int, default=14336)
     ap.add_argument("--vocab", type=int, default=128256)
     ap.add_argument("--profile", action="store_true", help="after timing: the GPU time by kernel of each model's step")
+    ap.add_argument("--ab-mlp-linear", action="store_true",
+                    help="also time tilefuse with its MLP projections as the other Linear class (torch's <-> tilefuse's)")
     args = ap.parse_args()
     torch.manual_seed(0)
     dims = (args.blocks, args.dim, args.heads, args.ffn, args.vocab)
@@ -92,6 +94,14 @@ def main() -> None:
         return run
 
     runs = {"torch eager": step(theirs), "torch.compile": step(compiled), "tilefuse": step(ours)}
+    if args.ab_mlp_linear:
+        with torch.device(dev):
+            other = Model(True, *dims)
+        other.load_state_dict(ours.state_dict())
+        for block in other.blocks:
+            for proj in (block.mlp.gate_proj, block.mlp.up_proj, block.mlp.down_proj):
+                proj.__class__ = torch.nn.Linear if type(proj) is tilefuse.nn.Linear else tilefuse.nn.Linear
+        runs["tilefuse, MLP " + type(other.blocks[0].mlp.gate_proj).__module__.split(".")[0]] = step(other)
     ref_loss, ref_grads = runs["torch eager"]()
     if dev == "cpu":
         loss, grads = runs["tilefuse"]()
