@@ -378,8 +378,9 @@ def _check_rope_inputs(q, k, cos, sin, position_ids, interleaved, rotary_dim, in
             raise ValueError(f"with position_ids, cos/sin must be a [max_pos, r] table with "
                              f"r=rotary_dim={rotary_dim}, got shape {tuple(cos.shape)}")
     if inplace:
-        if q.numel() and k.numel() and q.data_ptr() == k.data_ptr():
-            # rope(x, x, inplace=True) rotated x twice (once as q, once as k)
+        if not torch.compiler.is_compiling() and q.numel() and k.numel() and q.data_ptr() == k.data_ptr():
+            # rope(x, x, inplace=True) rotated x twice (once as q, once as k); eager only (dynamo
+            # cannot compare data pointers)
             raise ValueError("inplace=True with q and k starting at the same memory (the same tensor?): each "
                              "element would be rotated twice; pass distinct tensors or inplace=False")
         for name, t in (("q", q), ("k", k)):
