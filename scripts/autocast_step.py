@@ -50,6 +50,7 @@ class Model(torch.nn.Module):
     def __init__(self, fused: bool, blocks: int, dim: int, heads: int, ffn: int, vocab: int):
         super().__init__()
         self.fused = fused
+        self.check_targets = True      # the range test's host sync (linear_cross_entropy's default)
         self.blocks = torch.nn.ModuleList(Block(fused, dim, heads, ffn) for _ in range(blocks))
         self.head = torch.nn.Linear(dim, vocab, bias=False)
 
@@ -57,7 +58,7 @@ class Model(torch.nn.Module):
         for block in self.blocks:
             x = block(x)
         if self.fused:
-            return tilefuse.linear_cross_entropy(x, self.head.weight, target)
+            return tilefuse.linear_cross_entropy(x, self.head.weight, target, check_targets=self.check_targets)
         return F.cross_entropy(self.head(x).flatten(0, 1), target.flatten())
 
 
@@ -71,6 +72,10 @@ def main() -> None:
     ap.add_argument("--ffn", type=int, default=14336)
     ap.add_argument("--vocab", type=int, default=128256)
     ap.add_argument("--profile", action="store_true", help="after timing: the GPU time by kernel of each model's step")
+    ap.add_argument("--profile-sort", default="cuda_time_total",
+                    help="the profile table's order: cuda_time_total, or self_cpu_time_total (host time, CPU events)")
+    ap.add_argument("--ab-no-check", action="store_true",
+                    help="also time tilefuse with check_targets=False (no host sync in the loss)")
     ap.add_argument("--ab-mlp-linear", action="store_true",
                     help="also time tilefuse with its MLP projections as the other Linear class (torch's <-> tilefuse's)")
     args = ap.parse_args()
@@ -94,6 +99,12 @@ def main() -> None:
         return run
 
     runs = {"torch eager": step(theirs), "torch.compile": step(compiled), "tilefuse": step(ours)}
+    if args.ab_no_check:
+        with torch.device(dev):
+            unchecked = Model(True, *dims)
+        unchecked.load_state_dict(ours.state_dict())
+        unchecked.check_targets = False
+        runs["tilefuse, no target check"] = step(unchecked)
     if args.ab_mlp_linear:
         with torch.device(dev):
             other = Model(True, *dims)
@@ -121,16 +132,19 @@ def main() -> None:
         run()
         torch.cuda.synchronize()
         peak = (torch.cuda.max_memory_allocated() - base) / 2**30
-        ms = triton.testing.do_bench(run, warmup=3, rep=30, return_mode="median")
+        ms = triton.testing.do_bench(run, warmup=250, rep=1000, return_mode="median")   # ms: ~5 warm-up, ~20 timed steps
         print(f"{name:15s} {ms:10.2f} {peak:15.2f} {loss_err:13.2e} {grad_err:19.2e}")
     if args.profile:
         for name, run in runs.items():
             run()
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            activities = [torch.profiler.ProfilerActivity.CUDA]
+            if "cpu" in args.profile_sort:
+                activities.append(torch.profiler.ProfilerActivity.CPU)
+            with torch.profiler.profile(activities=activities) as prof:
                 run()
                 torch.cuda.synchronize()
-            print(f"\n== {name}: GPU time by kernel, one step")
-            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+            print(f"\n== {name}: by {args.profile_sort}, one step")
+            print(prof.key_averages().table(sort_by=args.profile_sort, row_limit=18, max_name_column_width=60))
 
 
 if __name__ == "__main__":
