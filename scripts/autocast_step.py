@@ -16,50 +16,10 @@ from __future__ import annotations
 import argparse
 
 import torch
-import torch.nn.functional as F
 import triton.testing
 
 import tilefuse
-from tilefuse.testing import rel_err
-
-
-class Block(torch.nn.Module):
-    def __init__(self, fused: bool, dim: int, heads: int, ffn: int):
-        super().__init__()
-        linear = tilefuse.nn.Linear if fused else torch.nn.Linear
-        norm = tilefuse.nn.RMSNorm if fused else torch.nn.RMSNorm
-        self.fused, self.heads = fused, heads
-        self.norm1, self.norm2 = norm(dim, eps=1e-6), norm(dim, eps=1e-6)
-        self.qkv = linear(dim, 3 * dim, bias=False)
-        self.o = linear(dim, dim, bias=False)
-        self.mlp = tilefuse.nn.SwiGLUMLP(dim, ffn)
-
-    def forward(self, x):
-        b, s, d = x.shape
-        q, k, v = (t.transpose(1, 2) for t in self.qkv(self.norm1(x)).view(b, s, 3, self.heads, -1).unbind(2))
-        sdpa = tilefuse.nn.functional.scaled_dot_product_attention if self.fused else F.scaled_dot_product_attention
-        x = x + self.o(sdpa(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d))
-        h = self.norm2(x)
-        if self.fused:
-            return x + self.mlp(h)
-        mlp = self.mlp
-        return x + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
-
-
-class Model(torch.nn.Module):
-    def __init__(self, fused: bool, blocks: int, dim: int, heads: int, ffn: int, vocab: int):
-        super().__init__()
-        self.fused = fused
-        self.check_targets = True      # the range test's host sync (linear_cross_entropy's default)
-        self.blocks = torch.nn.ModuleList(Block(fused, dim, heads, ffn) for _ in range(blocks))
-        self.head = torch.nn.Linear(dim, vocab, bias=False)
-
-    def forward(self, x, target):
-        for block in self.blocks:
-            x = block(x)
-        if self.fused:
-            return tilefuse.linear_cross_entropy(x, self.head.weight, target, check_targets=self.check_targets)
-        return F.cross_entropy(self.head(x).flatten(0, 1), target.flatten())
+from tilefuse.testing import LlamaStack as Model, rel_err
 
 
 def main() -> None:

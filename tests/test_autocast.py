@@ -15,7 +15,7 @@ from conftest import DEVICE, HAS_CUDA
 
 import tilefuse
 from tilefuse import fp8
-from tilefuse.testing import rel_err
+from tilefuse.testing import LlamaStack, rel_err
 
 AMP_DTYPES = (torch.float16, torch.bfloat16) if HAS_CUDA else (torch.float16,)
 
@@ -248,44 +248,15 @@ def test_compiled_linear_under_autocast():
     assert torch.equal(out, ref)
 
 
-class _Block(torch.nn.Module):
-    """A Llama-style block and LM head, tilefuse modules or torch's (same parameter names):
-    RMSNorm, fused-qkv attention, SwiGLU MLP, residual stream in the parameters' dtype, loss."""
-
-    def __init__(self, fused: bool, dim=64, heads=4, vocab=100):
-        super().__init__()
-        linear = tilefuse.nn.Linear if fused else torch.nn.Linear
-        norm = tilefuse.nn.RMSNorm if fused else torch.nn.RMSNorm
-        self.fused, self.heads = fused, heads
-        self.norm1, self.norm2 = norm(dim, eps=1e-6, device=DEVICE), norm(dim, eps=1e-6, device=DEVICE)
-        self.qkv = linear(dim, 3 * dim, bias=False, device=DEVICE)
-        self.o = linear(dim, dim, bias=False, device=DEVICE)
-        self.mlp = tilefuse.nn.SwiGLUMLP(dim, 2 * dim, device=DEVICE)
-        self.head = torch.nn.Linear(dim, vocab, bias=False, device=DEVICE)
-
-    def forward(self, x, target):
-        b, s, d = x.shape
-        q, k, v = (t.transpose(1, 2) for t in self.qkv(self.norm1(x)).view(b, s, 3, self.heads, -1).unbind(2))
-        sdpa = tilefuse.nn.functional.scaled_dot_product_attention if self.fused else F.scaled_dot_product_attention
-        x = x + self.o(sdpa(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d))
-        h = self.norm2(x)
-        if self.fused:
-            x = x + self.mlp(h)
-            return tilefuse.linear_cross_entropy(x, self.head.weight, target)
-        mlp = self.mlp
-        x = x + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
-        return F.cross_entropy(self.head(x).flatten(0, 1), target.flatten())
-
-
 @pytest.mark.parametrize("dtype", AMP_DTYPES)
 def test_training_step_of_a_block_under_autocast(dtype):
     """The drop-ins in a model under autocast: loss and every parameter's gradient against the
     fp64 torch model, within twice the error of the same torch model under the same autocast
     (flash-attn's rule) plus 1e-4."""
-    ours = _Block(True)
-    theirs = _Block(False)
+    with torch.device(DEVICE):
+        ours, theirs, exact = (LlamaStack(fused, 1, 64, 4, 128, 100) for fused in (True, False, False))
     theirs.load_state_dict(ours.state_dict())
-    exact = _Block(False).double()
+    exact.double()
     exact.load_state_dict(ours.state_dict())
     x = torch.randn(2, 16, 64, device=DEVICE)
     target = torch.randint(0, 100, (2, 16), device=DEVICE)

@@ -439,3 +439,60 @@ def rounding_floors(spec: OpSpec, ref: ReferenceCache, grad_outputs: tuple, back
         return tuple(ROUNDING_FLOOR_FACTOR * e if math.isfinite(e) else 0.0 for e in errs)
 
     return scale(fwd), None if bwd is None else scale(bwd)
+
+
+# ----------------------------------------------------------------------------------------------
+# a small Llama-style model, in tilefuse's drop-ins or in torch's modules (same parameter names):
+# tests/test_autocast.py checks a training step of it, scripts/autocast_step.py times one
+# ----------------------------------------------------------------------------------------------
+
+
+class LlamaBlock(torch.nn.Module):
+    """RMSNorm, fused-qkv causal attention, SwiGLU MLP, residual stream in the parameters' dtype.
+    ``fused``: tilefuse's Linear / RMSNorm / SDPA / fused gate; else torch's modules and ops."""
+
+    def __init__(self, fused: bool, dim: int, heads: int, ffn: int):
+        super().__init__()
+        from . import nn as tnn
+
+        linear = tnn.Linear if fused else torch.nn.Linear
+        norm = tnn.RMSNorm if fused else torch.nn.RMSNorm
+        self.fused, self.heads = fused, heads
+        self.norm1, self.norm2 = norm(dim, eps=1e-6), norm(dim, eps=1e-6)
+        self.qkv = linear(dim, 3 * dim, bias=False)
+        self.o = linear(dim, dim, bias=False)
+        self.mlp = tnn.SwiGLUMLP(dim, ffn)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from . import nn as tnn
+
+        b, s, d = x.shape
+        q, k, v = (t.transpose(1, 2) for t in self.qkv(self.norm1(x)).view(b, s, 3, self.heads, -1).unbind(2))
+        sdpa = tnn.functional.scaled_dot_product_attention if self.fused else torch.nn.functional.scaled_dot_product_attention
+        x = x + self.o(sdpa(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d))
+        h = self.norm2(x)
+        if self.fused:
+            return x + self.mlp(h)
+        mlp = self.mlp
+        return x + mlp.down_proj(torch.nn.functional.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
+
+
+class LlamaStack(torch.nn.Module):
+    """``blocks`` :class:`LlamaBlock` s and an LM head; ``forward(x, target)`` is the loss
+    (tilefuse: linear_cross_entropy, ``check_targets`` as set; torch: the logits, then F.cross_entropy)."""
+
+    def __init__(self, fused: bool, blocks: int, dim: int, heads: int, ffn: int, vocab: int):
+        super().__init__()
+        self.fused = fused
+        self.check_targets = True      # the range test's host sync (linear_cross_entropy's default)
+        self.blocks = torch.nn.ModuleList(LlamaBlock(fused, dim, heads, ffn) for _ in range(blocks))
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        from .ops.linear_cross_entropy import linear_cross_entropy
+
+        for block in self.blocks:
+            x = block(x)
+        if self.fused:
+            return linear_cross_entropy(x, self.head.weight, target, check_targets=self.check_targets)
+        return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), target.flatten())
