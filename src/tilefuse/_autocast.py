@@ -32,6 +32,8 @@ import contextlib
 
 import torch
 
+from ._dispatch import tracing
+
 _CASTABLE = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -63,8 +65,7 @@ def cast_to(dtype: torch.dtype | None, *tensors):
 
 
 def _plain_eager() -> bool:
-    return not (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
-                or torch._C._are_functorch_transforms_active())
+    return not (tracing() or torch._C._are_functorch_transforms_active())
 
 
 def _cast_traced(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -84,15 +85,9 @@ def autocast_inputs(*tensors):
     return cast_to(autocast_dtype(tensors[0]), *tensors)
 
 
+@contextlib.contextmanager
 def autocast_disabled():
     """A context with autocast off on every device type (an op's implementation or backward runs in
     it when any autocast is on: its dtypes are the ones it writes)."""
-    return _Disabled()
-
-
-class _Disabled(contextlib.ExitStack):
-    def __enter__(self):
-        super().__enter__()
-        self.enter_context(torch.autocast("cuda", enabled=False))
-        self.enter_context(torch.autocast("cpu", enabled=False))
-        return self
+    with torch.autocast("cuda", enabled=False), torch.autocast("cpu", enabled=False):
+        yield

@@ -20,6 +20,11 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def tracing() -> bool:
+    """torch.compile / FakeTensor / functionalization or another dispatch mode is active."""
+    return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
+
+
 def use_triton(t: torch.Tensor) -> bool:
     """True when ``t``'s op should launch the Triton kernel rather than the reference."""
     if t.device.type == "cuda":

@@ -24,6 +24,7 @@ import torch.autograd.forward_ad as _forward_ad
 
 from ._autocast import autocast_disabled
 from ._dispatch import interpreting
+from ._dispatch import tracing as _tracing
 
 _is_functorch_wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
 
@@ -36,11 +37,6 @@ def _tensors(args) -> list:
         elif isinstance(a, (list, tuple)):
             out.extend(t for t in a if isinstance(t, torch.Tensor))
     return out
-
-
-def _tracing() -> bool:
-    """torch.compile / FakeTensor / functionalization or another dispatch mode is active."""
-    return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
 
 
 def _eager_grad_state(args) -> bool | None:
@@ -312,8 +308,9 @@ def custom_op(name: str, *, mutates_args, **kwargs) -> Callable[[Callable], Fast
     resolve in its own module)."""
 
     def wrap(fn: Callable) -> FastOp:
-        schema = kwargs.pop("schema", None) or torch.library.infer_schema(fn, mutates_args=mutates_args)
-        op = torch.library.custom_op(name, op_impl(fn), mutates_args=mutates_args, schema=schema, **kwargs)
+        options = dict(kwargs)
+        options["schema"] = options.get("schema") or torch.library.infer_schema(fn, mutates_args=mutates_args)
+        op = torch.library.custom_op(name, op_impl(fn), mutates_args=mutates_args, **options)
         return FastOp(op, mutates_args)
 
     return wrap
