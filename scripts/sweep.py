@@ -35,7 +35,10 @@ def time_gbps(fn, nbytes):
     return nbytes / ms / 1e6, ms
 
 
-def sweep(fn_for, check, cfgs, nbytes, default, top=5, repeats=3):
+REPEATS = 3   # --repeats
+
+
+def sweep(fn_for, check, cfgs, nbytes, default, top=5, repeats=None):
     """Every config once (checked first), then the ``top`` few and the default again ``repeats``
     times, interleaved, ranked by their median: single timings of one config moved by up to 30 %
     between runs on the H200, so a winner is only called on repeated, interleaved measurements."""
@@ -58,7 +61,7 @@ def sweep(fn_for, check, cfgs, nbytes, default, top=5, repeats=3):
     if repr(default) in fns and repr(default) not in finalists:
         finalists.append(repr(default))
     samples = {k: [] for k in finalists}
-    for _ in range(repeats):
+    for _ in range(repeats or REPEATS):
         for k in finalists:
             samples[k].append(time_gbps(fns[k][1], nbytes)[0])
     results = []
@@ -80,6 +83,7 @@ def report(label, shape, pass_, results, default, copy, eager):
 
 
 MIN_COLS = 0   # --min-cols
+MAX_COLS = 1 << 62   # --max-cols
 
 
 def softmax_base_configs(n_rows, n_cols):
@@ -90,9 +94,13 @@ def softmax_base_configs(n_rows, n_cols):
     if n_cols <= sm.BWD_MAX_FUSED_N:
         bn = triton.next_power_of_2(n_cols)
         d = sm._launch_config(n_rows, n_cols, False, None)   # the fused tile (both passes pick the same)
-        for bm, w in itertools.product({d["BLOCK_M"], 2 * d["BLOCK_M"]}, {d["num_warps"], 2 * d["num_warps"]}):
+        # session 39: the fused tier's L2 hints (load evict_last / store evict_first) with each tile
+        hints = itertools.product(("", "evict_last"), ("", "evict_first"))
+        warps = {max(1, d["num_warps"] // 2), d["num_warps"], 2 * d["num_warps"]}
+        for bm, w, (load, store) in itertools.product({d["BLOCK_M"], 2 * d["BLOCK_M"]}, warps, list(hints)):
             if bm * bn <= 32768 and w <= 32 and 4 <= bm * bn // (32 * w) <= 64:
-                out.append({"looped": False, "BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w})
+                out.append({"looped": False, "BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w,
+                            "LOAD_EVICT": load, "STORE_EVICT": store})
     if n_cols >= 16384:
         for bn, w, evict in itertools.product((8192, 16384, 32768), (8, 16, 32), (False, True)):
             if 4 <= bn // (32 * w) <= 64:
@@ -111,7 +119,7 @@ def sweep_softmax(dtype):
     spec = registry.get("softmax")
     rows = []
     for shape in spec.bench_shapes:
-        if shape[-1] < MIN_COLS:
+        if not MIN_COLS <= shape[-1] <= MAX_COLS:
             continue
         x = (torch.randn(shape, device="cuda") * 4).to(dtype)
         y_ref = torch.softmax(x.float(), -1)
@@ -301,9 +309,11 @@ def main(argv=None):
     ap.add_argument("ops", nargs="+", choices=sorted(SWEEPS))
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--min-cols", type=int, default=0, help="softmax: only bench shapes with rows this long")
+    ap.add_argument("--max-cols", type=int, default=1 << 62, help="softmax: only bench shapes with rows this short")
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved re-timings of the finalists")
     a = ap.parse_args(argv)
-    global MIN_COLS
-    MIN_COLS = a.min_cols
+    global MIN_COLS, MAX_COLS, REPEATS
+    MIN_COLS, MAX_COLS, REPEATS = a.min_cols, a.max_cols, a.repeats
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[a.dtype]
     ceiling = copy_gbps(2 * 2**30)
     print(f"device {torch.cuda.get_device_name()} copy {ceiling:.0f} GB/s (2 GiB moved)", flush=True)

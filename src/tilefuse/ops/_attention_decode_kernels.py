@@ -154,6 +154,7 @@ def decode_split_kernel(
     BLOCK_M: tl.constexpr,      # packed (query head, query) rows per tile, >= 16
     BLOCK_N: tl.constexpr,      # keys per tile
     BLOCK_D: tl.constexpr,      # next power of two >= D
+    KV_EVICT: tl.constexpr,     # L2 policy of the K/V tile loads ("" default)
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -198,7 +199,8 @@ def decode_split_kernel(
         pages = pages_next
         pages_next = _tile_pages(start_n + BLOCK_N, end, b, block_table_ptr, stride_bt, PAGED, PAGE_SIZE, BLOCK_N)
         k_rows = _tile_rows(pages, start_n, stride_kb, stride_kn, PAGED, PAGE_SIZE, BLOCK_N)
-        k = tl.load(k_cache_ptr + k_rows[:, None] + kv_head * stride_kh + dims[None, :], mask=tile_mask, other=0.0)
+        k = tl.load(k_cache_ptr + k_rows[:, None] + kv_head * stride_kh + dims[None, :], mask=tile_mask, other=0.0,
+                    eviction_policy=KV_EVICT)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if HAS_SOFTCAP:
             s, _ = apply_softcap(qk * scale, softcap, HAS_SOFTCAP)
@@ -213,7 +215,8 @@ def decode_split_kernel(
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         v_rows = _tile_rows(pages, start_n, stride_vb, stride_vn, PAGED, PAGE_SIZE, BLOCK_N)
-        v = tl.load(v_cache_ptr + v_rows[:, None] + kv_head * stride_vh + dims[None, :], mask=tile_mask, other=0.0)
+        v = tl.load(v_cache_ptr + v_rows[:, None] + kv_head * stride_vh + dims[None, :], mask=tile_mask, other=0.0,
+                    eviction_policy=KV_EVICT)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 

@@ -215,7 +215,7 @@ def _decode_plan(q_shape: tuple, q_strides: tuple, k_strides: tuple, v_strides: 
              PAGED=page_size > 0, PAGE_SIZE=max(page_size, 1), HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0,
              HAS_SOFTCAP=softcap > 0, DOT_PRECISION="ieee" if fp32 else "tf32",
              BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"],
-             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
+             KV_EVICT=cfg.get("KV_EVICT", ""), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
     combine_args = None
     if splits > 1:
         combine_args = decode_combine_kernel.prepare(

@@ -61,11 +61,13 @@ def softmax_fwd_fused_kernel(
     LOG: tl.constexpr,      # log_softmax instead of softmax
     BLOCK_M: tl.constexpr,  # rows per program
     BLOCK_N: tl.constexpr,  # power of two >= n_cols: the whole row is in registers
+    LOAD_EVICT: tl.constexpr,   # L2 policy of the x load ("" default; FUSED_EVICT)
+    STORE_EVICT: tl.constexpr,  # L2 policy of the y store
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     mask, x_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, x_row_stride)
-    x = tl.load(x_ptr + x_offs, mask=mask, other=-float("inf")).to(tl.float32)
+    x = tl.load(x_ptr + x_offs, mask=mask, other=-float("inf"), eviction_policy=LOAD_EVICT).to(tl.float32)
     m = tl.max(x, axis=1)
     z = (x - m[:, None]) * LOG2E            # log2-domain shifted logits; exp2 is one MUFU op
     e = tl.exp2(z)
@@ -75,7 +77,7 @@ def softmax_fwd_fused_kernel(
     else:
         y = e * (1.0 / s)[:, None]
     _, y_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, y_row_stride)
-    tl.store(y_ptr + y_offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + y_offs, y.to(y_ptr.dtype.element_ty), mask=mask, eviction_policy=STORE_EVICT)
 
 
 @fast_launch
@@ -175,17 +177,19 @@ def softmax_bwd_fused_kernel(
     LOG: tl.constexpr,      # y is log_softmax output
     BLOCK_M: tl.constexpr,  # rows per program
     BLOCK_N: tl.constexpr,  # power of two >= n_cols
+    LOAD_EVICT: tl.constexpr,   # L2 policy of the y and dy loads (as the forward's)
+    STORE_EVICT: tl.constexpr,  # L2 policy of the dx store
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     mask, y_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, y_row_stride)
     _, dy_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, dy_row_stride)
     _, dx_offs = row_tile_mask_offsets(rows, cols, n_rows, n_cols, dx_row_stride)
-    y = tl.load(y_ptr + y_offs, mask=mask, other=0.0).to(tl.float32)
-    dy = tl.load(dy_ptr + dy_offs, mask=mask, other=0.0).to(tl.float32)
+    y = tl.load(y_ptr + y_offs, mask=mask, other=0.0, eviction_policy=LOAD_EVICT).to(tl.float32)
+    dy = tl.load(dy_ptr + dy_offs, mask=mask, other=0.0, eviction_policy=LOAD_EVICT).to(tl.float32)
     row_sum = tl.sum(_softmax_bwd_terms(y, dy, LOG), axis=1)
     dx = _softmax_bwd_dx(y, dy, row_sum[:, None], LOG)
-    tl.store(dx_ptr + dx_offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+    tl.store(dx_ptr + dx_offs, dx.to(dx_ptr.dtype.element_ty), mask=mask, eviction_policy=STORE_EVICT)
 
 
 @fast_launch
@@ -279,6 +283,10 @@ def _looped_num_warps(n_cols: int, forward: bool) -> int:
     return 8 if forward and n_cols <= 65536 else _num_warps(LOOPED_BLOCK_N)
 
 
+# L2 hints of the fused tier (one read, one write per element): placeholder, measured below
+FUSED_EVICT = {"LOAD_EVICT": "evict_last", "STORE_EVICT": ""}
+
+
 LONG_ROW = 65536   # rows longer than this: too many in flight for L2 at several programs per SM
 
 
@@ -314,7 +322,8 @@ def _cached_config(n_rows: int, n_cols: int, forward: bool, config: tuple, elem_
     if n_cols <= (FWD_MAX_FUSED_N if forward else BWD_MAX_FUSED_N):
         block_n = _fused_block_n(n_cols)
         block_m = _rows_per_program(block_n, n_rows)
-        cfg = {"looped": False, "BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": _num_warps(block_m * block_n)}
+        cfg = {"looped": False, "BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": _num_warps(block_m * block_n),
+               **FUSED_EVICT}
     elif n_cols > LONG_ROW:
         cfg = _long_row_config(forward, elem_bytes)
     else:
@@ -336,7 +345,8 @@ def _plan(fused: FastKernel, looped: FastKernel, forward: bool, n_rows: int, n_c
     it is contiguous), then n_rows (fused tier only) and n_cols."""
     cfg = _cached_config(n_rows, n_cols, forward, config, elem_bytes)
     if not cfg["looped"]:
-        kwargs = dict(LOG=log, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"])
+        kwargs = dict(LOG=log, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
+                      **{k: cfg.get(k, "") for k in FUSED_EVICT})
         return _Plan(fused, (cdiv(n_rows, cfg["BLOCK_M"]),),
                      fused.prepare((*in_strides, n_cols, n_rows, n_cols), kwargs))
     evict = {k: cfg.get(k, "") for k in LOOPED_EVICT}     # a config forcing the looped tier may omit them
