@@ -283,7 +283,11 @@ def _looped_num_warps(n_cols: int, forward: bool) -> int:
     return 8 if forward and n_cols <= 65536 else _num_warps(LOOPED_BLOCK_N)
 
 
-# L2 hints of the fused tier (one read, one write per element): placeholder, measured below
+# L2 hints of the fused tier (one read, one write per element). Loads with evict_last, as
+# RMSNorm's x (session 9, not understood there either): H200 session 39, bench timer (do_bench,
+# zero_ flush), 8192x4096 bf16 forward 35.8 us against 36.8 unhinted, backward 51.4 against 52.6,
+# 4096x32768 backward 199.5 against 202.2; evict_first on loads or the store was slower or level
+# (results/nvidia-h200-2026-11-28-s39-evict-probe.log, -sweep-softmax-fused-evict.log).
 FUSED_EVICT = {"LOAD_EVICT": "evict_last", "STORE_EVICT": ""}
 
 
