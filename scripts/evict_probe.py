@@ -33,20 +33,22 @@ from tilefuse.ops import softmax as sm
 HINTS = ["", "evict_first", "evict_last"]
 
 
-def softmax_cases(shape, dtype):
-    """(label, bytes, [fn per input copy], check) for each forward / backward hint pair."""
+def softmax_cases(shape, dtype, loads=HINTS, stores=("", "evict_first")):
+    """(label, bytes, [fn per input copy]) for each forward / backward hint pair, each checked
+    bitwise against the unhinted launch first."""
     nbytes = math.prod(shape) * dtype.itemsize
     copies = copies_for(3 * nbytes)
     xs = [torch.randn(shape, device="cuda").mul_(4).to(dtype) for _ in range(copies)]
     dys = [torch.randn(shape, device="cuda").to(dtype) for _ in range(copies)]
     ys = [sm._launch_fwd(x, False) for x in xs]
-    for load in HINTS:
-        for store in ("", "evict_first"):
+    for load in loads:
+        for store in stores:
             cfg = {"LOAD_EVICT": load, "STORE_EVICT": store}
             tag = f"load {load or 'default'}, store {store or 'default'}"
-            assert torch.equal(sm._launch_fwd(xs[0], False, cfg), ys[0]), tag
+            ref = sm._launch_fwd(xs[0], False, {"LOAD_EVICT": "", "STORE_EVICT": ""})
+            assert torch.equal(sm._launch_fwd(xs[0], False, cfg), ref), tag
             yield ("fwd " + tag, 2 * nbytes, [lambda x=x, c=cfg: sm._launch_fwd(x, False, c) for x in xs])
-            ref = sm._launch_bwd(ys[0], dys[0], False)
+            ref = sm._launch_bwd(ys[0], dys[0], False, {"LOAD_EVICT": "", "STORE_EVICT": ""})
             assert torch.equal(sm._launch_bwd(ys[0], dys[0], False, cfg), ref), tag
             yield ("bwd " + tag, 3 * nbytes,
                    [lambda y=y, dy=dy, c=cfg: sm._launch_bwd(y, dy, False, c) for y, dy in zip(ys, dys)])
@@ -116,6 +118,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="softmax,decode,floor")
     ap.add_argument("--calls", type=int, default=40)
+    ap.add_argument("--loads", default=",".join(HINTS), help="softmax load hints, comma-separated ('' = none)")
+    ap.add_argument("--stores", default=",evict_first", help="softmax store hints, comma-separated")
+    ap.add_argument("--rounds", type=int, default=1, help="repeat the softmax variants, interleaved")
     a = ap.parse_args()
     gbps = measure_copy_gbps()["copy_gbps"]
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
@@ -123,7 +128,9 @@ def main() -> None:
     print(f"{'case':44s} " + "  ".join(f"{m:>16s}" for m in ("zero flush", "read flush", "stream", "graph")))
     groups = []
     if "softmax" in a.only:
-        groups.append(("softmax 8192x4096 bf16", softmax_cases((8192, 4096), torch.bfloat16)))
+        for r in range(a.rounds):
+            groups.append((f"softmax 8192x4096 bf16, round {r + 1}",
+                           softmax_cases((8192, 4096), torch.bfloat16, a.loads.split(","), a.stores.split(","))))
     if "decode" in a.only:
         for batch, length in ((1, 32768), (16, 8192), (1, 131072)):
             groups.append((f"decode B={batch} L={length}", decode_cases(batch, length, torch.bfloat16)))
