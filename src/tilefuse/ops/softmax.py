@@ -61,7 +61,7 @@ def softmax_fwd_fused_kernel(
     LOG: tl.constexpr,      # log_softmax instead of softmax
     BLOCK_M: tl.constexpr,  # rows per program
     BLOCK_N: tl.constexpr,  # power of two >= n_cols: the whole row is in registers
-    LOAD_EVICT: tl.constexpr,   # L2 policy of the x load ("" default; FUSED_EVICT)
+    LOAD_EVICT: tl.constexpr,   # L2 policy of the x load (FUSED_EVICT: evict_last)
     STORE_EVICT: tl.constexpr,  # L2 policy of the y store
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
