@@ -5,7 +5,7 @@ import torch
 from conftest import DEVICE
 
 import tilefuse
-from tilefuse._op import custom_op
+from tilefuse._op import custom_op, direct_backward
 from tilefuse.testing import rel_err
 
 calls = {"impl": 0}
@@ -29,6 +29,59 @@ _scale.register_autograd(lambda ctx, dy: (dy * ctx.factor, None),
 @custom_op("tilefuse_test::add_", mutates_args=("x",))
 def _add_(x: torch.Tensor, y: torch.Tensor) -> None:
     x.add_(y)
+
+
+@custom_op("tilefuse_test::triple_bwd", mutates_args=())
+def _triple_bwd(dy: torch.Tensor) -> torch.Tensor:
+    return dy * 3
+
+
+@_triple_bwd.register_fake
+def _(dy):
+    return torch.empty_like(dy)
+
+
+@custom_op("tilefuse_test::triple", mutates_args=())
+def _triple(x: torch.Tensor) -> torch.Tensor:
+    return x * 3
+
+
+@_triple.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+_backward_paths: list = []
+
+
+def _triple_backward(ctx, dy):
+    direct = direct_backward(ctx, dy)
+    _backward_paths.append(direct)
+    return (_triple_bwd.direct if direct else _triple_bwd)(dy)
+
+
+_triple.register_autograd(_triple_backward)
+
+
+class _Sub(torch.Tensor):
+    pass
+
+
+@pytest.mark.parametrize("how", ["eager", "subclass grad_output", "compiled"])
+def test_direct_backward_only_when_eager_and_plain(how):
+    """An eager backward calls its backward op's implementation directly; a gradient that is not
+    a plain tensor, or a backward traced by torch.compile, goes through the custom op."""
+    x = torch.randn(5, requires_grad=True)
+    g = torch.randn(5)
+    _backward_paths.clear()
+    if how == "compiled":
+        f = torch.compile(_triple, fullgraph=True, backend="aot_eager")
+        (dx,) = torch.autograd.grad(f(x), x, g)
+    else:
+        y = _triple(x)
+        (dx,) = torch.autograd.grad(y, x, g.as_subclass(_Sub) if how == "subclass grad_output" else g)
+    assert torch.equal(dx.as_subclass(torch.Tensor), g * 3)
+    assert _backward_paths == [how == "eager"]
 
 
 def test_eager_autograd_and_kwargs():

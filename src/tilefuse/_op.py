@@ -266,6 +266,7 @@ class FastOp:
             @staticmethod
             def forward(ctx, *args):
                 ctx.set_materialize_grads(materialize_grads)
+                ctx.eager_call = True           # its backward may call backward ops directly
                 output = impl(*args)
                 if setup_context is not None:
                     setup_context(ctx, args, output)
@@ -285,6 +286,13 @@ class FastOp:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.op, name)
 
+    def direct(self, *args):
+        """The implementation called without the dispatcher or :meth:`__call__`'s argument scan,
+        for a caller that has already established what that scan would: an eager backward whose
+        tensors are plain and which records no graph (:func:`direct_backward`). Saves the
+        per-argument checks (~3-4 µs of host time on the CI CPU for a dozen arguments)."""
+        return self.op._init_fn(*args)
+
     def __call__(self, *args, **kwargs):
         if kwargs:   # autograd.Function.apply is positional-only
             bound = self._signature.bind(*args, **kwargs)
@@ -300,6 +308,21 @@ class FastOp:
             for t in _tensors((args[i],)):
                 torch.autograd.graph.increment_version(t)
         return out
+
+
+def direct_backward(ctx, *grads) -> bool:
+    """Whether a registered ``backward`` may call its backward op through :meth:`FastOp.direct`:
+    its forward ran on the eager path (the eager Function's ``ctx``, never the dispatcher's while
+    tracing), and every incoming gradient is None or a plain tensor (not a tensor subclass nor a
+    functorch wrapper, which compiled autograd or a caller's ``grad_outputs`` may hand in). A
+    backward runs with grad mode off (:func:`once_differentiable`), so there is no graph to build."""
+    if not getattr(ctx, "eager_call", False):
+        return False
+    for g in grads:
+        if g is not None and (type(g) is not torch.Tensor
+                              or _is_functorch_wrapped is not None and _is_functorch_wrapped(g)):
+            return False
+    return True
 
 
 def custom_op(name: str, *, mutates_args, **kwargs) -> Callable[[Callable], FastOp]:

@@ -35,7 +35,7 @@ import torch
 
 from .._checks import check_same_device, check_same_dtype, check_shape, check_tensor
 from .._dispatch import use_triton, workspace
-from .._op import CallCache, call_key, custom_op, no_grad_layout, plain_tensors
+from .._op import CallCache, call_key, custom_op, direct_backward, no_grad_layout, plain_tensors
 from ..registry import Inputs, OpSpec, register, tensor_bytes
 from ._norm_launch import _launch_bwd, _launch_fwd
 
@@ -183,9 +183,10 @@ def _backward(ctx, dy, dh, _dmean, _drstd):
     need_db = ctx.b_dtype is not None and ctx.needs_input_grad[2]
     dy = torch.zeros_like(x) if dy is None else dy.to(x.dtype)
     dres = dh.to(x.dtype) if ctx.has_res and dh is not None else None
-    dx, dw, db = _norm_bwd_op(dy, x, weight, None if ctx.is_rms else mean, rstd, dres,
-                              ctx.offset, ctx.is_rms, need_dw, need_db,
-                              ctx.w_dtype or torch.float32, ctx.b_dtype or torch.float32)
+    bwd_op = _norm_bwd_op.direct if direct_backward(ctx, dy, dres) else _norm_bwd_op
+    dx, dw, db = bwd_op(dy, x, weight, None if ctx.is_rms else mean, rstd, dres,
+                        ctx.offset, ctx.is_rms, need_dw, need_db,
+                        ctx.w_dtype or torch.float32, ctx.b_dtype or torch.float32)
     return (dx, dw if need_dw else None, db if need_db else None,
             dx if ctx.has_res else None, None, None, None)
 

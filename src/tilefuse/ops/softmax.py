@@ -30,7 +30,7 @@ import triton.language as tl
 from .._checks import check_dim, check_tensor
 from .._dispatch import cdiv, empty_like, next_power_of_2, rows_view, use_triton
 from .._launch import FastKernel, PreparedArgs, config_key, fast_launch
-from .._op import custom_op
+from .._op import custom_op, direct_backward
 from ..registry import Inputs, OpSpec, register, tensor_bytes
 from ._common import LN2, LOG2E, lane_max_sum_merge, lane_max_sum_step, lane_view, row_tile_mask_offsets
 
@@ -461,7 +461,8 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dy):
     (y,) = ctx.saved_tensors
-    return _softmax_bwd_op(y, dy.to(y.dtype), ctx.log), None
+    bwd_op = _softmax_bwd_op.direct if direct_backward(ctx, dy) else _softmax_bwd_op
+    return bwd_op(y, dy.to(y.dtype), ctx.log), None
 
 
 _softmax_fwd_op.register_autograd(_backward, setup_context=_setup_context)
