@@ -106,6 +106,7 @@ def _bwd_closure(fn, args, kwargs, leaves):
     state: dict = {}
 
     def setup():
+        state.clear()    # the old graph first: its leaves' AccumulateGrad would keep the old stream
         outs = [o for o in registry.as_tuple(fn(*args, **kwargs)) if isinstance(o, torch.Tensor) and o.requires_grad]
         state["outs"], state["gouts"] = outs, make_grad_outputs(outs)
 
