@@ -131,30 +131,28 @@ def _direct_backward(on: bool):
             m.direct_backward = f
 
 
-def backward_rows(gbps: float, rounds: int, ab_direct: bool = False) -> None:
+def backward_rows(gbps: float, ab_direct: bool = False) -> None:
     cases = (("softmax", (8192, 4096)), ("rms_norm", (16384, 4096)), ("layer_norm", (16384, 4096)))
-    for r in range(rounds):
-        print(f"-- round {r + 1}", flush=True)
-        for op, shape in cases:
-            x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-            c = torch.randn_like(x).detach()
-            nbytes = 3 * x.numel() * x.element_size()
-            for name, fn in (("native mul", lambda a, b: a * b), ("Python Function", _PythonMul.apply)):
-                grad, setup = _bwd_closure(fn, (x, c), {}, [x])
-                row(f"{name} bwd {shape[0]}x{shape[1]}", grad, nbytes, gbps, setup=setup, host=True)
-            spec = registry.get(op)
-            inputs = spec.make_inputs(shape, torch.bfloat16, "cuda")
-            op_bytes = int(spec.bytes_fn(shape, torch.bfloat16, "bwd"))
-            impls = [("tilefuse", spec.fn)] + [(k, f()) for k, f in spec.peers.items() if k in ("torch", "liger")]
-            if ab_direct:
-                impls.insert(1, ("tilefuse via FastOp", spec.fn))
-            for name, fn in impls:
-                inp = inputs if name == "tilefuse" else inputs.cloned()
-                grad, setup = _bwd_closure(fn, inp.args, inp.kwargs, grad_leaves(inp))
-                with _direct_backward(name != "tilefuse via FastOp"):
-                    row(f"{op} {name} bwd {shape[0]}x{shape[1]}", grad, op_bytes, gbps, setup=setup, host=True)
-            del x, c, inputs
-            torch.cuda.empty_cache()
+    for op, shape in cases:
+        x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        c = torch.randn_like(x).detach()
+        nbytes = 3 * x.numel() * x.element_size()
+        for name, fn in (("native mul", lambda a, b: a * b), ("Python Function", _PythonMul.apply)):
+            grad, setup = _bwd_closure(fn, (x, c), {}, [x])
+            row(f"{name} bwd {shape[0]}x{shape[1]}", grad, nbytes, gbps, setup=setup, host=True)
+        spec = registry.get(op)
+        inputs = spec.make_inputs(shape, torch.bfloat16, "cuda")
+        op_bytes = int(spec.bytes_fn(shape, torch.bfloat16, "bwd"))
+        impls = [("tilefuse", spec.fn)] + [(k, f()) for k, f in spec.peers.items() if k in ("torch", "liger")]
+        if ab_direct:
+            impls.insert(1, ("tilefuse via FastOp", spec.fn))
+        for name, fn in impls:
+            inp = inputs if name == "tilefuse" else inputs.cloned()
+            grad, setup = _bwd_closure(fn, inp.args, inp.kwargs, grad_leaves(inp))
+            with _direct_backward(name != "tilefuse via FastOp"):
+                row(f"{op} {name} bwd {shape[0]}x{shape[1]}", grad, op_bytes, gbps, setup=setup, host=True)
+        del x, c, inputs
+        torch.cuda.empty_cache()
 
 
 def main() -> None:
@@ -166,8 +164,9 @@ def main() -> None:
     gbps = measure_copy_gbps()["copy_gbps"]
     print(f"{torch.cuda.get_device_name()}: 1 GiB copy ceiling {gbps:,.0f} GB/s, torch {torch.__version__}, "
           f"triton {triton.__version__}")
-    for _ in range(a.rounds):
-        backward_rows(gbps, 1, a.ab_direct) if a.bwd else forward_rows(gbps)
+    for r in range(a.rounds):
+        print(f"-- round {r + 1}", flush=True)
+        backward_rows(gbps, a.ab_direct) if a.bwd else forward_rows(gbps)
 
 
 if __name__ == "__main__":

@@ -354,7 +354,7 @@ def _sum_partials_tile() -> tuple[int, int]:
 
 
 @functools.lru_cache(maxsize=256)
-def _sum_partials_plan(n_parts: int, n_cols: int, dw: bool, db: bool) -> tuple[tuple, PreparedArgs]:
+def sum_partials_plan(n_parts: int, n_cols: int, dw: bool, db: bool) -> tuple[tuple, PreparedArgs]:
     """(grid, prepared arguments) of one reduction shape: keyed once, not per call (host time of
     every backward; scripts/autograd_floor.py)."""
     block_p, block_n = _sum_partials_tile()
@@ -366,7 +366,7 @@ def launch_sum_partials(dw_part, db_part, dw, db) -> None:
     """dw = Σ_rows dw_part and db = Σ_rows db_part (fp32 [parts, N] -> [N] in dw's / db's dtype)
     in one launch; either pair may be None."""
     part = dw_part if dw_part is not None else db_part
-    grid, prepared = _sum_partials_plan(*part.shape, dw is not None, db is not None)
+    grid, prepared = sum_partials_plan(*part.shape, dw is not None, db is not None)
     sum_partials_kernel.launch_prepared(
         grid, (part if dw_part is None else dw_part, part if db_part is None else db_part,
                dw if dw is not None else db, db if db is not None else dw), prepared)

@@ -13,7 +13,8 @@ import torch
 from .._dispatch import cdiv, empty, empty_like, next_power_of_2, num_sms, rows_view, workspace
 from .._launch import PreparedArgs, config_key
 from ._norm_kernels import (
-    launch_sum_partials, norm_bwd_kernel, norm_bwd_stats_kernel, norm_fwd_kernel, norm_fwd_stats_kernel,
+    norm_bwd_kernel, norm_bwd_stats_kernel, norm_fwd_kernel, norm_fwd_stats_kernel, sum_partials_kernel,
+    sum_partials_plan,
 )
 
 MAX_FUSED_N_FWD = 16384   # padded row length kept in registers by the forward (x, w, b live)
@@ -200,6 +201,8 @@ class _BwdPlan(NamedTuple):
     block_n: int
     grid: tuple                # (row programs, column tiles): the dw/db partials have grid[0] rows
     prepared: PreparedArgs     # norm_bwd_kernel's integers, floats and constexprs
+    part_shapes: tuple         # the dw / db partial buffers' shapes (one per gradient asked for)
+    sum_launch: tuple | None   # (grid, prepared) of sum_partials_kernel, None without dw and db
 
 
 @functools.lru_cache(maxsize=1024)
@@ -219,7 +222,9 @@ def _bwd_plan(n_rows: int, n_cols: int, elem_bytes: int, sms: int, x_stride: int
         (x_stride, dy_stride, dr_stride, n_cols, n_rows, n_cols, offset),
         dict(IS_RMS=is_rms, HAS_W=has_w, HAS_DRES=has_dres, DW=need_dw, DB=need_db, STATS_IN=stats_in,
              BLOCK_M=block_m, BLOCK_N=block_n, PREFETCH=prefetch, STAGES=stages, num_warps=num_warps))
-    return _BwdPlan(stats_in, block_n, (n_prog, n_col_tiles), prepared)
+    part_shapes = ((n_prog, n_cols),) * (need_dw + need_db)
+    sum_launch = sum_partials_plan(n_prog, n_cols, need_dw, need_db) if part_shapes else None
+    return _BwdPlan(stats_in, block_n, (n_prog, n_col_tiles), prepared, part_shapes, sum_launch)
 
 
 def _launch_bwd(dy, x, weight, mean, rstd, dres, offset: float, is_rms: bool, need_dw: bool, need_db: bool,
@@ -252,14 +257,15 @@ def _launch_bwd(dy, x, weight, mean, rstd, dres, offset: float, is_rms: bool, ne
             x2, w, dy2, mean1, rstd1, dots, x2.stride(0), dy2.stride(0), n_rows, n_cols, offset,
             IS_RMS=is_rms, HAS_W=weight is not None, BLOCK_N=plan.block_n, num_warps=_bwd_num_warps(plan.block_n),
         )
-    n_prog = plan.grid[0]
     # dw / db partials, internal to this call: reused workspace views, not allocations
-    parts = list(workspace("norm_bwd_partials", ((n_prog, n_cols),) * (need_dw + need_db), torch.float32, dev))
-    dw_part = parts.pop(0) if need_dw else dx
-    db_part = parts.pop(0) if need_db else dx
+    parts = workspace("norm_bwd_partials", plan.part_shapes, torch.float32, dev) if plan.part_shapes else ()
+    dw_part = parts[0] if need_dw else dx
+    db_part = parts[-1] if need_db else dx
     norm_bwd_kernel.launch_prepared(plan.grid, (x2, w, dy2, dr2, mean1, rstd1, dots, dx, dw_part, db_part),
                                     plan.prepared)
-    if need_dw or need_db:
-        launch_sum_partials(dw_part if need_dw else None, db_part if need_db else None,
-                            dw if need_dw else None, db if need_db else None)
+    if plan.sum_launch is not None:     # the one final reduction, cast to dw's / db's dtypes
+        sum_grid, sum_prepared = plan.sum_launch
+        sum_partials_kernel.launch_prepared(
+            sum_grid, (dw_part if need_dw else db_part, db_part if need_db else dw_part,
+                       dw if need_dw else db, db if need_db else dw), sum_prepared)
     return dx, dw, db

@@ -181,8 +181,8 @@ def _backward(ctx, dy, dh, _dmean, _drstd):
     x, weight, mean, rstd = ctx.saved_tensors
     need_dw = ctx.w_dtype is not None and ctx.needs_input_grad[1]
     need_db = ctx.b_dtype is not None and ctx.needs_input_grad[2]
-    dy = torch.zeros_like(x) if dy is None else dy.to(x.dtype)
-    dres = dh.to(x.dtype) if ctx.has_res and dh is not None else None
+    dy = torch.zeros_like(x) if dy is None else dy if dy.dtype == x.dtype else dy.to(x.dtype)
+    dres = None if not ctx.has_res or dh is None else dh if dh.dtype == x.dtype else dh.to(x.dtype)
     bwd_op = _norm_bwd_op.direct if direct_backward(ctx, dy, dres) else _norm_bwd_op
     dx, dw, db = bwd_op(dy, x, weight, None if ctx.is_rms else mean, rstd, dres,
                         ctx.offset, ctx.is_rms, need_dw, need_db,

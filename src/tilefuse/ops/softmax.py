@@ -462,7 +462,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dy):
     (y,) = ctx.saved_tensors
     bwd_op = _softmax_bwd_op.direct if direct_backward(ctx, dy) else _softmax_bwd_op
-    return bwd_op(y, dy.to(y.dtype), ctx.log), None
+    return bwd_op(y, dy if dy.dtype == y.dtype else dy.to(y.dtype), ctx.log), None
 
 
 _softmax_fwd_op.register_autograd(_backward, setup_context=_setup_context)
