@@ -1,6 +1,6 @@
 """The host-time floor of a Python autograd.Function on this machine (GPU, PYTHONPATH=src).
 
-    python scripts/autograd_floor.py
+    python scripts/autograd_floor.py [--profile]
 
 On CUDA tensors the autograd engine runs every backward node on its device thread, so a Python
 ``backward`` pays a thread hand-off plus the GIL on top of its own code; torch's native ops pay
@@ -14,6 +14,10 @@ backward on the calling thread: no hand-off).
 
 from __future__ import annotations
 
+import cProfile
+import pstats
+import sys
+
 import torch
 import triton
 import triton.language as tl
@@ -21,7 +25,7 @@ import triton.language as tl
 import tilefuse
 from tilefuse._launch import fast_launch
 from tilefuse.bench import host_us
-from tilefuse.ops import norms as nm
+from tilefuse.ops import _norm_launch as nl
 
 
 @fast_launch
@@ -78,15 +82,16 @@ class _NormBwd(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, w, rstd = ctx.saved_tensors
-        dx, dw, _ = nm._launch_bwd(dy, x, w, None, rstd, None, 0.0, True, True, False)
+        dx, dw, _ = nl._launch_bwd(dy, x, w, None, rstd, None, 0.0, True, True, False)
         return dx, dw, None
 
 
-def main() -> None:
+def main(profile: bool = False) -> None:
     x = torch.randn(8, 4096, device="cuda", requires_grad=True)
     w = torch.randn(4096, device="cuda", requires_grad=True)
     dy = torch.randn(8, 4096, device="cuda")
     rstd = torch.rand(8, device="cuda") + 0.5
+    b = torch.randn(4096, device="cuda", requires_grad=True)
     retained = {
         "empty Function": _Empty.apply(x),
         "empty Function, 4 outputs": _Empty4.apply(x, w)[0],
@@ -94,6 +99,8 @@ def main() -> None:
         "Function, norm bwd launcher": _NormBwd.apply(x, w, rstd),
         "native rms_norm": torch.nn.functional.rms_norm(x, (4096,), w),
         "tilefuse rms_norm": tilefuse.rms_norm(x, None, w),
+        "tilefuse layer_norm": tilefuse.layer_norm(x, None, w, b),
+        "tilefuse softmax": tilefuse.softmax(x),
     }
     rows = {
         "native x*2 fwd+bwd": lambda: torch.autograd.grad(x * 2, (x,), dy),
@@ -103,11 +110,12 @@ def main() -> None:
         "tilefuse softmax fwd+bwd": lambda: torch.autograd.grad(tilefuse.softmax(x), (x,), dy),
         "tilefuse rms_norm fwd (grad)": lambda: tilefuse.rms_norm(x, None, w),
         "tilefuse rms_norm fwd+bwd": lambda: torch.autograd.grad(tilefuse.rms_norm(x, None, w), (x, w), dy),
-        "norm bwd launcher, main thread": lambda: nm._launch_bwd(dy, x, w, None, rstd, None, 0.0, True, True, False),
+        "norm bwd launcher, main thread": lambda: nl._launch_bwd(dy, x, w, None, rstd, None, 0.0, True, True, False),
         "torch.empty_like": lambda: torch.empty_like(x),
     }
     for name, y in retained.items():
-        leaves = (x, w) if "rms_norm" in name or "4 outputs" in name or "norm bwd" in name else (x,)
+        leaves = ((x, w, b) if "layer_norm" in name else
+                  (x, w) if "rms_norm" in name or "4 outputs" in name or "norm bwd" in name else (x,))
         rows[f"bwd only: {name}"] = (lambda y=y, leaves=leaves:
                                      torch.autograd.grad(y, leaves, dy, retain_graph=True))
     print(f"{torch.cuda.get_device_name()}: host µs per call")
@@ -117,7 +125,17 @@ def main() -> None:
         for name, fn in rows.items():
             if name.startswith("bwd only") or "fwd+bwd" in name:
                 print(f"{name + ' (calling thread)':48s} {min(host_us(fn) for _ in range(3)):8.1f}", flush=True)
+        if profile:     # where the backward's host time goes: on the calling thread cProfile sees it
+            for name in ("bwd only: tilefuse layer_norm", "bwd only: Function, one Triton launch"):
+                pr = cProfile.Profile()
+                pr.enable()
+                for _ in range(2000):
+                    rows[name]()
+                pr.disable()
+                torch.cuda.synchronize()
+                print(f"\n== cProfile, {name} (calling thread), 2000 calls")
+                pstats.Stats(pr).sort_stats("tottime").print_stats(25)
 
 
 if __name__ == "__main__":
-    main()
+    main(profile="--profile" in sys.argv)
