@@ -1,6 +1,7 @@
 """layer_norm / rms_norm beyond the registry sweep: options, tiers, layouts, empties, bad input,
 torch.compile, and the nn modules against torch's."""
 
+import contextlib
 import math
 
 import pytest
@@ -259,6 +260,41 @@ def test_launcher_config_overrides(cfg):
     got = nm._launch_bwd(dy, h, w, mean, rstd, dh, 0.0, False, True, True, config=cfg)
     want = nm._bwd_reference(dy, h, w, mean, rstd, dh, 0.0, False, True, True)
     assert all(rel_err(a, c) <= 1e-5 for a, c in zip(got, want))
+
+
+@pytest.mark.parametrize("is_rms", [False, True])
+@pytest.mark.parametrize("shape", [(2, 300), pytest.param((3000, 4096), marks=pytest.mark.gpu),
+                                   pytest.param((777, 1000), marks=pytest.mark.gpu)])
+def test_backward_final_sum_in_kernel(is_rms, shape):
+    """dw / db summed inside the backward kernel behind a grid barrier (one launch; on the GPU by
+    default for the fused tier, under the interpreter with one program) agree with the two-launch
+    path and the fp64 reference; the barrier's counters are left at zero, so calls in a row and on
+    another stream start clean."""
+    if DEVICE == "cpu" and not nm.use_triton(torch.empty(0)):
+        pytest.skip("launchers need CUDA or the interpreter")
+    from tilefuse._dispatch import _GRID_SYNC
+
+    n = shape[-1]
+    x, w, b = torch.randn(*shape, device=DEVICE), torch.randn(n, device=DEVICE), torch.randn(n, device=DEVICE)
+    _, _, mean, rstd = nm._launch_fwd(x, w, None if is_rms else b, None, 1e-5, 0.0, is_rms)
+    mean = None if is_rms else mean
+    args = (x, w, mean, rstd, None, 0.0, is_rms, True, not is_rms)
+    dy = torch.randn_like(x)
+    want = nm._bwd_reference(*(t.double() if isinstance(t, torch.Tensor) else t for t in (dy,) + args))
+    two_launches = nm._launch_bwd(dy, *args, config={"final_sum": False})
+    streams = [None, None, torch.cuda.Stream() if DEVICE == "cuda" else None]
+    for stream in streams:
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            got = nm._launch_bwd(dy, *args, config={"final_sum": True})
+        if stream is not None:
+            torch.cuda.current_stream().wait_stream(stream)
+        for g, t, r in zip(got, two_launches, want):
+            assert rel_err(g, r) <= 1e-5 and rel_err(g, t) <= 1e-5
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+        plan = norm_launch._bwd_plan.cache_info()
+        assert plan.currsize and norm_launch._COOPERATIVE_OK[0], "the cooperative launch was refused"
+    assert _GRID_SYNC and all(int(c.abs().sum()) == 0 for c in _GRID_SYNC.values())
 
 
 @pytest.mark.parametrize("is_rms", [False, True])

@@ -130,6 +130,27 @@ def packed_output(shape, dtype: torch.dtype, device, cu_seqlens: torch.Tensor, f
     return t
 
 
+_GRID_SYNC: dict = {}
+
+
+def grid_sync_counters(device: torch.device) -> "torch.Tensor | None":
+    """Two zeroed int32 counters for a kernel's grid barrier (one that counts its programs in and
+    out and leaves both counters zero), per (device, stream, host thread): launches on one stream
+    run one after another, so one pair serves them all. None under CUDA-graph capture (a replay
+    may run beside eager work on the same stream): the caller takes its barrier-free path."""
+    if device.type != "cuda":        # the interpreter: launches run to completion one by one
+        key = (str(device), None, threading.get_ident())
+    elif torch.cuda.is_current_stream_capturing():
+        return None
+    else:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        key = (index, torch._C._cuda_getCurrentRawStream(index), threading.get_ident())
+    counters = _GRID_SYNC.get(key)
+    if counters is None:
+        counters = _GRID_SYNC[key] = torch.zeros(2, dtype=torch.int32, device=device)
+    return counters
+
+
 _WORKSPACES: dict = {}
 WORKSPACE_ENTRIES = 32      # kept before the cache starts over (distinct shapes, streams, threads)
 

@@ -13,6 +13,9 @@ Four kernels serve both norms, with and without the fused residual add:
   one row of a ``[row programs, n_cols]`` partial buffer (summed afterwards: no atomics).
   With the whole row in the tile it computes the row dot products itself; with ``STATS_IN`` it
   reads them from ``norm_bwd_stats_kernel``.
+  With ``FINAL_SUM`` (one column tile, a cooperative launch: every program resident) the
+  programs meet at a grid barrier and sum those partials themselves, in column slices: one
+  launch, not two (a launch is ~25-30 µs of host time on the H200 host).
 * ``sum_partials_kernel``: the one final reduction of those dw/db partials, cast to the weight's
   and bias's dtypes in the same pass (one launch for both, instead of a sum and a cast each);
   ``launch_sum_partials`` also serves bias_act's db partials.
@@ -197,6 +200,9 @@ def norm_bwd_kernel(
     dx_ptr,             # *grad of x [n_rows, n_cols], contiguous, x's dtype
     dw_ptr,             # *fp32 [row programs, n_cols]: this program's dw partial (when DW)
     db_ptr,             # *fp32 [row programs, n_cols]: db partial (when DB)
+    dw_out_ptr,         # *dw [n_cols], the weight's dtype (written with FINAL_SUM)
+    db_out_ptr,         # *db [n_cols], the bias's dtype (written with FINAL_SUM)
+    sync_ptr,           # *int32 [2], zero: arrival and departure counters (FINAL_SUM; left zero)
     x_row_stride,       # elements between rows of x
     dy_row_stride,      # elements between rows of dy
     dres_row_stride,    # elements between rows of dres
@@ -214,6 +220,9 @@ def norm_bwd_kernel(
     BLOCK_N: tl.constexpr,   # columns per program: >= n_cols unless STATS_IN
     PREFETCH: tl.constexpr,  # load the next row block's tiles before reducing this one (registers)
     STAGES: tl.constexpr,    # row blocks in flight through shared memory (Triton's pipeliner; > 1 without PREFETCH)
+    FINAL_SUM: tl.constexpr,  # one column tile, all programs resident (cooperative launch): sum the partials here
+    SUM_P: tl.constexpr,     # FINAL_SUM: partial rows per load
+    SUM_N: tl.constexpr,     # FINAL_SUM: columns per slice
 ):
     pid_m = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -274,6 +283,52 @@ def norm_bwd_kernel(
         tl.store(dw_ptr + part, tl.sum(dw_acc, axis=0), mask=cols < n_cols)
     if DB:
         tl.store(db_ptr + part, tl.sum(db_acc, axis=0), mask=cols < n_cols)
+    if FINAL_SUM:
+        _grid_barrier(sync_ptr, step)
+        _sum_partials_slices(dw_ptr, db_ptr, dw_out_ptr, db_out_ptr, step, n_cols, pid_m, step, DW, DB, SUM_P, SUM_N)
+        _grid_barrier_leave(sync_ptr, step)
+
+
+@triton.jit
+def _grid_barrier(sync_ptr, n_programs):
+    """Wait until all ``n_programs`` programs have arrived (they are all resident: a cooperative
+    launch). Each program's stores before the call are visible to every program after it."""
+    tl.debug_barrier()                  # this program's threads have stored
+    arrived = tl.atomic_add(sync_ptr, 1, sem="acq_rel", scope="gpu") + 1
+    while arrived < n_programs:
+        arrived = tl.atomic_add(sync_ptr, 0, sem="acq_rel", scope="gpu")
+
+
+@triton.jit
+def _grid_barrier_leave(sync_ptr, n_programs):
+    """Count this program out of :func:`_grid_barrier`; the last one out zeroes both counters for
+    the next launch (every program has left the wait by then: each counts out after it)."""
+    left = tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu") + 1
+    if left == n_programs:
+        tl.atomic_xchg(sync_ptr, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(sync_ptr + 1, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _sum_partials_slices(dw_part_ptr, db_part_ptr, dw_ptr, db_ptr, n_parts, n_cols, first, n_programs,
+                         DW: tl.constexpr, DB: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dw[j] = Σ_p dw_part[p, j] (and db likewise), fp32 sums, one cast at the store. The columns
+    go in BLOCK_N-wide slices to the programs: this one sums slices first, first + n_programs, ...
+    Loads go through L2 (``.cg``): inside one launch the partials are other programs' stores."""
+    for c0 in range(first * BLOCK_N, n_cols, n_programs * BLOCK_N):
+        cols = c0 + tl.arange(0, BLOCK_N)
+        acc_w = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+        acc_b = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+        for p0 in range(0, n_parts, BLOCK_P):
+            mask, offs = row_tile_mask_offsets(p0 + tl.arange(0, BLOCK_P), cols, n_parts, n_cols, n_cols)
+            if DW:
+                acc_w += tl.load(dw_part_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
+            if DB:
+                acc_b += tl.load(db_part_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
+        if DW:
+            tl.store(dw_ptr + cols, tl.sum(acc_w, 0).to(dw_ptr.dtype.element_ty), mask=cols < n_cols)
+        if DB:
+            tl.store(db_ptr + cols, tl.sum(acc_b, 0).to(db_ptr.dtype.element_ty), mask=cols < n_cols)
 
 
 @fast_launch
@@ -329,22 +384,9 @@ def sum_partials_kernel(
     BLOCK_P: tl.constexpr,  # partial rows per step
     BLOCK_N: tl.constexpr,  # columns per program
 ):
-    """dw[j] = Σ_p dw_part[p, j] (and db likewise), fp32 sums, one cast at the store."""
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < n_cols
-    acc_w = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
-    acc_b = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
-    for p0 in range(0, n_parts, BLOCK_P):
-        rows = p0 + tl.arange(0, BLOCK_P)
-        mask, offs = row_tile_mask_offsets(rows, cols, n_parts, n_cols, n_cols)
-        if DW:
-            acc_w += tl.load(dw_part_ptr + offs, mask=mask, other=0.0)
-        if DB:
-            acc_b += tl.load(db_part_ptr + offs, mask=mask, other=0.0)
-    if DW:
-        tl.store(dw_ptr + cols, tl.sum(acc_w, 0).to(dw_ptr.dtype.element_ty), mask=col_ok)
-    if DB:
-        tl.store(db_ptr + cols, tl.sum(acc_b, 0).to(db_ptr.dtype.element_ty), mask=col_ok)
+    """dw[j] = Σ_p dw_part[p, j] (and db likewise): one BLOCK_N-column slice per program."""
+    _sum_partials_slices(dw_part_ptr, db_part_ptr, dw_ptr, db_ptr, n_parts, n_cols, tl.program_id(0),
+                         tl.num_programs(0), DW, DB, BLOCK_P, BLOCK_N)
 
 
 def _sum_partials_tile() -> tuple[int, int]:

@@ -10,7 +10,9 @@ from typing import NamedTuple
 
 import torch
 
-from .._dispatch import cdiv, empty, empty_like, next_power_of_2, num_sms, rows_view, workspace
+from .._dispatch import (
+    cdiv, empty, empty_like, grid_sync_counters, next_power_of_2, num_sms, rows_view, workspace,
+)
 from .._launch import PreparedArgs, config_key
 from ._norm_kernels import (
     norm_bwd_kernel, norm_bwd_stats_kernel, norm_fwd_kernel, norm_fwd_stats_kernel, sum_partials_kernel,
@@ -203,12 +205,32 @@ class _BwdPlan(NamedTuple):
     prepared: PreparedArgs     # norm_bwd_kernel's integers, floats and constexprs
     part_shapes: tuple         # the dw / db partial buffers' shapes (one per gradient asked for)
     sum_launch: tuple | None   # (grid, prepared) of sum_partials_kernel, None without dw and db
+    final: PreparedArgs | None  # norm_bwd_kernel summing the partials itself (FINAL_SUM), if it may
+
+
+def _final_sum_tile(n_prog: int, n_cols: int) -> tuple[int, int]:
+    """(SUM_P, SUM_N) of the in-kernel final sum: slices of ~N / programs columns (16-128), so
+    every program sums one or two; up to 8K partial values per load (16 per thread at 16 warps)."""
+    sum_n = max(16, min(128, next_power_of_2(cdiv(n_cols, n_prog))))
+    return min(next_power_of_2(n_prog), max(1, 8192 // sum_n)), sum_n
+
+
+def _final_sum(n_col_tiles: int, need_grad: bool, cuda: bool) -> bool:
+    """Sum the dw / db partials inside the backward kernel, behind a grid barrier, instead of in a
+    second launch: a launch is ~25-30 µs of host time on the H200 host, where the 4096-wide
+    backwards are host-bound (s40, `-s40-autograd-floor-profile.log`). Only with one column tile
+    (the fused tier; the looped tier's long rows are kernel-bound), on a GPU (the interpreter runs
+    programs one at a time: a barrier would wait forever), while cooperative launches work."""
+    return n_col_tiles == 1 and need_grad and cuda and _COOPERATIVE_OK[0]
+
+
+_COOPERATIVE_OK = [True]   # False once a cooperative launch was refused: two launches from then on
 
 
 @functools.lru_cache(maxsize=1024)
 def _bwd_plan(n_rows: int, n_cols: int, elem_bytes: int, sms: int, x_stride: int, dy_stride: int, dr_stride: int,
               offset: float, is_rms: bool, has_w: bool, has_dres: bool, need_dw: bool, need_db: bool,
-              cfg: tuple = ()) -> _BwdPlan:
+              cuda: bool, cfg: tuple = ()) -> _BwdPlan:
     """The backward's launch, cached per shape and options."""
     cfg = dict(cfg)
     stats_in, block_m, block_n, num_warps = _tier_tile(n_rows, n_cols, cfg, MAX_FUSED_N_BWD,
@@ -218,13 +240,19 @@ def _bwd_plan(n_rows: int, n_cols: int, elem_bytes: int, sms: int, x_stride: int
     n_prog = _bwd_row_programs(cdiv(n_rows, block_m), n_col_tiles, sms, pps)
     stages = cfg.get("STAGES", _bwd_stages(block_m * block_n, elem_bytes, 3 if has_dres else 2, pps))
     prefetch = cfg.get("prefetch", _bwd_prefetch(num_warps, stages))
-    prepared = norm_bwd_kernel.prepare(
-        (x_stride, dy_stride, dr_stride, n_cols, n_rows, n_cols, offset),
-        dict(IS_RMS=is_rms, HAS_W=has_w, HAS_DRES=has_dres, DW=need_dw, DB=need_db, STATS_IN=stats_in,
-             BLOCK_M=block_m, BLOCK_N=block_n, PREFETCH=prefetch, STAGES=stages, num_warps=num_warps))
+    ints = (x_stride, dy_stride, dr_stride, n_cols, n_rows, n_cols, offset)
+    consts = dict(IS_RMS=is_rms, HAS_W=has_w, HAS_DRES=has_dres, DW=need_dw, DB=need_db, STATS_IN=stats_in,
+                  BLOCK_M=block_m, BLOCK_N=block_n, PREFETCH=prefetch, STAGES=stages, num_warps=num_warps)
+    prepared = norm_bwd_kernel.prepare(ints, dict(consts, FINAL_SUM=False, SUM_P=1, SUM_N=16))
+    final = None
+    # (a sweep may ask for it off the GPU with one program: the interpreter then runs the barrier)
+    if (cuda or n_prog == 1) and cfg.get("final_sum", _final_sum(n_col_tiles, need_dw or need_db, cuda)):
+        sum_p, sum_n = _final_sum_tile(n_prog, n_cols)
+        final = norm_bwd_kernel.prepare(ints, dict(consts, FINAL_SUM=True, SUM_P=sum_p, SUM_N=sum_n,
+                                                   launch_cooperative_grid=True))
     part_shapes = ((n_prog, n_cols),) * (need_dw + need_db)
     sum_launch = sum_partials_plan(n_prog, n_cols, need_dw, need_db) if part_shapes else None
-    return _BwdPlan(stats_in, block_n, (n_prog, n_col_tiles), prepared, part_shapes, sum_launch)
+    return _BwdPlan(stats_in, block_n, (n_prog, n_col_tiles), prepared, part_shapes, sum_launch, final)
 
 
 def _launch_bwd(dy, x, weight, mean, rstd, dres, offset: float, is_rms: bool, need_dw: bool, need_db: bool,
@@ -233,7 +261,8 @@ def _launch_bwd(dy, x, weight, mean, rstd, dres, offset: float, is_rms: bool, ne
 
     ``config`` overrides: ``max_fused_n``, ``BLOCK_M`` (rows per step, fused tier), ``BLOCK_N``
     (column tile, looped tier), ``num_warps``, ``programs_per_sm`` (persistent grid size),
-    ``prefetch`` (next row block loaded during this one's math, in registers), ``STAGES`` (row
+    ``prefetch`` (next row block loaded during this one's math, in registers), ``final_sum`` (the
+    dw / db partials summed in the kernel behind a grid barrier, GPU only), ``STAGES`` (row
     blocks in flight through shared memory, Triton's pipeliner; use with ``prefetch`` off).
     """
     x2, dy2 = rows_view(x), rows_view(dy)
@@ -249,7 +278,8 @@ def _launch_bwd(dy, x, weight, mean, rstd, dres, offset: float, is_rms: bool, ne
     rstd1 = rstd                        # flat [rows], as the forward wrote it
     mean1 = mean if mean is not None else rstd1
     plan = _bwd_plan(n_rows, n_cols, x.element_size(), num_sms(x), x2.stride(0), dy2.stride(0), dr2.stride(0),
-                     offset, is_rms, weight is not None, dres is not None, need_dw, need_db, config_key(config))
+                     offset, is_rms, weight is not None, dres is not None, need_dw, need_db, x.is_cuda,
+                     config_key(config))
     dots = dx                           # dummy unless stats_in
     if plan.stats_in:
         dots = workspace("norm_bwd_dots", ((2, n_rows),), torch.float32, dev)[0]     # internal: a reused workspace
@@ -261,8 +291,17 @@ def _launch_bwd(dy, x, weight, mean, rstd, dres, offset: float, is_rms: bool, ne
     parts = workspace("norm_bwd_partials", plan.part_shapes, torch.float32, dev) if plan.part_shapes else ()
     dw_part = parts[0] if need_dw else dx
     db_part = parts[-1] if need_db else dx
-    norm_bwd_kernel.launch_prepared(plan.grid, (x2, w, dy2, dr2, mean1, rstd1, dots, dx, dw_part, db_part),
-                                    plan.prepared)
+    tensors = (x2, w, dy2, dr2, mean1, rstd1, dots, dx, dw_part, db_part, dw, db)
+    sync = grid_sync_counters(dev) if plan.final is not None and _COOPERATIVE_OK[0] else None
+    if sync is not None:              # one launch: the kernel sums its partials behind a grid barrier
+        try:
+            norm_bwd_kernel.launch_prepared(plan.grid, (*tensors, sync), plan.final)
+            return dx, dw, db
+        except RuntimeError as exc:   # the grid does not fit on the GPU at once: never again here
+            if "cooperative" not in str(exc).lower():
+                raise
+            _COOPERATIVE_OK[0] = False
+    norm_bwd_kernel.launch_prepared(plan.grid, (*tensors, rstd1), plan.prepared)
     if plan.sum_launch is not None:     # the one final reduction, cast to dw's / db's dtypes
         sum_grid, sum_prepared = plan.sum_launch
         sum_partials_kernel.launch_prepared(
