@@ -1,6 +1,6 @@
 """What end-to-end timing can show for a memory-bound op of a given size (GPU machine, PYTHONPATH=src).
 
-    python scripts/e2e_floor.py [--bwd] [--rounds 3]
+    python scripts/e2e_floor.py [--bwd [--ab 'two launches' 'via FastOp']] [--rounds 3]
 
 ``tilefuse bench`` reports % of the copy ceiling, measured on a 1 GiB ``copy_`` where the fixed
 cost of one timed call is negligible. At 8192×4096 bf16 softmax (134 MB moved) it is not.
@@ -37,6 +37,7 @@ import tilefuse
 from tilefuse import registry
 from tilefuse._launch import fast_launch
 from tilefuse.bench import host_us
+from tilefuse.ops import _norm_launch as norm_launch
 from tilefuse.ops import norms
 from tilefuse.ops import softmax as softmax_ops
 from tilefuse.bench.ceilings import graph_time_ms, measure_copy_gbps, time_ms
@@ -116,22 +117,26 @@ def _bwd_closure(fn, args, kwargs, leaves):
 
 
 @contextlib.contextmanager
-def _direct_backward(on: bool):
-    """Off: the ops' backwards call their backward op through FastOp (the code before s40's
-    ``direct_backward``), for an A/B in one process."""
-    mods = [m for m in (norms, softmax_ops)]
-    saved = [m.direct_backward for m in mods]
-    if not on:
+def _variant(name: str):
+    """The code before one of s40's changes, for an A/B in one process: "via FastOp" (backward
+    ops called through FastOp, not ``direct_backward``), "two launches" (the norm backward's
+    dw / db summed by a second kernel, not behind the in-kernel grid barrier)."""
+    mods = [norms, softmax_ops]
+    saved = [m.direct_backward for m in mods], norm_launch._COOPERATIVE_OK[0]
+    if name.endswith("via FastOp"):
         for m in mods:
             m.direct_backward = lambda ctx, *grads: False
+    if name.endswith("two launches"):
+        norm_launch._COOPERATIVE_OK[0] = False
     try:
         yield
     finally:
-        for m, f in zip(mods, saved):
+        for m, f in zip(mods, saved[0]):
             m.direct_backward = f
+        norm_launch._COOPERATIVE_OK[0] = saved[1]
 
 
-def backward_rows(gbps: float, ab_direct: bool = False) -> None:
+def backward_rows(gbps: float, ab: tuple = ()) -> None:
     cases = (("softmax", (8192, 4096)), ("rms_norm", (16384, 4096)), ("layer_norm", (16384, 4096)))
     for op, shape in cases:
         x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -144,12 +149,12 @@ def backward_rows(gbps: float, ab_direct: bool = False) -> None:
         inputs = spec.make_inputs(shape, torch.bfloat16, "cuda")
         op_bytes = int(spec.bytes_fn(shape, torch.bfloat16, "bwd"))
         impls = [("tilefuse", spec.fn)] + [(k, f()) for k, f in spec.peers.items() if k in ("torch", "liger")]
-        if ab_direct:
-            impls.insert(1, ("tilefuse via FastOp", spec.fn))
+        for variant in ab:
+            impls.insert(1, (f"tilefuse {variant}", spec.fn))
         for name, fn in impls:
             inp = inputs if name == "tilefuse" else inputs.cloned()
             grad, setup = _bwd_closure(fn, inp.args, inp.kwargs, grad_leaves(inp))
-            with _direct_backward(name != "tilefuse via FastOp"):
+            with _variant(name):
                 row(f"{op} {name} bwd {shape[0]}x{shape[1]}", grad, op_bytes, gbps, setup=setup, host=True)
         del x, c, inputs
         torch.cuda.empty_cache()
@@ -159,14 +164,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--bwd", action="store_true", help="the backward timer against its host floor")
     ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--ab-direct", action="store_true", help="--bwd: also tilefuse with FastOp-dispatched backward ops")
+    ap.add_argument("--ab", nargs="*", default=[], choices=["via FastOp", "two launches"],
+                    help="--bwd: also tilefuse as before one of s40's changes")
     a = ap.parse_args()
     gbps = measure_copy_gbps()["copy_gbps"]
     print(f"{torch.cuda.get_device_name()}: 1 GiB copy ceiling {gbps:,.0f} GB/s, torch {torch.__version__}, "
           f"triton {triton.__version__}")
     for r in range(a.rounds):
         print(f"-- round {r + 1}", flush=True)
-        backward_rows(gbps, a.ab_direct) if a.bwd else forward_rows(gbps)
+        backward_rows(gbps, tuple(a.ab)) if a.bwd else forward_rows(gbps)
 
 
 if __name__ == "__main__":
