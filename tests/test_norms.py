@@ -292,9 +292,28 @@ def test_backward_final_sum_in_kernel(is_rms, shape):
             assert rel_err(g, r) <= 1e-5 and rel_err(g, t) <= 1e-5
     if DEVICE == "cuda":
         torch.cuda.synchronize()
-        plan = norm_launch._bwd_plan.cache_info()
-        assert plan.currsize and norm_launch._COOPERATIVE_OK[0], "the cooperative launch was refused"
+        assert not norm_launch._COOPERATIVE_REFUSED, "the cooperative launch was refused"
     assert _GRID_SYNC and all(int(c.abs().sum()) == 0 for c in _GRID_SYNC.values())
+
+
+@pytest.mark.gpu
+def test_backward_final_sum_refused_grid_takes_two_launches():
+    """A grid the GPU cannot hold at once (8 programs of 16 warps per SM) is refused by the
+    cooperative launch before anything runs; that plan then takes the two launches, correct, and
+    the other plans keep the in-kernel sum."""
+    x, w = torch.randn(3000, 4096, device=DEVICE), torch.randn(4096, device=DEVICE)
+    _, _, mean, rstd = nm._launch_fwd(x, w, None, None, 1e-5, 0.0, False)
+    dy = torch.randn_like(x)
+    args = (x, w, mean, rstd, None, 0.0, False, True, True)
+    want = nm._bwd_reference(*(t.double() if isinstance(t, torch.Tensor) else t for t in (dy,) + args))
+    refused = set(norm_launch._COOPERATIVE_REFUSED)
+    for _ in range(2):      # the refusal, then the remembered two-launch path
+        got = nm._launch_bwd(dy, *args, config={"programs_per_sm": 8, "final_sum": True, "num_warps": 16})
+        assert all(rel_err(g, r) <= 1e-5 for g, r in zip(got, want))
+    assert len(norm_launch._COOPERATIVE_REFUSED) == len(refused) + 1
+    nm._launch_bwd(dy, *args)
+    torch.cuda.synchronize()
+    assert len(norm_launch._COOPERATIVE_REFUSED) == len(refused) + 1
 
 
 @pytest.mark.parametrize("is_rms", [False, True])

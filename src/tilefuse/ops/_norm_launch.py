@@ -220,11 +220,13 @@ def _final_sum(n_col_tiles: int, need_grad: bool, cuda: bool) -> bool:
     second launch: a launch is ~25-30 µs of host time on the H200 host, where the 4096-wide
     backwards are host-bound (s40, `-s40-autograd-floor-profile.log`). Only with one column tile
     (the fused tier; the looped tier's long rows are kernel-bound), on a GPU (the interpreter runs
-    programs one at a time: a barrier would wait forever), while cooperative launches work."""
-    return n_col_tiles == 1 and need_grad and cuda and _COOPERATIVE_OK[0]
+    programs one at a time: a barrier would wait forever). A grid the GPU refuses to co-schedule
+    (another process holding SMs, a sweep's programs_per_sm) takes the two launches instead."""
+    return n_col_tiles == 1 and need_grad and cuda
 
 
-_COOPERATIVE_OK = [True]   # False once a cooperative launch was refused: two launches from then on
+_COOPERATIVE_OK = [True]   # False: never the in-kernel final sum (an A/B switch for probes)
+_COOPERATIVE_REFUSED: set = set()   # (device, grid, kernel key) the GPU refused to co-schedule: two launches
 
 
 @functools.lru_cache(maxsize=1024)
@@ -292,15 +294,17 @@ def _launch_bwd(dy, x, weight, mean, rstd, dres, offset: float, is_rms: bool, ne
     dw_part = parts[0] if need_dw else dx
     db_part = parts[-1] if need_db else dx
     tensors = (x2, w, dy2, dr2, mean1, rstd1, dots, dx, dw_part, db_part, dw, db)
-    sync = grid_sync_counters(dev) if plan.final is not None and _COOPERATIVE_OK[0] else None
+    coop_key = (dev.index, plan.grid, plan.final.key) if plan.final is not None else None
+    sync = (grid_sync_counters(dev) if coop_key is not None and _COOPERATIVE_OK[0]
+            and coop_key not in _COOPERATIVE_REFUSED else None)
     if sync is not None:              # one launch: the kernel sums its partials behind a grid barrier
         try:
             norm_bwd_kernel.launch_prepared(plan.grid, (*tensors, sync), plan.final)
             return dx, dw, db
-        except RuntimeError as exc:   # the grid does not fit on the GPU at once: never again here
-            if "cooperative" not in str(exc).lower():
+        except RuntimeError as exc:   # this grid does not fit on the GPU at once (CUDA refuses the
+            if "cooperative" not in str(exc).lower():     # launch, nothing ran): two launches for it
                 raise
-            _COOPERATIVE_OK[0] = False
+            _COOPERATIVE_REFUSED.add(coop_key)
     norm_bwd_kernel.launch_prepared(plan.grid, (*tensors, rstd1), plan.prepared)
     if plan.sum_launch is not None:     # the one final reduction, cast to dw's / db's dtypes
         sum_grid, sum_prepared = plan.sum_launch
