@@ -208,11 +208,12 @@ class _BwdPlan(NamedTuple):
     final: PreparedArgs | None  # norm_bwd_kernel summing the partials itself (FINAL_SUM), if it may
 
 
-def _final_sum_tile(n_prog: int, n_cols: int) -> tuple[int, int]:
+def _final_sum_tile(n_prog: int, n_cols: int, num_warps: int) -> tuple[int, int]:
     """(SUM_P, SUM_N) of the in-kernel final sum: slices of ~N / programs columns (16-128), so
-    every program sums one or two; up to 8K partial values per load (16 per thread at 16 warps)."""
+    every program sums one or two; at most 16 partial values per thread per load (8K at 16 warps),
+    so the sum's registers stay under the row loop's."""
     sum_n = max(16, min(128, next_power_of_2(cdiv(n_cols, n_prog))))
-    return min(next_power_of_2(n_prog), max(1, 8192 // sum_n)), sum_n
+    return min(next_power_of_2(n_prog), max(1, 16 * 32 * num_warps // sum_n)), sum_n
 
 
 def _final_sum(n_col_tiles: int, need_grad: bool, cuda: bool) -> bool:
@@ -249,7 +250,7 @@ def _bwd_plan(n_rows: int, n_cols: int, elem_bytes: int, sms: int, x_stride: int
     final = None
     # (a sweep may ask for it off the GPU with one program: the interpreter then runs the barrier)
     if (cuda or n_prog == 1) and cfg.get("final_sum", _final_sum(n_col_tiles, need_dw or need_db, cuda)):
-        sum_p, sum_n = _final_sum_tile(n_prog, n_cols)
+        sum_p, sum_n = _final_sum_tile(n_prog, n_cols, num_warps)
         final = norm_bwd_kernel.prepare(ints, dict(consts, FINAL_SUM=True, SUM_P=sum_p, SUM_N=sum_n,
                                                    launch_cooperative_grid=True))
     part_shapes = ((n_prog, n_cols),) * (need_dw + need_db)
