@@ -203,3 +203,31 @@ def test_meta_tensors_repeat():
         assert tilefuse.matmul(a, b).shape == (6, 5)
         assert tilefuse.rms_norm(a).shape == (6, 8)
         assert tilefuse.rope(q, q.clone(), cos, sin)[0].shape == (1, 4, 2, 8)
+
+
+def _penalty_cases():
+    w = torch.randn(33, device=DEVICE)
+    yield "rms_norm (saves its input)", lambda h: tilefuse.rms_norm(h, None, w)
+    yield "softmax (saves its output)", lambda h: tilefuse.softmax(h)
+    yield "bias_act", lambda h: tilefuse.bias_act(h, w, activation="gelu")
+
+
+@pytest.mark.parametrize("how", ["backward", "autograd.grad"])
+@pytest.mark.parametrize("case", range(3))
+def test_gradient_penalty_through_an_op_raises(case, how):
+    """A second derivative through an op (a gradient penalty) raises, whether by ``.backward()``
+    or by ``autograd.grad(penalty, params)``; the latter used to drop the op's term without a word
+    (dW 0.5 off for rms_norm: the error node's edges led only to fresh leaves). The first-order
+    gradient built with create_graph=True is unchanged."""
+    what, op = list(_penalty_cases())[case]
+    x = torch.randn(4, 16, device=DEVICE, requires_grad=True)
+    W = torch.randn(33, 16, device=DEVICE, requires_grad=True)
+    weights = torch.linspace(-1, 1, 33, device=DEVICE)
+    (gx,) = torch.autograd.grad((op(x @ W.t()) * weights).sum(), x, create_graph=True)
+    (plain,) = torch.autograd.grad((op(x @ W.t()) * weights).sum(), x)
+    assert torch.equal(gx.detach(), plain), what
+    with pytest.raises(RuntimeError, match="not differentiable"):
+        if how == "backward":
+            gx.pow(2).sum().backward()
+        else:
+            torch.autograd.grad(gx.pow(2).sum(), W)

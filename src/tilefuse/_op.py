@@ -70,19 +70,45 @@ def once_differentiable(backward: Callable) -> Callable:
     differentiated. Returning them detached instead (what the kernels' backward custom ops did)
     lets a gradient penalty's term drop silently. torch's version attaches the error only when a
     grad_output requires grad; our gradients also depend on saved inputs, so it is attached
-    whenever a graph is being built."""
+    whenever a graph is being built.
+
+    The error node's edges lead to the op's saved tensors and incoming gradients that require
+    grad, so every second derivative that would pass through the op reaches it: ``.backward()``
+    and ``autograd.grad(penalty, params)`` alike. (Edges to fresh detached leaves only, as torch's
+    version has, are never run by ``autograd.grad`` with explicit inputs: the term through the
+    op was dropped without a word, a gradient penalty's weight gradient 0.5 off; s40 audit.) An op
+    whose gradient depends on inputs it keeps no tensor of (cross-entropy's gradient written in
+    the forward) sets ``ctx.unanchored_gradient`` to a message: its create_graph backward raises
+    it at once, since no error node could be reached later."""
     def wrapper(ctx, *grads):
         if not torch.is_grad_enabled():      # the usual backward: no graph of the gradients
             return backward(ctx, *grads)
+        # before the backward runs: one that writes a saved tensor in place (cross_entropy's
+        # deferred in-place mode) leaves it unpackable afterwards
+        anchors = [t for t in (*_saved_tensors(ctx), *grads) if isinstance(t, torch.Tensor) and t.requires_grad]
+        unanchored = getattr(ctx, "unanchored_gradient", None)
+        if unanchored and not anchors:
+            raise RuntimeError(unanchored)
         with torch.no_grad():
             out = backward(ctx, *grads)
         single = not isinstance(out, tuple)
         outs = (out,) if single else out
-        err = torch._C._functions.DelayedError(_NOT_TWICE, len(outs))
-        marked = err(*[None if g is None else g.detach().requires_grad_(True) for g in outs])
+        err = torch._C._functions.DelayedError(_NOT_TWICE, len(outs) + len(anchors))
+        if anchors:       # the outputs share the error node, whose edges reach what they depend on
+            marked = err(*[None if g is None else g.detach() for g in outs], *anchors)[:len(outs)]
+        else:             # nothing upstream requires grad: a leaf each, so .backward() still raises
+            marked = err(*[None if g is None else g.detach().requires_grad_(True) for g in outs])
         marked = marked if isinstance(marked, tuple) else (marked,)    # one input: one tensor back
         return marked[0] if single else marked
     return wrapper
+
+
+def _saved_tensors(ctx) -> tuple:
+    """``ctx.saved_tensors``, or () where the Function saved none (or they were freed)."""
+    try:
+        return tuple(ctx.saved_tensors)
+    except RuntimeError:
+        return ()
 
 
 # More than one GPU visible: only then can a tensor sit on a device other than the current one

@@ -453,12 +453,21 @@ def saved_grads_for_backward(ctx, grads: list, applied: torch.Tensor, grad_outpu
     return fresh
 
 
+# create_graph=True through the gradient-in-forward modes: the gradient depends on the logits,
+# which they keep no tensor of, so a later second derivative could not be stopped (_op.once_differentiable)
+UNANCHORED_GRADIENT = (
+    "cross_entropy computed its gradient in the forward, so backward(create_graph=True) through it "
+    "cannot keep a second derivative (a gradient penalty) from silently dropping its term; use "
+    "cross_entropy(..., defer_grad=True), whose second derivative raises, or torch's F.cross_entropy")
+
+
 def _ce_setup_context(ctx, inputs, output):
     """The default mode: the gradient the forward wrote (for grad_output 1), scaled by the backward."""
     reduction = inputs[6]
     loss, grad = output
     n_scales = loss.numel() if reduction == "none" else 1
     ctx.save_for_backward(grad, torch.ones(n_scales, dtype=torch.float32, device=grad.device))
+    ctx.unanchored_gradient = UNANCHORED_GRADIENT
 
 
 def _ce_backward(ctx, grad_loss, _grad):
@@ -504,6 +513,7 @@ class _InplaceCrossEntropy(torch.autograd.Function):
         loss = _ce_fwd_inplace_op(logits, target, *args, check, loss_dtype)
         n_scales = loss.numel() if reduction == "none" else 1
         ctx.save_for_backward(logits.detach(), torch.ones(n_scales, dtype=torch.float32, device=logits.device))
+        ctx.unanchored_gradient = UNANCHORED_GRADIENT
         return loss
 
     @staticmethod
