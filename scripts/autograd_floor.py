@@ -111,6 +111,10 @@ def main(profile: bool = False) -> None:
         "tilefuse rms_norm fwd (grad)": lambda: tilefuse.rms_norm(x, None, w),
         "tilefuse rms_norm fwd+bwd": lambda: torch.autograd.grad(tilefuse.rms_norm(x, None, w), (x, w), dy),
         "norm bwd launcher, main thread": lambda: nl._launch_bwd(dy, x, w, None, rstd, None, 0.0, True, True, False),
+        "norm bwd launcher, planned (s40), main thread":
+            lambda: nl._launch_bwd(dy, x, w, None, rstd, None, 0.0, True, True, False, config={}),
+        "empty_like + one Triton launch, main thread":
+            lambda: _fill_kernel[(8,)](torch.empty_like(x), x.numel(), BLOCK=4096),
         "torch.empty_like": lambda: torch.empty_like(x),
     }
     for name, y in retained.items():

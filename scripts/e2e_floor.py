@@ -118,11 +118,14 @@ def _bwd_closure(fn, args, kwargs, leaves):
 
 @contextlib.contextmanager
 def _variant(name: str):
-    """The code before one of s40's changes, for an A/B in one process: "via FastOp" (backward
-    ops called through FastOp, not ``direct_backward``), "two launches" (the norm backward's
-    dw / db summed by a second kernel, not behind the in-kernel grid barrier)."""
+    """The code before one of s40's / s41's changes, for an A/B in one process: "via FastOp"
+    (backward ops called through FastOp, not ``direct_backward``), "two launches" (the norm
+    backward's dw / db summed by a second kernel, not behind the in-kernel grid barrier),
+    "planned launch" (every norm backward through its plan, never a bound launch: s41)."""
     mods = [norms, softmax_ops]
-    saved = [m.direct_backward for m in mods], norm_launch._COOPERATIVE_OK[0]
+    saved = [m.direct_backward for m in mods], norm_launch._COOPERATIVE_OK[0], norm_launch._bwd_call_key
+    if name.endswith("planned launch"):
+        norm_launch._bwd_call_key = lambda *args: None
     if name.endswith("via FastOp"):
         for m in mods:
             m.direct_backward = lambda ctx, *grads: False
@@ -134,6 +137,7 @@ def _variant(name: str):
         for m, f in zip(mods, saved[0]):
             m.direct_backward = f
         norm_launch._COOPERATIVE_OK[0] = saved[1]
+        norm_launch._bwd_call_key = saved[2]
 
 
 def backward_rows(gbps: float, ab: tuple = ()) -> None:
@@ -164,8 +168,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--bwd", action="store_true", help="the backward timer against its host floor")
     ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--ab", nargs="*", default=[], choices=["via FastOp", "two launches"],
-                    help="--bwd: also tilefuse as before one of s40's changes")
+    ap.add_argument("--ab", nargs="*", default=[], choices=["via FastOp", "two launches", "planned launch"],
+                    help="--bwd: also tilefuse as before one of s40's / s41's changes")
     a = ap.parse_args()
     gbps = measure_copy_gbps()["copy_gbps"]
     print(f"{torch.cuda.get_device_name()}: 1 GiB copy ceiling {gbps:,.0f} GB/s, torch {torch.__version__}, "

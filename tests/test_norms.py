@@ -587,3 +587,85 @@ def test_bytes_are_exact():
     assert registry.get("add_rms_norm").bytes_fn((m, n), bf16, "fwd") == 4 * big + vec + 4 * m
     assert registry.get("add_rms_norm").bytes_fn((m, n), bf16, "bwd") == 4 * big + 2 * vec + 4 * m
     assert registry.get("add_layer_norm").bytes_fn((m, n), bf16, "bwd") == 4 * big + 3 * vec + 8 * m
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["rms", "rms_offset_3d", "ln", "ln_no_affine", "ln_bias_only", "add_rms_fp32_w"])
+def test_repeated_backward_reuses_its_bound_launch(case, monkeypatch):
+    """A repeated backward of one layout takes the bound launch (no plan, workspace or launch-key
+    lookups): the same gradients as the planned path and the fp64 reference on every call, with
+    fresh dy each time; a misaligned x, a non-contiguous dy, another stream and poisoned-output
+    tests take the planned path instead."""
+    import tilefuse._dispatch as dispatch
+
+    monkeypatch.setattr(dispatch, "POISON_OUTPUTS", False)     # the bound path is off while tests poison
+    bound = count_calls(monkeypatch, norm_launch, "_bound_bwd")
+    is_rms, shape = case.startswith(("rms", "add_rms")), (4, 3, 4096) if case.endswith("3d") else (3000, 4096)
+    n, dt = shape[-1], torch.bfloat16
+    x = torch.randn(*shape, device=DEVICE, dtype=dt)
+    w_dtype = torch.float32 if case.endswith("fp32_w") else dt
+    w = None if case in ("ln_no_affine", "ln_bias_only") else torch.randn(n, device=DEVICE, dtype=w_dtype)
+    b = torch.randn(n, device=DEVICE, dtype=dt) if case in ("ln", "ln_bias_only") else None
+    offset = 1.0 if "offset" in case else 0.0
+    _, _, mean, rstd = nm._launch_fwd(x, w, b, None, 1e-5, offset, is_rms)
+    mean = None if is_rms else mean
+    dres = torch.randn_like(x) if case.startswith("add") else None
+    need_dw, need_db = w is not None, b is not None
+
+    def call(dy, x=x, **kw):
+        return nm._launch_bwd(dy, x, w, mean, rstd, dres, offset, is_rms, need_dw, need_db,
+                              w.dtype if w is not None else torch.float32, dt, **kw)
+
+    def check(got, dy, x=x):
+        args = (dy, x, w, mean, rstd, dres, offset, is_rms, need_dw, need_db)
+        want = nm._bwd_reference(*(t.double() if isinstance(t, torch.Tensor) else t for t in args))
+        planned = call(dy, x, config={})
+        for i, (g, p, r) in enumerate(zip(got, planned, want)):
+            assert g.dtype == p.dtype and g.shape == p.shape, i
+            assert torch.equal(g, p), f"output {i} differs from the planned path"
+            assert rel_err(g, r) <= TOL[dt], f"output {i}: {rel_err(g, r):.3g}"
+
+    for i in range(3):
+        dy = torch.randn_like(x)
+        got = call(dy)
+        assert len(bound) == i, "the second and later calls take the bound launch"
+        check(got, dy)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        dy = torch.randn_like(x)
+        got = call(dy)                          # a new key: planned, then bound on this stream
+        got2 = call(dy)
+    torch.cuda.current_stream().wait_stream(stream)
+    assert len(bound) == 3
+    check(got, dy)
+    check(got2, dy)
+    before = len(bound)
+    xs = torch.randn(x.numel() + 1, device=DEVICE, dtype=dt)[1:].view(x.shape)   # 2 bytes off 16
+    xs.copy_(x)
+    check(call(dy, xs), dy, xs)
+    dy_nc = torch.randn(*x.shape[:-1], 2 * n, device=DEVICE, dtype=dt)[..., ::2]     # not contiguous
+    check(call(dy_nc), dy_nc)
+    assert len(bound) == before
+    torch.cuda.synchronize()
+    assert all(int(c.abs().sum()) == 0 for c in dispatch._GRID_SYNC.values())
+
+
+@pytest.mark.gpu
+def test_repeated_autograd_backward_bound_launch(monkeypatch):
+    """Through the public op and autograd: backwards on one retained graph, the later ones by the
+    bound launch, each against the fp64 reference."""
+    import tilefuse._dispatch as dispatch
+
+    monkeypatch.setattr(dispatch, "POISON_OUTPUTS", False)
+    bound = count_calls(monkeypatch, norm_launch, "_bound_bwd")
+    x, w, b = _t((2, 1000, 4096), torch.bfloat16), _t(4096, torch.bfloat16, 0.1, 1), _t(4096, torch.bfloat16)
+    y = nm.layer_norm(x, None, w, b)
+    ref_in = [t.detach().double().requires_grad_(True) for t in (x, w, b)]
+    ref = nm.layer_norm_reference(ref_in[0], None, ref_in[1], ref_in[2])
+    for _ in range(3):
+        dy = torch.randn_like(y)
+        got = torch.autograd.grad(y, (x, w, b), dy, retain_graph=True)
+        want = torch.autograd.grad(ref, ref_in, dy.double(), retain_graph=True)
+        for g, r in zip(got, want):
+            assert rel_err(g, r) <= TOL[torch.bfloat16]
+    assert len(bound) == 2

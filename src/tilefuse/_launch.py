@@ -124,7 +124,7 @@ class FastKernel:
         """A hit calls the compiled kernel's launcher; a miss (or active hooks) takes Triton's
         path and keeps what it compiled under ``key``."""
         hit = cache.get(key)
-        if hit is None or _hooks_active():
+        if hit is None or hooks_active():
             compiled = self.fn[grid](*args, **kwargs)
             if getattr(compiled, "function", None) is not None:
                 # the parameters after the positional ones, in order: every value there comes from
@@ -166,6 +166,36 @@ class FastKernel:
         key = (device, tuple([(t.dtype, t.data_ptr() % 16 == 0) if type(t) is torch.Tensor else _arg_key(t)
                               for t in tensors]), prepared.key)
         return self._run_keyed(self._prepared_cache, key, device, grid, args, prepared.kwargs)
+
+    def bind_prepared(self, grid, tensors: tuple, prepared: "PreparedArgs") -> "BoundLaunch | None":
+        """The cache entry a :meth:`launch_prepared` with these arguments hit (or compiled), as a
+        :class:`BoundLaunch` on the current device; None when there is none yet, when it launches
+        through Triton's ``run`` (scratch buffers), or when fast launches are off (the interpreter).
+        Valid for later tensors with the same dtypes and 16-byte alignment, which the caller checks."""
+        if not (_ENABLED and isinstance(self.fn, JITFunction)):
+            return None
+        key = (torch.cuda.current_device(), tuple([(t.dtype, t.data_ptr() % 16 == 0) if type(t) is torch.Tensor
+                                                   else _arg_key(t) for t in tensors]), prepared.key)
+        hit = self._prepared_cache.get(key)
+        if hit is None or hit[2] is None:
+            return None
+        compiled, rest, direct = hit
+        return BoundLaunch(direct, compiled, rest, (tuple(grid) + (1, 1))[:3], prepared.ints)
+
+
+class BoundLaunch(NamedTuple):
+    """One entry of a kernel's prepared-launch cache, bound for repeated launches of one op plan
+    (:meth:`FastKernel.bind_prepared`): a call skips the per-launch key (the caller guarantees its
+    tensors key the same: dtypes and 16-byte alignment) and goes straight to the C launcher."""
+    direct: "_DirectLaunch"
+    compiled: object
+    rest: list                 # the parameters after the positional ones (fixed by the key)
+    grid: tuple                # (g0, g1, g2)
+    ints: tuple                # the prepared integers, after the tensors
+
+    def __call__(self, stream: int, tensors: tuple) -> None:
+        g0, g1, g2 = self.grid
+        self.direct(g0, g1, g2, stream, self.compiled, (*tensors, *self.ints), self.rest)
 
 
 class _DirectLaunch:
@@ -349,8 +379,9 @@ class PreparedArgs(NamedTuple):
         return PreparedArgs((value, *self.ints[1:]), self.kwargs, (self.key, _arg_key(value)))
 
 
-def _hooks_active() -> bool:
-    """A profiler (e.g. proton) registered launch hooks: let Triton's own path call them."""
+def hooks_active() -> bool:
+    """A profiler (e.g. proton) registered launch hooks: let Triton's own path call them (a
+    :class:`BoundLaunch` would skip them)."""
     hook = triton.knobs.runtime.launch_enter_hook
     return hook is not None and bool(getattr(hook, "calls", True))
 
