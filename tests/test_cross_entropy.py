@@ -338,6 +338,37 @@ def test_repeated_backward_leaves_handed_out_grads_alone(inplace):
         torch.autograd.grad(out, x2, torch.ones(6, device=DEVICE))
 
 
+@pytest.mark.parametrize("inplace", [False, True], ids=["buffered", "inplace"])
+def test_repeated_backward_fp16_refuses_lost_values(inplace):
+    """float16: after a first grad_output below 1 (the stored gradient scaled into the subnormal
+    range) or one that overflowed it to inf, a second backward through the graph raises instead of
+    rescaling what is gone (first 1e-4, then 1: 7.1e-3 relative error, s40 audit); after a first
+    grad_output above 1 with nothing overflowed it rescales within float16's tolerance."""
+    logits = (torch.randn(64, 300, device=DEVICE) * 2).half()
+    target = _targets(64, 300)
+
+    def fresh(reduction):
+        base = logits.clone().requires_grad_(True)
+        x = base * 1 if inplace else base      # the in-place mode needs a non-leaf
+        ref_x = logits.double().requires_grad_(True)
+        (unit,) = torch.autograd.grad(cross_entropy_reference(ref_x, target, reduction=reduction), ref_x)
+        return base, cross_entropy(x, target, reduction=reduction, logits_inplace_grad=inplace), unit
+
+    base, out, _ = fresh("mean")
+    torch.autograd.grad(out, base, torch.tensor(1e-4, device=DEVICE), retain_graph=True)
+    with pytest.raises(RuntimeError, match="subnormal"):
+        torch.autograd.grad(out, base, torch.tensor(1.0, device=DEVICE))
+    base, out, unit = fresh("mean")
+    (g3,) = torch.autograd.grad(out, base, torch.tensor(3.0, device=DEVICE), retain_graph=True)
+    (g1,) = torch.autograd.grad(out, base, torch.tensor(1.0, device=DEVICE))
+    assert rel_err(g3, 3 * unit) <= 2e-3 and rel_err(g1, unit) <= 2e-3
+    base, out, _ = fresh("sum")                 # entries up to ~1: x 1e5 passes float16's 65504
+    (big,) = torch.autograd.grad(out, base, torch.tensor(1e5, device=DEVICE), retain_graph=True)
+    assert torch.isinf(big).any()               # as torch's own float16 gradient would be
+    with pytest.raises(RuntimeError, match="inf"):
+        torch.autograd.grad(out, base, torch.tensor(1.0, device=DEVICE))
+
+
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_deferred_repeated_backward(reduction):
     """Deferred, buffered: every backward recomputes from the saved logits, any grad_output; in

@@ -182,6 +182,24 @@ def test_repeated_backward_accumulates_into_grad(monkeypatch):
     assert rel_err(h.grad, rh.grad) <= 1e-5 and rel_err(w.grad, rw.grad) <= 1e-5
 
 
+def test_repeated_backward_fp16_refuses_lost_values(monkeypatch):
+    """float16: a second backward after a first grad_output below 1 raises (the stored gradients
+    were scaled into the subnormal range in place); after one above 1 it is right."""
+    _tiny_chunks(monkeypatch, 23, 2, 3)
+    hidden, weight, _, target = _inputs(8, 16, 23, dtype=torch.float16)
+    rh, rw = hidden.double().requires_grad_(True), weight.double().requires_grad_(True)
+    want = torch.autograd.grad(linear_cross_entropy_reference(rh, rw, target), [rh, rw])
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    loss = linear_cross_entropy(h, w, target)
+    torch.autograd.grad(loss, [h, w], torch.tensor(1e-4, device=DEVICE), retain_graph=True)
+    with pytest.raises(RuntimeError, match="subnormal"):
+        torch.autograd.grad(loss, [h, w])
+    loss = linear_cross_entropy(h, w, target)
+    g3 = torch.autograd.grad(loss, [h, w], torch.tensor(3.0, device=DEVICE), retain_graph=True)
+    g1 = torch.autograd.grad(loss, [h, w])
+    assert all(rel_err(a, 3 * r) <= 2e-3 and rel_err(b, r) <= 2e-3 for a, b, r in zip(g3, g1, want))
+
+
 def test_no_grad_is_loss_only():
     hidden, weight, _, target = _inputs(4, 8, 20)
     with torch.no_grad():

@@ -424,6 +424,28 @@ def scale_saved_grads_(grads: list, applied: torch.Tensor, grad_output: torch.Te
         _scale_saved_grads_op(grads, applied, grad_output)
 
 
+def _scaling_lost_values(grads: list, applied: torch.Tensor) -> str:
+    """Why the first backward's in-place scaling by ``applied`` left stored gradients that a
+    rescale cannot bring back, or "" (one host sync; repeated backwards only). A zero grad_output
+    erases them. In float16 a grad_output below 1 in magnitude pushes the small entries into the
+    subnormal range, where their low bits are lost (first 1e-4, then 1: 7.1e-3 relative error
+    against 9.6e-5 from a fresh graph; s40 audit), and one above 1 can overflow them to inf;
+    bfloat16 and float32 keep float32's exponent range, so a rescale there costs one rounding."""
+    if bool((applied == 0).any()):
+        return ("the first backward's grad_output was 0 and scaled the gradient computed in the forward "
+                "to zeros in place, so it is gone")
+    fp16 = [g for g in grads if g.dtype == torch.float16 and g.numel()]
+    if fp16:
+        if bool((applied.abs() < 1).any()):
+            return ("the first backward's grad_output was below 1 in magnitude and scaled the float16 gradient "
+                    "computed in the forward in place, into float16's subnormal range where its small entries "
+                    "lose their low bits")
+        if not all(bool(torch.isfinite(g).all()) for g in fp16):
+            return ("the first backward's grad_output scaled the float16 gradient computed in the forward in "
+                    "place past float16's range (inf)")
+    return ""
+
+
 def saved_grads_for_backward(ctx, grads: list, applied: torch.Tensor, grad_output: torch.Tensor) -> list:
     """The gradients a forward computed (for grad_output 1), scaled by this backward's grad_output.
 
@@ -432,8 +454,8 @@ def saved_grads_for_backward(ctx, grads: list, applied: torch.Tensor, grad_outpu
     ``.grad``), so a later backward through the same graph (``retain_graph=True``) scales fresh
     copies of them and leaves what it handed out alone. Where the values are gone it raises
     instead of answering wrong: a buffer modified in place since (``.grad`` accumulation, an
-    optimizer step, ``clip_grad_norm_``: autograd's own version check on the saved tensors) or a
-    zero grad_output in the first backward (one host sync, on repeated backwards only). Traced
+    optimizer step, ``clip_grad_norm_``: autograd's own version check on the saved tensors), or a
+    first grad_output whose scaling lost values (:func:`_scaling_lost_values`). Traced
     graphs functionalize the scaling (no aliasing).
     """
     if torch.compiler.is_compiling():
@@ -443,11 +465,11 @@ def saved_grads_for_backward(ctx, grads: list, applied: torch.Tensor, grad_outpu
         scale_saved_grads_(grads, applied, grad_output)
         ctx.grads_handed_out = True
         return grads
-    if bool((applied == 0).any()):
+    lost = _scaling_lost_values(grads, applied)
+    if lost:
         raise RuntimeError(
-            "a second backward through this loss: the first backward's grad_output was 0 and scaled the "
-            "gradient computed in the forward to zeros in place, so it is gone; compute it in the backward "
-            "instead (cross_entropy(defer_grad=True), or linear_cross_entropy(reduction='none') reduced by hand)")
+            f"a second backward through this loss: {lost}; compute it in the backward instead "
+            "(cross_entropy(defer_grad=True), or linear_cross_entropy(reduction='none') reduced by hand)")
     fresh = [g.clone() for g in grads]
     _scale_saved_grads_op(fresh, applied.clone(), grad_output)
     return fresh
