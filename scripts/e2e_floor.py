@@ -38,6 +38,7 @@ from tilefuse import registry
 from tilefuse._launch import fast_launch
 from tilefuse.bench import host_us
 from tilefuse.ops import _norm_launch as norm_launch
+from tilefuse.ops import activations
 from tilefuse.ops import norms
 from tilefuse.ops import softmax as softmax_ops
 from tilefuse.bench.ceilings import graph_time_ms, measure_copy_gbps, time_ms
@@ -120,10 +121,12 @@ def _bwd_closure(fn, args, kwargs, leaves):
 def _variant(name: str):
     """The code before one of s40's / s41's changes, for an A/B in one process: "via FastOp"
     (backward ops called through FastOp, not ``direct_backward``), "two launches" (the norm
-    backward's dw / db summed by a second kernel, not behind the in-kernel grid barrier),
+    backward's dw / db and, since s41, bias_act's db summed by a second kernel, not behind the
+    in-kernel grid barrier),
     "planned launch" (every norm backward through its plan, never a bound launch: s41)."""
     mods = [norms, softmax_ops]
-    saved = [m.direct_backward for m in mods], norm_launch._COOPERATIVE_OK[0], norm_launch._bwd_call_key
+    saved = ([m.direct_backward for m in mods], norm_launch._COOPERATIVE_OK[0], norm_launch._bwd_call_key,
+             activations.cooperative_launch)
     if name.endswith("planned launch"):
         norm_launch._bwd_call_key = lambda *args: None
     if name.endswith("via FastOp"):
@@ -131,6 +134,7 @@ def _variant(name: str):
             m.direct_backward = lambda ctx, *grads: False
     if name.endswith("two launches"):
         norm_launch._COOPERATIVE_OK[0] = False
+        activations.cooperative_launch = lambda *args: None
     try:
         yield
     finally:
@@ -138,10 +142,12 @@ def _variant(name: str):
             m.direct_backward = f
         norm_launch._COOPERATIVE_OK[0] = saved[1]
         norm_launch._bwd_call_key = saved[2]
+        activations.cooperative_launch = saved[3]
 
 
 def backward_rows(gbps: float, ab: tuple = ()) -> None:
-    cases = (("softmax", (8192, 4096)), ("rms_norm", (16384, 4096)), ("layer_norm", (16384, 4096)))
+    cases = (("softmax", (8192, 4096)), ("rms_norm", (16384, 4096)), ("layer_norm", (16384, 4096)),
+             ("bias_act", (16384, 4096)))
     for op, shape in cases:
         x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         c = torch.randn_like(x).detach()

@@ -276,6 +276,43 @@ def test_dbias_partials_over_many_row_chunks():
         assert rel_err(dx, dx_ref) <= 1e-5 and rel_err(db, db_ref) <= 1e-5
 
 
+@pytest.mark.parametrize("p", [0.0, 0.3])
+@pytest.mark.parametrize("shape", [(37, 300), pytest.param((3000, 4096), marks=pytest.mark.gpu),
+                                   pytest.param((777, 1000), marks=pytest.mark.gpu)])
+def test_backward_final_sum_in_kernel(shape, p, monkeypatch):
+    """dbias summed inside the backward kernel behind a grid barrier (one launch: on the GPU by
+    default, under the interpreter with one program) agrees with the two-launch path and the fp64
+    reference, with and without dropout; calls in a row and one on another stream start with the
+    barrier's counters at zero and leave them there."""
+    import contextlib
+
+    from tilefuse._dispatch import _GRID_SYNC
+
+    launched = []
+    real = ba.cooperative_launch
+    monkeypatch.setattr(ba, "cooperative_launch", lambda *a: launched.append(real(*a)) or launched[-1])
+    n = shape[-1]
+    x, b = torch.randn(*shape, device=DEVICE), torch.randn(n, device=DEVICE)
+    dy = torch.randn_like(x)
+    one_program = {} if DEVICE == "cuda" else {"REDUCE_PROGRAMS": 1, "BLOCK_N": 512}
+    want = ba._bias_act_bwd_reference(dy.double(), x.double(), b.double(), "gelu", p, 1234)
+    two = ba._launch_bwd(dy, x, b, "gelu", p, 1234, True, True, n, config={**one_program, "final_sum": False})
+    assert not launched
+    streams = [None, None, torch.cuda.Stream() if DEVICE == "cuda" else None]
+    for stream in streams:
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            got = ba._launch_bwd(dy, x, b, "gelu", p, 1234, True, True, n, config={**one_program, "final_sum": True})
+        if stream is not None:
+            torch.cuda.current_stream().wait_stream(stream)
+        assert torch.equal(got[0], two[0])
+        for g, t, r in zip(got, two, want):
+            assert rel_err(g, r) <= 1e-5 and rel_err(g, t) <= 1e-6
+    assert len(launched) == 3 and all(s is not None for s in launched), "the one-launch path did not run"
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    assert all(int(c.abs().sum()) == 0 for c in _GRID_SYNC.values())
+
+
 def test_strided_inputs():
     base = torch.randn(40, 30, device=DEVICE) * 2
     x = base.t().requires_grad_(True)                      # [30, 40], column stride 30

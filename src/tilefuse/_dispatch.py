@@ -151,6 +151,32 @@ def grid_sync_counters(device: torch.device) -> "torch.Tensor | None":
     return counters
 
 
+COOPERATIVE_REFUSED: set = set()   # refusal keys of grids a GPU would not co-schedule (two launches)
+
+
+def cooperative_launch(kernel, grid: tuple, tensors: tuple, prepared, refusal_key) -> "torch.Tensor | None":
+    """Launch a prepared kernel whose programs meet at a grid barrier (``prepared`` has
+    ``launch_cooperative_grid=True``; the barrier's counters, :func:`grid_sync_counters`, go in
+    as its last tensor argument), so CUDA runs it only if every program is resident at once.
+    Returns the counters; None, with nothing launched, under CUDA-graph capture or where the GPU
+    refuses the grid (another process holding SMs, a sweep's programs per SM; remembered under
+    ``refusal_key`` -- device, grid, plan -- so later calls skip the try): the caller then takes
+    its barrier-free path (a second launch)."""
+    if refusal_key in COOPERATIVE_REFUSED:
+        return None
+    sync = grid_sync_counters(tensors[0].device)
+    if sync is None:
+        return None
+    try:
+        kernel.launch_prepared(grid, (*tensors, sync), prepared)
+    except RuntimeError as exc:    # refused before anything ran
+        if "cooperative" not in str(exc).lower():
+            raise
+        COOPERATIVE_REFUSED.add(refusal_key)
+        return None
+    return sync
+
+
 _WORKSPACES: dict = {}
 WORKSPACE_ENTRIES = 32      # kept before the cache starts over (distinct shapes, streams, threads)
 

@@ -31,7 +31,7 @@ import functools
 import triton
 import triton.language as tl
 
-from .._dispatch import cdiv
+from .._dispatch import cdiv, next_power_of_2
 from .._launch import PreparedArgs, fast_launch
 from ._common import row_tile_mask_offsets
 
@@ -393,6 +393,15 @@ def _sum_partials_tile() -> tuple[int, int]:
     """(BLOCK_P, BLOCK_N) of the dw/db reduction: 64 columns per program gives N/64 programs
     (64 at N = 4096) each summing ~130-260 partial rows of fp32, a few µs."""
     return 32, 64
+
+
+def final_sum_tile(n_prog: int, n_cols: int, num_warps: int) -> tuple[int, int]:
+    """(SUM_P, SUM_N) of an in-kernel final sum (:func:`_sum_partials_slices` after a grid
+    barrier): slices of ~N / programs columns (16-128), so every program sums one or two; at most
+    16 partial values per thread per load (8K at 16 warps), so the sum's registers stay under the
+    row loop's."""
+    sum_n = max(16, min(128, next_power_of_2(cdiv(n_cols, n_prog))))
+    return min(next_power_of_2(n_prog), max(1, 16 * 32 * num_warps // sum_n)), sum_n
 
 
 @functools.lru_cache(maxsize=256)

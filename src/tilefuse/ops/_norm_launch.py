@@ -13,12 +13,12 @@ import torch
 
 from .. import _dispatch
 from .._dispatch import (
-    cdiv, empty, empty_like, grid_sync_counters, next_power_of_2, num_sms, rows_view, workspace,
+    COOPERATIVE_REFUSED, cdiv, cooperative_launch, empty, empty_like, next_power_of_2, num_sms, rows_view, workspace,
 )
 from .._launch import BoundLaunch, PreparedArgs, config_key, hooks_active
 from ._norm_kernels import (
-    norm_bwd_kernel, norm_bwd_stats_kernel, norm_fwd_kernel, norm_fwd_stats_kernel, sum_partials_kernel,
-    sum_partials_plan,
+    final_sum_tile, norm_bwd_kernel, norm_bwd_stats_kernel, norm_fwd_kernel, norm_fwd_stats_kernel,
+    sum_partials_kernel, sum_partials_plan,
 )
 
 MAX_FUSED_N_FWD = 16384   # padded row length kept in registers by the forward (x, w, b live)
@@ -210,14 +210,6 @@ class _BwdPlan(NamedTuple):
     final: PreparedArgs | None  # norm_bwd_kernel summing the partials itself (FINAL_SUM), if it may
 
 
-def _final_sum_tile(n_prog: int, n_cols: int, num_warps: int) -> tuple[int, int]:
-    """(SUM_P, SUM_N) of the in-kernel final sum: slices of ~N / programs columns (16-128), so
-    every program sums one or two; at most 16 partial values per thread per load (8K at 16 warps),
-    so the sum's registers stay under the row loop's."""
-    sum_n = max(16, min(128, next_power_of_2(cdiv(n_cols, n_prog))))
-    return min(next_power_of_2(n_prog), max(1, 16 * 32 * num_warps // sum_n)), sum_n
-
-
 def _final_sum(n_col_tiles: int, need_grad: bool, cuda: bool) -> bool:
     """Sum the dw / db partials inside the backward kernel, behind a grid barrier, instead of in a
     second launch: a launch is ~25-30 µs of host time on the H200 host, where the 4096-wide
@@ -229,7 +221,7 @@ def _final_sum(n_col_tiles: int, need_grad: bool, cuda: bool) -> bool:
 
 
 _COOPERATIVE_OK = [True]   # False: never the in-kernel final sum (an A/B switch for probes)
-_COOPERATIVE_REFUSED: set = set()   # (device, grid, kernel key) the GPU refused to co-schedule: two launches
+_COOPERATIVE_REFUSED = COOPERATIVE_REFUSED    # (device, grid, kernel key) refused: two launches
 
 
 @functools.lru_cache(maxsize=1024)
@@ -252,7 +244,7 @@ def _bwd_plan(n_rows: int, n_cols: int, elem_bytes: int, sms: int, x_stride: int
     final = None
     # (a sweep may ask for it off the GPU with one program: the interpreter then runs the barrier)
     if (cuda or n_prog == 1) and cfg.get("final_sum", _final_sum(n_col_tiles, need_dw or need_db, cuda)):
-        sum_p, sum_n = _final_sum_tile(n_prog, n_cols, num_warps)
+        sum_p, sum_n = final_sum_tile(n_prog, n_cols, num_warps)
         final = norm_bwd_kernel.prepare(ints, dict(consts, FINAL_SUM=True, SUM_P=sum_p, SUM_N=sum_n,
                                                    launch_cooperative_grid=True))
     part_shapes = ((n_prog, n_cols),) * (need_dw + need_db)
@@ -381,20 +373,13 @@ def _launch_bwd(dy, x, weight, mean, rstd, dres, offset: float, is_rms: bool, ne
     dw_part = parts[0] if need_dw else dx
     db_part = parts[-1] if need_db else dx
     tensors = (x2, w, dy2, dr2, mean1, rstd1, dots, dx, dw_part, db_part, dw, db)
-    coop_key = (dev.index, plan.grid, plan.final.key) if plan.final is not None else None
-    sync = (grid_sync_counters(dev) if coop_key is not None and _COOPERATIVE_OK[0]
-            and coop_key not in _COOPERATIVE_REFUSED else None)
-    if sync is not None:              # one launch: the kernel sums its partials behind a grid barrier
-        try:
-            norm_bwd_kernel.launch_prepared(plan.grid, (*tensors, sync), plan.final)
+    if plan.final is not None and _COOPERATIVE_OK[0]:     # one launch: the partials summed behind a grid barrier
+        sync = cooperative_launch(norm_bwd_kernel, plan.grid, tensors, plan.final, (dev.index, plan.grid, plan.final.key))
+        if sync is not None:
             if key is not None:
                 _bind_bwd(key, plan, (*tensors, sync), plan.final, parts, sync, weight, need_dw, need_db,
                           dw_dtype, db_dtype)
             return dx, dw, db
-        except RuntimeError as exc:   # this grid does not fit on the GPU at once (CUDA refuses the
-            if "cooperative" not in str(exc).lower():     # launch, nothing ran): two launches for it
-                raise
-            _COOPERATIVE_REFUSED.add(coop_key)
     norm_bwd_kernel.launch_prepared(plan.grid, (*tensors, rstd1), plan.prepared)
     if key is not None and plan.sum_launch is None and not plan.stats_in:     # one launch: no dw / db
         _bind_bwd(key, plan, (*tensors, rstd1), plan.prepared, (), None, weight, False, False, dw_dtype, db_dtype)

@@ -11,10 +11,11 @@ and only x (the pre-bias input, which the caller keeps alive anyway) is saved, n
 Without an activation x is not even read back: dz = dy·keep/(1 − p).
 
 db is reduced without atomics: each backward program walks a chunk of rows for one column
-block, keeps its column sums in registers and writes one fp32 partial row; one small
-reduction over the [programs, N] partials (``launch_sum_partials``, shared with the norms)
-finishes it (~8 programs per SM: a few MB against the hundreds of MB of x, dy and dx at LLM
-sizes).
+block, keeps its column sums in registers and writes one fp32 partial row; the [chunks, N]
+partials are then summed (a few MB against the hundreds of MB of x, dy and dx at LLM sizes) by
+the same launch on a GPU -- its programs are all resident (a cooperative launch) and meet at a
+grid barrier, as the norms' backward does -- or by a second, small one (``launch_sum_partials``,
+shared with the norms) under the interpreter, CUDA-graph capture, or a grid the GPU refuses.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import triton
 import triton.language as tl
 
 from .._checks import check_same_device, check_same_dtype, check_shape, check_tensor
-from .._dispatch import cdiv, empty, empty_like, num_sms, rows_view, use_triton, workspace
+from .._dispatch import cdiv, cooperative_launch, empty, empty_like, num_sms, rows_view, use_triton, workspace
 from .._launch import PreparedArgs, config_key, fast_launch
 from .._op import custom_op
 from ..registry import Inputs, OpSpec, register, tensor_bytes
@@ -39,7 +40,9 @@ from ._activation_math import (
 )
 from ._common import row_tile_mask_offsets
 from ._dropout import dropout_keep, dropout_keep_reference, dropout_scale, dropout_threshold, draw_seed
-from ._norm_kernels import launch_sum_partials
+from ._norm_kernels import (
+    _grid_barrier, _grid_barrier_leave, _sum_partials_slices, final_sum_tile, launch_sum_partials,
+)
 
 # ----------------------------------------------------------------------------------------------
 # kernels
@@ -108,6 +111,8 @@ def bias_act_bwd_kernel(
     bias_ptr,           # *bias [n_cols] (unused without HAS_BIAS or when ACT == "none")
     dx_ptr,             # *grad of x      [n_rows, n_cols], contiguous (unused without STORE_DX)
     dbias_part_ptr,     # *fp32 [n_chunks, n_cols]: one partial column sum per row chunk
+    dbias_ptr,          # *dbias [n_cols], the bias's dtype (written with FINAL_SUM)
+    sync_ptr,           # *int32 [2], zero: the grid barrier's counters (FINAL_SUM; left zero)
     seed,               # Philox key of the forward's dropout mask (first integer, as forward)
     dy_row_stride,      # elements between rows of dy
     x_row_stride,       # elements between rows of x
@@ -127,6 +132,9 @@ def bias_act_bwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_STAGES: tl.constexpr,   # software pipelining of the row-tile loop (1: none)
+    FINAL_SUM: tl.constexpr,    # all programs resident (cooperative launch): sum the dbias partials here
+    SUM_P: tl.constexpr,        # FINAL_SUM: partial rows per load
+    SUM_N: tl.constexpr,        # FINAL_SUM: columns per slice
 ):
     chunk = tl.program_id(0) // n_col_blocks               # column blocks fastest, as forward
     col_start = (tl.program_id(0) % n_col_blocks) * BLOCK_N
@@ -154,6 +162,12 @@ def bias_act_bwd_kernel(
             dbias_acc += dz          # rows past n_rows loaded dy = 0, so they add 0
     if REDUCE_DBIAS:
         tl.store(dbias_part_ptr + chunk.to(tl.int64) * n_cols + cols, tl.sum(dbias_acc, axis=0), mask=col_mask)
+        if FINAL_SUM:       # the norms' one-launch final sum (_norm_kernels): barrier, column slices, leave
+            n_programs = tl.num_programs(0)
+            _grid_barrier(sync_ptr, n_programs)
+            _sum_partials_slices(dbias_part_ptr, dbias_part_ptr, dbias_ptr, dbias_ptr, n_programs // n_col_blocks,
+                                 n_cols, tl.program_id(0), n_programs, False, True, SUM_P, SUM_N)
+            _grid_barrier_leave(sync_ptr, n_programs)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -226,23 +240,39 @@ class _BwdPlan(NamedTuple):
     n_chunks: int              # row chunks: rows of the dbias partials
     grid: tuple
     prepared: PreparedArgs     # bias_act_bwd_kernel's integers, floats and constexprs, for seed 0
+    final: PreparedArgs | None  # the same summing its dbias partials itself (FINAL_SUM), if it may
+
+
+def _final_sum(want_dbias: bool, cuda: bool) -> bool:
+    """Sum the dbias partials inside the backward kernel behind a grid barrier, not in a second
+    launch (as the norms do since s40): a launch is ~25-30 µs of host time on the H200 host,
+    where the 4096-wide backward is host-bound. On a GPU only: the interpreter runs programs one
+    at a time (a barrier of more than one would wait forever)."""
+    return want_dbias and cuda
 
 
 @functools.lru_cache(maxsize=1024)
 def _bwd_plan(n_rows: int, n_cols: int, sms: int, dy_stride: int, x_stride: int, dx_stride: int, activation: str,
-              p: float, has_bias: bool, want_dx: bool, want_dbias: bool, config: tuple = ()) -> _BwdPlan:
+              p: float, has_bias: bool, want_dx: bool, want_dbias: bool, cuda: bool, config: tuple = ()) -> _BwdPlan:
     """The backward's launch, cached per shape and options."""
     defaults = {"RNG_GROUPED": True, "REDUCE_PROGRAMS": REDUCE_PROGRAMS_PER_SM * sms, "NUM_STAGES": BWD_STAGES}
     cfg = _bwd_tile(n_rows, n_cols, defaults, dict(config))
     n_col_blocks = cdiv(n_cols, cfg["BLOCK_N"])
     tiles_per_chunk, n_chunks = _bwd_row_chunks(n_rows, cfg["BLOCK_M"], n_col_blocks, cfg["REDUCE_PROGRAMS"])
-    prepared = bias_act_bwd_kernel.prepare(
-        (0, dy_stride, x_stride, dx_stride, n_rows, n_cols, n_col_blocks, tiles_per_chunk,
-         dropout_threshold(p), dropout_scale(p)),
-        dict(ACT=activation, HAS_BIAS=has_bias, DROPOUT=p > 0.0, RNG_GROUPED=cfg["RNG_GROUPED"],
-             STORE_DX=want_dx, REDUCE_DBIAS=want_dbias, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-             NUM_STAGES=cfg["NUM_STAGES"], num_warps=cfg["num_warps"]))
-    return _BwdPlan(n_chunks, (n_chunks * n_col_blocks,), prepared)
+    ints = (0, dy_stride, x_stride, dx_stride, n_rows, n_cols, n_col_blocks, tiles_per_chunk,
+            dropout_threshold(p), dropout_scale(p))
+    consts = dict(ACT=activation, HAS_BIAS=has_bias, DROPOUT=p > 0.0, RNG_GROUPED=cfg["RNG_GROUPED"],
+                  STORE_DX=want_dx, REDUCE_DBIAS=want_dbias, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+                  NUM_STAGES=cfg["NUM_STAGES"], num_warps=cfg["num_warps"])
+    n_programs = n_chunks * n_col_blocks
+    final = None
+    # (a sweep may ask for it off the GPU with one program: the interpreter then runs the barrier)
+    if (cuda or n_programs == 1) and cfg.get("final_sum", _final_sum(want_dbias, cuda)) and want_dbias:
+        sum_p, sum_n = final_sum_tile(n_chunks, n_cols, cfg["num_warps"])
+        final = bias_act_bwd_kernel.prepare(ints, dict(consts, FINAL_SUM=True, SUM_P=sum_p, SUM_N=sum_n,
+                                                       launch_cooperative_grid=True))
+    prepared = bias_act_bwd_kernel.prepare(ints, dict(consts, FINAL_SUM=False, SUM_P=1, SUM_N=16))
+    return _BwdPlan(n_chunks, (n_programs,), prepared, final)
 
 
 def _seeded(prepared: PreparedArgs, seed: int) -> PreparedArgs:
@@ -294,15 +324,19 @@ def _launch_bwd(dy, x, bias, activation: str, p: float, seed: int, want_dx: bool
     x2 = rows_view(x) if x is not None else dy2
     dx = empty_like(dy) if want_dx else dy2                 # contiguous: row stride n_cols
     plan = _bwd_plan(n_rows, n_cols, num_sms(dy), dy2.stride(0), x2.stride(0), n_cols if want_dx else dy2.stride(0),
-                     activation, p, bias is not None, want_dx, want_dbias, config_key(config))
+                     activation, p, bias is not None, want_dx, want_dbias, dy.is_cuda, config_key(config))
     # dbias partials: internal to this call, from a reused workspace (no allocation)
     partials = dy2
     if want_dbias:
         partials = workspace("bias_act_dbias", ((plan.n_chunks, n_cols),), torch.float32, dy.device)[0]
-    bias_arg = bias.contiguous() if bias is not None else dy2
-    bias_act_bwd_kernel.launch_prepared(plan.grid, (dy2, x2, bias_arg, dx, partials), _seeded(plan.prepared, seed))
-    if want_dbias:
         dbias = empty(n_cols, _dbias_dtype(dy, bias), dy.device)
+    bias_arg = bias.contiguous() if bias is not None else dy2
+    tensors = (dy2, x2, bias_arg, dx, partials, dbias if want_dbias else partials)
+    if plan.final is not None and cooperative_launch(bias_act_bwd_kernel, plan.grid, tensors,
+                                                     _seeded(plan.final, seed), (dy.device.index, plan.grid, plan.final.key)) is not None:
+        return (dx if want_dx else None), dbias     # one launch: the partials summed behind a grid barrier
+    bias_act_bwd_kernel.launch_prepared(plan.grid, (*tensors, partials), _seeded(plan.prepared, seed))
+    if want_dbias:
         launch_sum_partials(partials, None, dbias, None)
     return (dx if want_dx else None), dbias
 
