@@ -313,6 +313,22 @@ def test_backward_final_sum_in_kernel(shape, p, monkeypatch):
     assert all(int(c.abs().sum()) == 0 for c in _GRID_SYNC.values())
 
 
+def test_backward_takes_two_launches_beside_collectives(monkeypatch):
+    """With torch.distributed initialized a collective may hold SMs on another stream, and the
+    one-launch backward (a cooperative grid over every SM) would wait for it: the two launches
+    run instead, with the same answers."""
+    launched = []
+    real = ba.cooperative_launch
+    monkeypatch.setattr(ba, "cooperative_launch", lambda *a: launched.append(real(*a)) or launched[-1])
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    x, b = torch.randn(37, 300, device=DEVICE), torch.randn(300, device=DEVICE)
+    dy = torch.randn_like(x)
+    one_program = {} if DEVICE == "cuda" else {"REDUCE_PROGRAMS": 1, "BLOCK_N": 512}
+    got = ba._launch_bwd(dy, x, b, "gelu", 0.0, 0, True, True, 300, config={**one_program, "final_sum": True})
+    want = ba._bias_act_bwd_reference(dy.double(), x.double(), b.double(), "gelu", 0.0, 0)
+    assert launched == [None] and all(rel_err(g, r) <= 1e-5 for g, r in zip(got, want))
+
+
 def test_strided_inputs():
     base = torch.randn(40, 30, device=DEVICE) * 2
     x = base.t().requires_grad_(True)                      # [30, 40], column stride 30

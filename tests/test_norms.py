@@ -296,6 +296,33 @@ def test_backward_final_sum_in_kernel(is_rms, shape):
     assert _GRID_SYNC and all(int(c.abs().sum()) == 0 for c in _GRID_SYNC.values())
 
 
+@pytest.mark.parametrize("shape", [(2, 300), pytest.param((3000, 4096), marks=pytest.mark.gpu)])
+def test_backward_two_launches_beside_collectives(shape, monkeypatch):
+    """With torch.distributed initialized (a collective may hold SMs on another stream, which a
+    cooperative grid over every SM would wait for) the norm backward takes its two launches and
+    never binds the one-launch path; the answers are the same."""
+    if DEVICE == "cpu" and not nm.use_triton(torch.empty(0)):
+        pytest.skip("launchers need CUDA or the interpreter")
+    import tilefuse._dispatch as dispatch
+
+    monkeypatch.setattr(dispatch, "POISON_OUTPUTS", False)     # let the bound path be tried
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    tried = []
+    real = norm_launch.cooperative_launch
+    monkeypatch.setattr(norm_launch, "cooperative_launch", lambda *a: tried.append(real(*a)) or tried[-1])
+    bound = count_calls(monkeypatch, norm_launch, "_bound_bwd")
+    n = shape[-1]
+    x, w = torch.randn(*shape, device=DEVICE), torch.randn(n, device=DEVICE)
+    _, _, _, rstd = nm._launch_fwd(x, w, None, None, 1e-5, 0.0, True)
+    args = (x, w, None, rstd, None, 0.0, True, True, False)
+    for _ in range(3):
+        dy = torch.randn_like(x)
+        want = nm._bwd_reference(*(t.double() if isinstance(t, torch.Tensor) else t for t in (dy,) + args))
+        got = nm._launch_bwd(dy, *args, config=None if DEVICE == "cuda" else {"final_sum": True})
+        assert all(rel_err(g, r) <= 1e-5 for g, r in zip(got[:2], want[:2]))
+    assert not bound and len(tried) == 3 and all(t is None for t in tried)
+
+
 @pytest.mark.gpu
 def test_backward_final_sum_refused_grid_takes_two_launches():
     """A grid the GPU cannot hold at once (8 programs of 16 warps per SM) is refused by the

@@ -154,15 +154,28 @@ def grid_sync_counters(device: torch.device) -> "torch.Tensor | None":
 COOPERATIVE_REFUSED: set = set()   # refusal keys of grids a GPU would not co-schedule (two launches)
 
 
+def collectives_may_overlap() -> bool:
+    """torch.distributed is initialized, so collectives may run beside compute on another stream.
+    NCCL's kernels hold their SMs whole, and a cooperative grid sized to every SM cannot start
+    until all its programs fit: the launch would wait for the collective and lose the overlap
+    that DDP / FSDP are built on. The one-launch backwards (a grid barrier) then take their two
+    launches."""
+    return _DIST_AVAILABLE and torch.distributed.is_initialized()
+
+
+_DIST_AVAILABLE = torch.distributed.is_available()
+
+
 def cooperative_launch(kernel, grid: tuple, tensors: tuple, prepared, refusal_key) -> "torch.Tensor | None":
     """Launch a prepared kernel whose programs meet at a grid barrier (``prepared`` has
     ``launch_cooperative_grid=True``; the barrier's counters, :func:`grid_sync_counters`, go in
     as its last tensor argument), so CUDA runs it only if every program is resident at once.
-    Returns the counters; None, with nothing launched, under CUDA-graph capture or where the GPU
-    refuses the grid (another process holding SMs, a sweep's programs per SM; remembered under
-    ``refusal_key`` -- device, grid, plan -- so later calls skip the try): the caller then takes
+    Returns the counters; None, with nothing launched, under CUDA-graph capture, beside possible
+    collectives (:func:`collectives_may_overlap`), or where the GPU refuses the grid (another
+    process holding SMs, a sweep's programs per SM; remembered under ``refusal_key`` -- device,
+    grid, plan -- so later calls skip the try): the caller then takes
     its barrier-free path (a second launch)."""
-    if refusal_key in COOPERATIVE_REFUSED:
+    if refusal_key in COOPERATIVE_REFUSED or collectives_may_overlap():
         return None
     sync = grid_sync_counters(tensors[0].device)
     if sync is None:

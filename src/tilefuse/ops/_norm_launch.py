@@ -13,7 +13,8 @@ import torch
 
 from .. import _dispatch
 from .._dispatch import (
-    COOPERATIVE_REFUSED, cdiv, cooperative_launch, empty, empty_like, next_power_of_2, num_sms, rows_view, workspace,
+    COOPERATIVE_REFUSED, cdiv, collectives_may_overlap, cooperative_launch, empty, empty_like, next_power_of_2,
+    num_sms, rows_view, workspace,
 )
 from .._launch import BoundLaunch, PreparedArgs, config_key, hooks_active
 from ._norm_kernels import (
@@ -296,7 +297,7 @@ def _bwd_call_key(dy, x, weight, mean, rstd, dres, offset, is_rms, need_dw, need
         return None
     return (x.shape, x.dtype, device, torch._C._cuda_getCurrentRawStream(device), threading.get_ident(),
             None if weight is None else weight.dtype, mean is None, dres is None, offset, is_rms, need_dw, need_db,
-            dw_dtype, db_dtype, _COOPERATIVE_OK[0])
+            dw_dtype, db_dtype, _COOPERATIVE_OK[0] and not collectives_may_overlap())
 
 
 def _bound_bwd(call: _BwdCall, stream: int, dy, x, weight, mean, rstd, dres, need_dw, need_db, dw_dtype, db_dtype):
