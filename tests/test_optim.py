@@ -527,3 +527,95 @@ def test_int64_offsets_past_2_31_elements():
     ref_steps = torch.zeros(1, dtype=torch.float64, device="cuda")
     A.adamw_reference([ref[0]], [ref[1]], [ref[2]], [ref[3]], ref_steps, lr=0.1)
     assert rel_err(p[tail], ref[0]) <= 2e-3 and rel_err(m[tail], ref[2]) <= 2e-3
+
+
+# ----------------------------------------------------------------------------------------------
+# params changed after the launch group was cached (s41 audit)
+# ----------------------------------------------------------------------------------------------
+
+
+def _grads_like(ours, theirs):
+    for p, q in zip(ours, theirs):
+        g = torch.randn_like(q)
+        p.grad, q.grad = g.clone(), g.clone()
+
+
+def test_data_swapped_to_another_layout_rebuilds_the_step():
+    """``model.to(memory_format=torch.channels_last)`` swaps a param's .data after steps were
+    taken: the cached launch walked the NHWC param beside NCHW moments (exp_avg 1.03 off, weight
+    1.2e-2 off after two steps under the interpreter). Now the group is rebuilt with the moments
+    in the param's layout: the trajectory stays torch's."""
+    ours, theirs = _twin_params([(2, 3, 2, 2), (5,)])
+    opt, ref = AdamW(ours, lr=1e-2), torch.optim.AdamW(theirs, lr=1e-2, foreach=False)
+    _grads_like(ours, theirs)
+    opt.step(), ref.step()
+    for p in ours[:1] + theirs[:1]:
+        p.data = p.data.to(memory_format=torch.channels_last)
+    for _ in range(2):
+        _grads_like(ours, theirs)
+        ours[0].grad = ours[0].grad.to(memory_format=torch.channels_last)
+        opt.step(), ref.step()
+    for p, q in zip(ours, theirs):
+        assert rel_err(p, q) <= FP32_TOL
+        assert rel_err(opt.state[p]["exp_avg"], ref.state[q]["exp_avg"]) <= FP32_TOL
+
+
+def test_data_resized_raises_instead_of_writing_past_the_state():
+    """A param's .data replaced by a larger tensor: the cached launch wrote past the 4-element
+    moments (heap corruption under the interpreter); torch raises, and so does this now."""
+    (p,), _ = _twin_params([(4,)])
+    opt = Adam([p])
+    p.grad = torch.randn_like(p)
+    opt.step()
+    p.data = torch.randn(40, device=DEVICE)
+    p.grad = torch.randn_like(p)
+    with pytest.raises(ValueError, match="shape"):
+        opt.step()
+
+
+def test_non_dense_param_put_in_param_groups_by_hand_raises():
+    """add_param_group refuses a non-dense param; one appended to param_groups[i]["params"]
+    directly was walked as a flat block (elements outside the view overwritten)."""
+    base = torch.randn(4, 6, device=DEVICE)
+    q = torch.nn.Parameter(torch.randn(3, device=DEVICE))
+    opt = AdamW([q])
+    view = base[:, :3]
+    view.grad = torch.randn_like(view)
+    opt.param_groups[0]["params"].append(view)
+    before = base[:, 3:].clone()
+    q.grad = torch.randn_like(q)
+    with pytest.raises(ValueError, match="dense"):
+        opt.step()
+    assert torch.equal(base[:, 3:], before)
+
+
+def test_duplicate_param_in_a_group_raises():
+    """torch warns and steps a param listed twice twice; the fused step would write it from two
+    places and count one step (3 against torch's 6 after 3 steps). Refused, in add_param_group
+    and for a list edited by hand."""
+    (p,), _ = _twin_params([(5,)])
+    with pytest.raises(ValueError, match="twice"):
+        AdamW([p, p])
+    opt = AdamW([p])
+    opt.param_groups[0]["params"].append(p)
+    p.grad = torch.randn_like(p)
+    with pytest.raises(ValueError, match="twice"):
+        opt.step()
+
+
+def test_deepcopy_and_pickle_keep_master_weights():
+    """copy.deepcopy / torch.save of the optimizer kept torch's keys only: the copy trained
+    without its fp32 masters (fp16 moments, a stale master 0.028 off after 20 steps)."""
+    (p,), _ = _twin_params([(8,)], dtype=torch.float16)
+    opt = AdamW([p], master_weights=True)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    for copied in (copy.deepcopy(opt), _pickled(opt)):
+        assert copied.master_weights and copied._decoupled == opt._decoupled
+
+
+def _pickled(opt):
+    buf = io.BytesIO()
+    torch.save(opt, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)

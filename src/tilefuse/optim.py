@@ -14,6 +14,9 @@ hyperparameters, same ``param_groups`` keys, and a ``state_dict`` either can loa
 * ``master_weights=True``: fp16/bf16 params keep an fp32 copy in ``state["master_param"]`` (and
   fp32 ``exp_avg``/``exp_avg_sq``); the kernel updates the master and writes the rounded param
   in the same pass. torch ignores the extra key; a state without it rebuilds it from the param.
+  The master is the weight the step updates: an in-place edit of the param between steps (a
+  clamp, a re-initialization) is overwritten from the master at the next step, as with apex's
+  master weights; edit ``state[p]["master_param"]`` as well.
 * Params whose ``grad`` is None are skipped. Groups with different hyperparameters are
   separate launches (one per group and (device, dtype)), as are params of different dtypes.
 * ``foreach`` / ``fused`` are accepted and ignored (always fused); ``differentiable`` is not
@@ -39,12 +42,16 @@ _GROUP_HAS_DECOUPLED = "decoupled_weight_decay" in inspect.signature(torch.optim
 class _StepGroup:
     """One launch's params, their state tensors, and the float32 buffer that their
     ``state["step"]`` views live in. Reused while the params and state objects are the same
-    ones (then the per-tensor dtype/layout checks of ``_init_state`` need not run again)."""
+    ones and every param keeps its shape and strides (then the per-tensor dtype/layout checks of
+    ``_init_state`` need not run again; a ``.data`` swap -- ``model.to(memory_format=...)``, a
+    resize -- changes them and rebuilds the group: the kernel walks param and state as one flat
+    block each, so a stale layout would pair moments with the wrong elements)."""
 
     def __init__(self, params: list, states: list, device: torch.device, state_keys: tuple):
         steps = [torch.as_tensor(s["step"]).detach().reshape(()).to(device, torch.float32)
                  for s in states]
         self.params = params
+        self.layouts = [(p.shape, p.stride()) for p in params]
         self.steps = torch.stack(steps)
         for state, view in zip(states, self.steps.unbind(0)):
             state["step"] = view
@@ -55,11 +62,24 @@ class _StepGroup:
         if len(params) != len(self.params) or self.state_keys[1:] != state_keys:
             return False
         columns = [self.tensors[k] for k in self.state_keys]
-        for i, (p, mine) in enumerate(zip(params, self.params)):
+        for i, (p, mine, layout) in enumerate(zip(params, self.params, self.layouts)):
             st = state.get(p) if p is mine else None
             if st is None or any(st.get(k) is not col[i] for k, col in zip(self.state_keys, columns)):
                 return False
+            if p.stride() != layout[1] or p.shape != layout[0]:
+                return False
         return True
+
+
+def _check_no_duplicates(params: list, where: str) -> None:
+    """One param twice in a group: torch warns and steps it twice; the fused step would write it
+    from two places at once (and count one step). Refused."""
+    seen = set()
+    for p in params:
+        t = p[1] if isinstance(p, tuple) and len(p) == 2 else p
+        if id(t) in seen:
+            raise ValueError(f"{where} lists a param twice (shape {tuple(t.shape)}); list each param once")
+        seen.add(id(t))
 
 
 class Adam(torch.optim.Adam):
@@ -91,6 +111,7 @@ class Adam(torch.optim.Adam):
         # a generator (``m.parameters()``) is consumed here: the group keeps the list, as torch's does
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         param_group["params"] = params
+        _check_no_duplicates(params, "the new group")
         for i, p in enumerate(params):
             if isinstance(p, tuple) and len(p) == 2:    # named parameters: (name, tensor)
                 p = p[1]
@@ -102,6 +123,11 @@ class Adam(torch.optim.Adam):
                                  f"strides {p.stride()}): the fused step walks each param as one flat "
                                  f"block; pass a contiguous parameter")
         super().add_param_group(param_group)
+
+    def __getstate__(self):
+        # torch's keeps defaults, state and param_groups only: a deepcopy / pickle of the
+        # optimizer would come back without its master copies' flag and train in 16 bits
+        return {**super().__getstate__(), "master_weights": self.master_weights, "_decoupled": self._decoupled}
 
     def __setstate__(self, state):
         super().__setstate__(state)
@@ -160,6 +186,7 @@ class Adam(torch.optim.Adam):
             + (("master_param",) if master else ())
         step_group = self._step_groups.get(key)
         if step_group is None or not step_group.matches(params, self.state, state_keys):
+            _check_no_duplicates(params, f"group {key[0]}")     # params put in param_groups by hand
             states = [self._init_state(p, group, master) for p in params]
             step_group = self._step_groups[key] = _StepGroup(params, states, key[1], state_keys)
         tensors = step_group.tensors
@@ -177,6 +204,9 @@ class Adam(torch.optim.Adam):
     def _init_state(self, p: torch.Tensor, group: dict, master: bool) -> dict:
         """torch's lazy state init; also brings loaded state to the dtypes this step needs
         (fp32 moments beside an fp32 master, else the param's dtype) and adds missing pieces."""
+        if p.layout != torch.strided or not _dense(p):    # a param put in param_groups by hand, or its .data swapped
+            raise ValueError(f"a param of shape {tuple(p.shape)} has strides {p.stride()}, not one dense block: "
+                             f"the fused step walks each param as one flat block; use a contiguous parameter")
         state = self.state[p]
         if "step" not in state:
             state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
