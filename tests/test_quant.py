@@ -918,6 +918,53 @@ def test_quantize_subclasses_shared_modules_and_tied_weights():
     assert report.model_bytes_before - report.model_bytes_after == report.bytes_saved > 0
 
 
+class _MaskedLinear(torch.nn.Linear):
+    """A Linear whose forward is not x @ W.T + b (a fixed mask on the weight)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register_buffer("mask", (torch.rand_like(self.weight) > 0.5).to(self.weight.dtype))
+
+    def forward(self, x):
+        return F.linear(x, self.weight * self.mask, self.bias)
+
+
+def test_quantize_leaves_linears_the_model_does_not_call_as_linear():
+    """nn.MultiheadAttention reads out_proj.weight and never calls out_proj, and the Transformer
+    layers read linear1 / linear2's weights (the swap made the next forward raise), a subclass with its own forward lost it in the swap (0.86 relative
+    error with int8): both are skipped with their reason; the rest of the model is quantized and
+    still answers within int8's error (s41 audit)."""
+    from tilefuse import fp8
+
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(32, 4, dim_feedforward=64, dropout=0.0, batch_first=True)
+    mlp = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
+    model = torch.nn.Sequential(layer, _MaskedLinear(32, 32), mlp, torch.nn.Linear(0, 8)).to(DEVICE).eval()
+    x = torch.randn(2, 5, 32, device=DEVICE)
+    with torch.no_grad():
+        ref = model[:3](x)
+        report = quantize(model, bits=8)
+        out = model[:3](x)
+    assert sorted(report.swapped) == ["2.0", "2.2"]
+    assert "MultiheadAttention" in report.skipped["0.self_attn.out_proj"]
+    assert "TransformerEncoderLayer" in report.skipped["0.linear1"]
+    assert "own forward" in report.skipped["1"] and "empty" in report.skipped["3"]
+    assert rel_err(out, ref) <= 0.03
+    model = torch.nn.Sequential(torch.nn.TransformerEncoderLayer(32, 4, 64, 0.0, batch_first=True),
+                                _MaskedLinear(32, 32))
+    fp8.swap_linears(model)
+    assert type(model[0].self_attn.out_proj) is not fp8.Linear and type(model[1]) is _MaskedLinear
+    assert type(model[0].linear1) is not fp8.Linear
+    with pytest.raises(TypeError, match="from_linear"):      # was a no-op reported as a swap
+        quantize(torch.nn.Linear(64, 8))
+
+
+def test_int4_with_no_output_rows():
+    """N = 0: dequantize_weight and the reference path raised a reshape error."""
+    q = quantize_weight(torch.randn(0, 64, device=DEVICE), 4, 32)
+    assert dequantize_weight(q).shape == (0, 64) and unpack_int4(q.qweight).shape == (0, 64)
+
+
 def _tiny_llama():
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -75,9 +75,14 @@ class Linear(torch.nn.Linear):
 
 def swap_linears(module: torch.nn.Module, **kwargs) -> torch.nn.Module:
     """Replace every ``torch.nn.Linear`` inside ``module`` (in place, recursively) by an fp8
-    :class:`Linear` sharing its parameters; returns ``module``."""
+    :class:`Linear` sharing its parameters; returns ``module``. Linears the model does not use as
+    ``x @ W.T + b`` stay (a subclass with its own forward, ``nn.MultiheadAttention``'s
+    ``out_proj``: :func:`tilefuse.quantization.linear_swap_reason`)."""
+    from .quantization import linear_swap_reason
+
     for name, child in module.named_children():
-        if isinstance(child, torch.nn.Linear) and not isinstance(child, Linear):
+        if (isinstance(child, torch.nn.Linear) and not isinstance(child, Linear)
+                and linear_swap_reason(module, [name], child) is None):
             setattr(module, name, Linear.from_linear(child, **kwargs))
         else:
             swap_linears(child, **kwargs)

@@ -105,6 +105,8 @@ def _skip_reason(name: str, layer: nn.Linear, skip: SkipRule, group_size: Option
         for p in patterns:
             if fnmatch.fnmatchcase(name, p) or name.split(".")[-1] == p:
                 return f"matches skip pattern {p!r}"
+    if layer.in_features == 0 or layer.out_features == 0:
+        return f"empty weight ({layer.out_features} x {layer.in_features})"
     if layer.weight.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return f"weight dtype {layer.weight.dtype} is not fp32/fp16/bf16"
     k = layer.in_features
@@ -113,9 +115,33 @@ def _skip_reason(name: str, layer: nn.Linear, skip: SkipRule, group_size: Option
     return None
 
 
+# torch modules that read their Linear children's .weight themselves (MultiheadAttention never
+# calls out_proj; the Transformer layers pass linear1 / linear2 weights to their fused fast path)
+_READ_WEIGHTS = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
+
+
+def linear_swap_reason(model: nn.Module, names: list, layer: nn.Linear) -> Optional[str]:
+    """Why swapping ``layer`` (registered in ``model`` under ``names``) for another Linear module
+    would change the model, or None. A subclass with its own ``forward`` computes something else
+    than ``x @ W.T + b`` (a mask, a scale), which the swap would drop; ``nn.MultiheadAttention``
+    never calls its ``out_proj`` and the Transformer layers read ``linear1.weight`` themselves (a
+    swapped module has none: the next forward raised)."""
+    from . import fp8
+    from .nn import Linear as TfLinear
+
+    if type(layer).forward not in (nn.Linear.forward, TfLinear.forward, fp8.Linear.forward):
+        return f"{type(layer).__name__} has its own forward (not x @ W.T + b)"
+    for name in names:
+        parent_name = name.rpartition(".")[0]
+        parent = model.get_submodule(parent_name) if parent_name else model
+        if isinstance(parent, _READ_WEIGHTS):
+            return f"its weight is read directly by {type(parent).__name__}"
+    return None
+
+
 def quantize(model: nn.Module, bits: int = 4, group_size: Optional[int] = 128,
              skip: SkipRule = None) -> QuantizeReport:
-    """Replace every eligible ``nn.Linear`` (or subclass) of ``model`` (in place) by a
+    """Replace every eligible ``nn.Linear`` (or subclass computing ``x @ W.T + b``) of ``model`` (in place) by a
     :class:`QuantLinear`; a layer whose weight is tied to another module's parameter (an LM head
     tied to the embedding) is skipped: the float copy would stay, so nothing would be saved.
 
@@ -123,9 +149,13 @@ def quantize(model: nn.Module, bits: int = 4, group_size: Optional[int] = 128,
     ignored and taken as None). ``skip``: a name, an fnmatch pattern or a list of them (matched
     against the qualified module name, or its last component: ``"lm_head"``), or a callable
     ``(name, layer) -> bool``. Linears whose K is not a multiple of the group size are skipped
-    and listed in the report with the reason. Returns a :class:`QuantizeReport`."""
+    and listed in the report with the reason, as are Linears the model does not use as
+    ``x @ W.T + b`` (:func:`linear_swap_reason`). Returns a :class:`QuantizeReport`."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(model, nn.Linear):
+        raise TypeError("quantize replaces the Linear layers inside a model in place, and a bare Linear cannot "
+                        "replace itself: use QuantLinear.from_linear(layer, bits, group_size)")
     group_size = _check_format(bits, None if bits == 8 else group_size)
     report = QuantizeReport(bits, group_size, model_bytes_before=_model_bytes(model))
     # every path to each Linear (subclasses too: tilefuse.nn.Linear, fp8.Linear); one module
@@ -140,7 +170,7 @@ def quantize(model: nn.Module, bits: int = 4, group_size: Optional[int] = 128,
             owners.setdefault(p.data_ptr(), set()).add(name)
     for layer, names in paths.values():
         name = names[0]
-        reason = _skip_reason(name, layer, skip, group_size)
+        reason = _skip_reason(name, layer, skip, group_size) or linear_swap_reason(model, names, layer)
         shared = owners.get(layer.weight.data_ptr(), set()) - set(names)
         if reason is None and shared:
             reason = f"weight tied to {sorted(shared)[0]} (quantizing it would keep the float copy too)"

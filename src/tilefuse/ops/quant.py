@@ -142,7 +142,7 @@ def quantize_weight(w: torch.Tensor, bits: int = 8, group_size: Optional[int] = 
 def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
     """uint8 ``[N, K/2]`` -> uint8 ``[N, K]`` values in [0, 15] (low nibble = even k)."""
     lo, hi = qweight & 0xF, qweight >> 4
-    return torch.stack((lo, hi), dim=-1).reshape(qweight.shape[0], -1)
+    return torch.stack((lo, hi), dim=-1).reshape(qweight.shape[0], 2 * qweight.shape[1])   # (N = 0: no -1)
 
 
 def dequantize_weight(q: QuantizedWeight, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
