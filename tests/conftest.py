@@ -115,3 +115,17 @@ def count_calls(monkeypatch, module, name: str) -> list:
 
     monkeypatch.setattr(module, name, spy)
     return calls
+
+
+def record_returns(monkeypatch, module, name: str) -> list:
+    """Wrap ``module.name`` so each call's return value is recorded; returns the record (which
+    path a launcher took: ``cooperative_launch`` returns None when it launched nothing)."""
+    returns = []
+    real = getattr(module, name)
+
+    def spy(*args, **kwargs):
+        returns.append(real(*args, **kwargs))
+        return returns[-1]
+
+    monkeypatch.setattr(module, name, spy)
+    return returns

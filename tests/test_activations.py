@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from conftest import CPU_DTYPES, DEVICE, HAS_CUDA
+from conftest import CPU_DTYPES, DEVICE, HAS_CUDA, record_returns
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -288,9 +288,7 @@ def test_backward_final_sum_in_kernel(shape, p, monkeypatch):
 
     from tilefuse._dispatch import _GRID_SYNC
 
-    launched = []
-    real = ba.cooperative_launch
-    monkeypatch.setattr(ba, "cooperative_launch", lambda *a: launched.append(real(*a)) or launched[-1])
+    launched = record_returns(monkeypatch, ba, "cooperative_launch")
     n = shape[-1]
     x, b = torch.randn(*shape, device=DEVICE), torch.randn(n, device=DEVICE)
     dy = torch.randn_like(x)
@@ -317,9 +315,7 @@ def test_backward_takes_two_launches_beside_collectives(monkeypatch):
     """With torch.distributed initialized a collective may hold SMs on another stream, and the
     one-launch backward (a cooperative grid over every SM) would wait for it: the two launches
     run instead, with the same answers."""
-    launched = []
-    real = ba.cooperative_launch
-    monkeypatch.setattr(ba, "cooperative_launch", lambda *a: launched.append(real(*a)) or launched[-1])
+    launched = record_returns(monkeypatch, ba, "cooperative_launch")
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     x, b = torch.randn(37, 300, device=DEVICE), torch.randn(300, device=DEVICE)
     dy = torch.randn_like(x)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import CPU_DTYPES, DEVICE, HAS_CUDA, count_calls
+from conftest import CPU_DTYPES, DEVICE, HAS_CUDA, count_calls, record_returns
 
 import tilefuse.ops.norms as nm
 import tilefuse.ops._norm_launch as norm_launch
@@ -307,9 +307,7 @@ def test_backward_two_launches_beside_collectives(shape, monkeypatch):
 
     monkeypatch.setattr(dispatch, "POISON_OUTPUTS", False)     # let the bound path be tried
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
-    tried = []
-    real = norm_launch.cooperative_launch
-    monkeypatch.setattr(norm_launch, "cooperative_launch", lambda *a: tried.append(real(*a)) or tried[-1])
+    tried = record_returns(monkeypatch, norm_launch, "cooperative_launch")
     bound = count_calls(monkeypatch, norm_launch, "_bound_bwd")
     n = shape[-1]
     x, w = torch.randn(*shape, device=DEVICE), torch.randn(n, device=DEVICE)
