@@ -99,22 +99,33 @@ def peak_extra_mib(step) -> float:
 
 
 def ab(rounds: int, h, w, target, variants: list[str]) -> None:
-    """Interleaved rounds of the named variants: "default", "chunkN" (N tokens per chunk), "eager".
+    """Interleaved rounds of the named variants: "default", "nodefer" (no deferred last chunk),
+    "chunkN" (N tokens per chunk), "eager"; a "-g1" suffix takes grad_output 1.
     (s37 also had "streams": each chunk's grad_hidden GEMM on a side stream beside its grad_weight
     GEMM; 45.85 against 44.53 ms do_bench, slower, removed.)"""
     import statistics
 
     import triton.testing
 
+    import tilefuse.ops.linear_cross_entropy as lce
+
     def configure(name):
-        chunk = int(name[5:]) if name.startswith("chunk") else None
-        if name == "eager":
+        base, _, unit = name.partition("-")
+        chunk = int(base[5:]) if base.startswith("chunk") else None
+        if base == "eager":
             return step_fn("eager", h, w, target)
-        g = torch.rand((), device="cuda", dtype=torch.bfloat16) + 0.5
+        # "-g1": grad_output exactly 1 (no scale pass); else a random one, as the benchmark's
+        g = torch.ones((), device="cuda", dtype=torch.bfloat16) if unit == "g1" else \
+            torch.rand((), device="cuda", dtype=torch.bfloat16) + 0.5
 
         def step():
-            loss = linear_cross_entropy(h, w, target, chunk_tokens=chunk)
-            return torch.autograd.grad(loss, (h, w), g)
+            # "nodefer": the whole grad_weight in the forward, then the scale pass (s41 and before)
+            lce.DEFER_LAST_WEIGHT_GRAD = base != "nodefer"
+            try:
+                loss = linear_cross_entropy(h, w, target, chunk_tokens=chunk)
+                return torch.autograd.grad(loss, (h, w), g)
+            finally:
+                lce.DEFER_LAST_WEIGHT_GRAD = True
         return step
 
     times = {name: [] for name in variants}

@@ -237,12 +237,13 @@ def compile_gemm(case):
                           else g._descriptor(w_t, (cfg["BLOCK_K"], width)))
     args = dict(a_desc=g._descriptor(a, (rows, cfg["BLOCK_K"])), b_desc=part(bn1), b2_desc=part(bn2 or bn1),
                 c_desc=g._descriptor(out, (rows, bn1)), c2_desc=g._descriptor(out, (rows, bn2 or bn1)),
-                bias_ptr=torch.empty(n, dtype=dtype), residual_ptr=out, preact_ptr=out, M=m, N=n, K=k,
+                bias_ptr=torch.empty(n, dtype=dtype), residual_ptr=out, preact_ptr=out, scale_ptr=out, M=m, N=n, K=k,
                 stride_rm=n, stride_rn=1, stride_pm=n)
     stages = g.fit_ring(cfg["STAGES"], cfg["CONSUMERS"], cfg["BLOCK_N"], cfg["BLOCK_K"], 2, out.element_size())
     constexprs = dict(HAS_BIAS=epilogue, ACT=act, HAS_RESIDUAL=epilogue, SAVE_PREACT=epilogue, NUM_PROGRAMS=132,
                       GROUP_M=cfg["GROUP_M"], STAGES=stages, CONSUMERS=cfg["CONSUMERS"], CONSUMER_REGS=worker_regs,
-                      B_K_MAJOR=b_k_major, HAS_B2=bn2 > 0, A_M_MAJOR=False, ACCUMULATE=False)
+                      B_K_MAJOR=b_k_major, HAS_B2=bn2 > 0, A_M_MAJOR=False, ACCUMULATE=False,
+                      HAS_SCALE=False)
     compiled = _compile_sm90(g.gemm_ws_kernel, args, constexprs, launch_regs)
     _check(compiled)
     sass = _ptxas_and_sass(compiled)[1]
@@ -254,6 +255,7 @@ ACCUMULATE_CASES = {   # name: (tile of _matmul_gluon.ACCUMULATE_TILES, a given 
     "128x128-a-m-major": ("128x128", True, False, True),
     "128x256-row-major-a-k-major-b": ("128x256", False, True, True),
     "128x256-k-major-b-no-accumulator": ("128x256", False, True, False),    # linear cross-entropy's logits
+    "128x256-a-m-major-scaled": ("128x256", True, False, "scaled"),         # its deferred last chunk
 }
 
 
@@ -277,11 +279,13 @@ def compile_gemm_accumulate(case):
     c_desc = g._descriptor(out, (rows, bn))
     launch_regs, worker_regs = g.ws_regs(cfg["CONSUMERS"])
     args = dict(a_desc=a_desc, b_desc=b_desc, b2_desc=b_desc, c_desc=c_desc, c2_desc=c_desc, bias_ptr=out,
-                residual_ptr=out, preact_ptr=out, M=m, N=n, K=k, stride_rm=n, stride_rn=1, stride_pm=n)
+                residual_ptr=out, preact_ptr=out, scale_ptr=torch.empty(1), M=m, N=n, K=k, stride_rm=n,
+                stride_rn=1, stride_pm=n)
     stages = g.fit_ring(cfg["STAGES"], cfg["CONSUMERS"], bn, bk, 2, 2)
     constexprs = dict(HAS_BIAS=False, ACT="none", HAS_RESIDUAL=False, SAVE_PREACT=False, NUM_PROGRAMS=132,
                       GROUP_M=cfg["GROUP_M"], STAGES=stages, CONSUMERS=cfg["CONSUMERS"], CONSUMER_REGS=worker_regs,
-                      B_K_MAJOR=b_k_major, HAS_B2=False, A_M_MAJOR=a_m_major, ACCUMULATE=accumulate)
+                      B_K_MAJOR=b_k_major, HAS_B2=False, A_M_MAJOR=a_m_major, ACCUMULATE=bool(accumulate),
+                      HAS_SCALE=accumulate == "scaled")
     compiled = _compile_sm90(g.gemm_ws_kernel, args, constexprs, launch_regs)
     _check(compiled)
     report, sass = _ptxas_and_sass(compiled)

@@ -7,7 +7,7 @@ logits) by relative error norm; the CE kernel runs under the interpreter, the GE
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import CPU_DTYPES, DEVICE
+from conftest import CPU_DTYPES, DEVICE, count_calls
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -198,6 +198,63 @@ def test_repeated_backward_fp16_refuses_lost_values(monkeypatch):
     g3 = torch.autograd.grad(loss, [h, w], torch.tensor(3.0, device=DEVICE), retain_graph=True)
     g1 = torch.autograd.grad(loss, [h, w])
     assert all(rel_err(a, 3 * r) <= 2e-3 and rel_err(b, r) <= 2e-3 for a, b, r in zip(g3, g1, want))
+
+
+@pytest.mark.parametrize("n_tokens", [9, 10, 3])
+def test_last_chunk_weight_grad_deferred_to_backward(monkeypatch, n_tokens):
+    """With several chunks the forward leaves the last chunk's grad_weight GEMM to the backward,
+    which applies grad_output in it: one finishing call per graph, none for a single chunk, none
+    after the first backward (a retained graph's second backward rescales the finished gradient);
+    every gradient against fp64 for grad_output 1 and a random one."""
+    _tiny_chunks(monkeypatch, 29, 4, 4)       # 9 tokens: chunks 4 + 4 + 1; 10: 4 + 4 + 2; 3: one chunk
+    finishes = count_calls(monkeypatch, lce_mod, "_finish_weight_grad_op")
+    gemms = count_calls(monkeypatch, lce_mod, "_weight_grad_gemm")
+    hidden, weight, bias, target = _inputs(n_tokens, 12, 29, bias=True)
+    h, w, b = (t.clone().requires_grad_(True) for t in (hidden, weight, bias))
+    rh, rw, rb = (t.double().requires_grad_(True) for t in (hidden, weight, bias))
+    out = linear_cross_entropy(h, w, target, b)
+    ref = linear_cross_entropy_reference(rh, rw, target, rb)
+    chunks = -(-n_tokens // 4)
+    assert len(gemms) == chunks - (chunks > 1) and not finishes
+    for go in (torch.randn_like(ref), torch.ones_like(ref)):
+        got = torch.autograd.grad(out, [h, w, b], go.float(), retain_graph=True)
+        want = torch.autograd.grad(ref, [rh, rw, rb], go, retain_graph=True)
+        assert all(rel_err(g, r) <= 1e-5 for g, r in zip(got, want)), [rel_err(g, r) for g, r in zip(got, want)]
+        assert len(finishes) == (chunks > 1)
+
+
+def test_deferred_pending_shape_matches_fake(monkeypatch):
+    """The forward's pending dlogits output has the shape its fake implementation promises
+    (rows of the last chunk when there are several, else [0]), with and without deferral."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    _tiny_chunks(monkeypatch, 29, 4, 4)
+    for n_tokens, defer in [(10, True), (8, True), (3, True), (10, False), (0, True)]:
+        hidden, weight, _, target = _inputs(n_tokens, 12, 29)
+        args = (hidden, weight, target, None, IGNORE, 0.0, 0.0, None, "mean", True, True, False, True, 0,
+                torch.float32, defer)
+        real = lce_mod._lce_fwd_op(*args)
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            fake = lce_mod._lce_fwd_op(*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args])
+        assert [tuple(t.shape) for t in real] == [tuple(t.shape) for t in fake], (n_tokens, defer)
+        assert real[4].shape[0] == ({10: 2, 8: 4}.get(n_tokens, 0) if defer else 0)    # chunks of 4 tokens
+
+
+def test_compiled_does_not_defer(monkeypatch):
+    """Under torch.compile the forward computes the whole grad_weight (the traced backward scales
+    the stored gradients as one functional op, which a deferred GEMM would break on a second
+    backward); the gradients match fp64."""
+    _tiny_chunks(monkeypatch, 29, 4, 4)
+    finishes = count_calls(monkeypatch, lce_mod, "_finish_weight_grad_op")
+    hidden, weight, _, target = _inputs(10, 12, 29)
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    rh, rw = hidden.double().requires_grad_(True), weight.double().requires_grad_(True)
+    out = torch.compile(linear_cross_entropy, fullgraph=True, backend="aot_eager")(h, w, target)
+    ref = linear_cross_entropy_reference(rh, rw, target)
+    go = torch.randn_like(ref)
+    got = torch.autograd.grad(out, [h, w], go.float())
+    want = torch.autograd.grad(ref, [rh, rw], go)
+    assert all(rel_err(g, r) <= 1e-5 for g, r in zip(got, want)) and not finishes
 
 
 def test_no_grad_is_loss_only():

@@ -439,7 +439,7 @@ def test_gpu_gluon_accumulate(tile, dtype, layout):
     transpose of a row-major [K, M]) or row-major, b row-major or a transposed weight; ragged M / N
     and K below, at and over the ring depth; one rounding of the sum (against the fp64 sum of the
     old tile and the product); relaunches give the same bits; accumulate=False writes a @ b into a
-    NaN-poisoned out; the launch replays in a CUDA graph."""
+    NaN-poisoned out; ``scale`` multiplies the sum; the launch replays in a CUDA graph."""
     from tilefuse.ops import _matmul_gluon as g
     if not torch.cuda.get_device_capability()[0] == 9:
         pytest.skip("wgmma kernel: sm_90 only")
@@ -457,6 +457,9 @@ def test_gpu_gluon_accumulate(tile, dtype, layout):
         fresh = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
         g.launch_gemm_accumulate(a, b, fresh, config=cfg, accumulate=False)
         assert rel_err(fresh, a.double() @ b.double()) <= (4e-3 if dtype == torch.bfloat16 else 1e-3)
+        scale = torch.rand(1, device="cuda") * 4 - 2      # out = scale · (old + a @ b), one rounding
+        scaled = g.launch_gemm_accumulate(a, b, old.clone(), config=cfg, scale=scale)
+        assert rel_err(scaled, ref * scale.double()) <= (4e-3 if dtype == torch.bfloat16 else 1e-3), (m, n, k)
     graph_out = old.clone()
 
     def relaunch():

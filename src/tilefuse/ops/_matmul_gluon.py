@@ -54,11 +54,14 @@ def _gemm_epilogue(acc, c_desc, c_smem, bias_ptr, residual_ptr, preact_ptr, off_
 
 
 @gluon.jit
-def _accumulate_epilogue(acc, old, c_desc, c_smem, off_m, off_n):
-    """out = old + acc for the tile at (off_m, off_n): ``old`` was TMA-loaded into ``c_smem`` by
-    the producer during the K loop and read by _mma_k_steps; the sum goes back out through the
-    same staging tile (the next tile's first K step hands it back to the producer)."""
+def _accumulate_epilogue(acc, old, c_desc, c_smem, off_m, off_n, scale_ptr, HAS_SCALE: gl.constexpr):
+    """out = old + acc (HAS_SCALE: times scale_ptr[0], one fp32 value) for the tile at (off_m,
+    off_n): ``old`` was TMA-loaded into ``c_smem`` by the producer during the K loop and read by
+    _mma_k_steps; the sum goes back out through the same staging tile (the next tile's first K
+    step hands it back to the producer)."""
     y = acc + old.to(gl.float32)
+    if HAS_SCALE:
+        y = y * gl.load(scale_ptr)
     gl.thread_barrier()             # every warp has read the old tile before any overwrites it
     c_smem.store(y.to(c_desc.dtype))
     fence_async_shared()
@@ -144,16 +147,18 @@ def _mma_k_steps(acc, acc2, a_bufs, b_bufs, b2_bufs, ready, empty, it, steps, c_
 
 @gluon.jit
 def gemm_mma_partition(a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, c_smem, c2_smem, c_ready, c_free,
-                       bias_ptr, residual_ptr, preact_ptr, M, N, K, stride_rm, stride_rn, stride_pm, WG: gl.constexpr,
+                       bias_ptr, residual_ptr, preact_ptr, scale_ptr, M, N, K, stride_rm, stride_rn, stride_pm,
+                       WG: gl.constexpr,
                        HAS_BIAS: gl.constexpr, ACT: gl.constexpr, HAS_RESIDUAL: gl.constexpr,
                        SAVE_PREACT: gl.constexpr, NUM_PROGRAMS: gl.constexpr, GROUP_M: gl.constexpr,
                        BLOCK_N1: gl.constexpr, BLOCK_N2: gl.constexpr, BLOCK_K: gl.constexpr,
                        STAGES: gl.constexpr, CONSUMERS: gl.constexpr, B_K_MAJOR: gl.constexpr,
-                       A_M_MAJOR: gl.constexpr, ACCUMULATE: gl.constexpr):
+                       A_M_MAJOR: gl.constexpr, ACCUMULATE: gl.constexpr, HAS_SCALE: gl.constexpr):
     """One consumer warp group: rows [WG·64, WG·64 + 64) of each tile of this program, columns
     [0, BLOCK_N1) in one accumulator and, when BLOCK_N2 > 0, [BLOCK_N1, BLOCK_N1 + BLOCK_N2) in a
     second (a tile of two power-of-two widths, e.g. 96 = 64 + 32). ACCUMULATE: out += a @ b, the
-    old tile from the producer (one B part; no bias, activation or residual)."""
+    old tile from the producer (one B part; no bias, activation or residual), times scale_ptr[0]
+    with HAS_SCALE."""
     HAS_B2: gl.constexpr = BLOCK_N2 > 0
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_N1, 16])
@@ -178,7 +183,7 @@ def gemm_mma_partition(a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, c
                                  A_M_MAJOR, ACCUMULATE)
         it += k_tiles
         if ACCUMULATE:
-            _accumulate_epilogue(acc, acc2, c_desc, c_smem, off_m, off_n)
+            _accumulate_epilogue(acc, acc2, c_desc, c_smem, off_m, off_n, scale_ptr, HAS_SCALE)
         else:
             _gemm_epilogue(acc, c_desc, c_smem, bias_ptr, residual_ptr, preact_ptr, off_m, off_n, M, N,
                            stride_rm, stride_rn, stride_pm, HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT)
@@ -200,6 +205,7 @@ def gemm_ws_kernel(
     bias_ptr,           # *bias [N], contiguous (ignored unless HAS_BIAS)
     residual_ptr,       # *residual [M, N], output dtype (ignored unless HAS_RESIDUAL)
     preact_ptr,         # *pre-activation a @ b + bias [M, N], row-major (ignored unless SAVE_PREACT)
+    scale_ptr,          # *fp32 [1]: out = scale · (out + a @ b) (ignored unless HAS_SCALE)
     M,                  # rows of a and out
     N,                  # columns of b and out
     K,                  # the reduced dimension (> 0)
@@ -219,12 +225,14 @@ def gemm_ws_kernel(
     HAS_B2: gl.constexpr,           # tiles BLOCK_N1 + BLOCK_N2 wide (b2_desc, c2_desc)
     A_M_MAJOR: gl.constexpr,        # a given as aᵀ [K, M] row-major (a weight gradient's dyᵀ)
     ACCUMULATE: gl.constexpr,       # out += a @ b (the old out TMA-loaded during the K loop)
+    HAS_SCALE: gl.constexpr,        # ACCUMULATE only: out = scale · (out + a @ b)
 ):
     BLOCK_N1: gl.constexpr = b_desc.block_type.shape[0] if B_K_MAJOR else b_desc.block_type.shape[1]
     BLOCK_N2: gl.constexpr = (b2_desc.block_type.shape[0] if B_K_MAJOR else b2_desc.block_type.shape[1]) if HAS_B2 else 0
     BLOCK_K: gl.constexpr = b_desc.block_type.shape[1] if B_K_MAJOR else b_desc.block_type.shape[0]
     gl.static_assert(not (ACCUMULATE and (HAS_B2 or HAS_BIAS or HAS_RESIDUAL or SAVE_PREACT or ACT != "none")),
                      "ACCUMULATE is out += a @ b alone")
+    gl.static_assert(ACCUMULATE or not HAS_SCALE, "HAS_SCALE scales an accumulating GEMM only")
     a_bufs, b_bufs, c_bufs, ready, empty = gemm_ring(a_desc, b_desc, c_desc, STAGES, CONSUMERS)
     if HAS_B2:
         b2_bufs = gl.allocate_shared_memory(b2_desc.dtype, [STAGES] + b2_desc.block_type.shape, b2_desc.layout)
@@ -240,10 +248,10 @@ def gemm_ws_kernel(
     if CONSUMERS == 1:
         gl.warp_specialize([
             (gemm_mma_partition, (a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, c_bufs.index(0),
-                                  c2_bufs.index(0), c_ready, c_free, bias_ptr, residual_ptr, preact_ptr, M, N, K,
+                                  c2_bufs.index(0), c_ready, c_free, bias_ptr, residual_ptr, preact_ptr, scale_ptr, M, N, K,
                                   stride_rm, stride_rn, stride_pm, 0, HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT,
                                   NUM_PROGRAMS, GROUP_M, BLOCK_N1, BLOCK_N2, BLOCK_K, STAGES, CONSUMERS, B_K_MAJOR,
-                                  A_M_MAJOR, ACCUMULATE)),
+                                  A_M_MAJOR, ACCUMULATE, HAS_SCALE)),
             (gemm_load_partition, (a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, M, N, K,
                                    NUM_PROGRAMS, GROUP_M, BLOCK_N1 + BLOCK_N2, BLOCK_K, STAGES, CONSUMERS, B_K_MAJOR,
                                    HAS_B2, c_desc, c_bufs, c_ready, c_free, A_M_MAJOR, ACCUMULATE)),
@@ -252,15 +260,15 @@ def gemm_ws_kernel(
         gl.static_assert(CONSUMERS == 2, "one or two consumer warp groups")
         gl.warp_specialize([
             (gemm_mma_partition, (a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, c_bufs.index(0),
-                                  c2_bufs.index(0), c_ready, c_free, bias_ptr, residual_ptr, preact_ptr, M, N, K,
+                                  c2_bufs.index(0), c_ready, c_free, bias_ptr, residual_ptr, preact_ptr, scale_ptr, M, N, K,
                                   stride_rm, stride_rn, stride_pm, 0, HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT,
                                   NUM_PROGRAMS, GROUP_M, BLOCK_N1, BLOCK_N2, BLOCK_K, STAGES, CONSUMERS, B_K_MAJOR,
-                                  A_M_MAJOR, ACCUMULATE)),
+                                  A_M_MAJOR, ACCUMULATE, HAS_SCALE)),
             (gemm_mma_partition, (a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, c_bufs.index(1),
-                                  c2_bufs.index(1), c_ready, c_free, bias_ptr, residual_ptr, preact_ptr, M, N, K,
+                                  c2_bufs.index(1), c_ready, c_free, bias_ptr, residual_ptr, preact_ptr, scale_ptr, M, N, K,
                                   stride_rm, stride_rn, stride_pm, 1, HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT,
                                   NUM_PROGRAMS, GROUP_M, BLOCK_N1, BLOCK_N2, BLOCK_K, STAGES, CONSUMERS, B_K_MAJOR,
-                                  A_M_MAJOR, ACCUMULATE)),
+                                  A_M_MAJOR, ACCUMULATE, HAS_SCALE)),
             (gemm_load_partition, (a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, M, N, K,
                                    NUM_PROGRAMS, GROUP_M, BLOCK_N1 + BLOCK_N2, BLOCK_K, STAGES, CONSUMERS, B_K_MAJOR,
                                    HAS_B2, c_desc, c_bufs, c_ready, c_free, A_M_MAJOR, ACCUMULATE)),
@@ -346,12 +354,13 @@ def launch_gemm_small_m_ws(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, 
     gemm_ws_kernel[(programs,)](
         _descriptor(a, (ROWS_PER_GROUP, block_k)), b_desc, b2_desc, c_desc, c2_desc,
         bias if bias is not None else out, residual if residual is not None else out,
-        preact if preact is not None else out,
+        preact if preact is not None else out, out,
         m, n, k, res_strides[0], res_strides[1], n,
         HAS_BIAS=bias is not None, ACT=activation, HAS_RESIDUAL=residual is not None,
         SAVE_PREACT=preact is not None,
         NUM_PROGRAMS=programs, GROUP_M=cfg["GROUP_M"], STAGES=stages, CONSUMERS=consumers,
         CONSUMER_REGS=worker_regs, B_K_MAJOR=b_k_major, HAS_B2=block_n2 > 0, A_M_MAJOR=False, ACCUMULATE=False,
+        HAS_SCALE=False,
         num_warps=4, maxnreg=launch_regs,
     )
     return out
@@ -366,9 +375,10 @@ ACCUMULATE_TILES = {
 
 
 def launch_gemm_accumulate(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, config: dict | None = None,
-                           accumulate: bool = True) -> torch.Tensor:
+                           accumulate: bool = True, scale: torch.Tensor | None = None) -> torch.Tensor:
     """out [M, N] += a [M, K] @ b [K, N] in one pass over ``out`` (fp32 accumulation of the
-    product, one rounding of the sum to out's dtype). 16-bit a and b of one dtype, K > 0; a
+    product, one rounding of the sum to out's dtype); with ``scale`` (fp32 [1] on out's device,
+    accumulating only) out = scale · (out + a @ b), the sum scaled before its one rounding. 16-bit a and b of one dtype, K > 0; a
     row-major or the transpose of a row-major [K, M] (``dy.t()``), b row-major or a transposed
     weight (``w.t()``); out row-major in a's dtype; every base and row stride TMA-aligned. No
     checks here (callers check): a GPU-only building block. ``config``: ACCUMULATE_TILES's
@@ -385,12 +395,14 @@ def launch_gemm_accumulate(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, 
     a_desc = _descriptor(a.t(), (block_k, ROWS_PER_GROUP)) if a_m_major else _descriptor(a, (ROWS_PER_GROUP, block_k))
     b_desc = _descriptor(b.t(), (block_n, block_k)) if b_k_major else _descriptor(b, (block_k, block_n))
     c_desc = _descriptor(out, (ROWS_PER_GROUP, block_n))
+    if scale is not None and not accumulate:
+        raise ValueError("scale: an accumulating GEMM only")
     gemm_ws_kernel[(programs,)](
-        a_desc, b_desc, b_desc, c_desc, c_desc, out, out, out,
+        a_desc, b_desc, b_desc, c_desc, c_desc, out, out, out, scale if scale is not None else out,
         m, n, k, n, 1, n,
         HAS_BIAS=False, ACT="none", HAS_RESIDUAL=False, SAVE_PREACT=False,
         NUM_PROGRAMS=programs, GROUP_M=cfg["GROUP_M"], STAGES=stages, CONSUMERS=consumers,
         CONSUMER_REGS=worker_regs, B_K_MAJOR=b_k_major, HAS_B2=False, A_M_MAJOR=a_m_major, ACCUMULATE=accumulate,
-        num_warps=4, maxnreg=launch_regs,
+        HAS_SCALE=scale is not None, num_warps=4, maxnreg=launch_regs,
     )
     return out

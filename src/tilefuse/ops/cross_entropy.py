@@ -398,15 +398,20 @@ def _scale_saved_grads_op(grads: list[torch.Tensor], applied: torch.Tensor, grad
     value per row), then applied = grad_output: a repeated backward (retain_graph) stays right."""
     go = grad_output.reshape(-1).to(torch.float32).contiguous()
     for g in grads:
-        if g.numel() == 0:
-            continue
-        g2 = g.view(-1, g.shape[-1]) if g.dim() else g.view(1, 1)
-        if use_triton(g):
-            launch_scale_rows(g2, applied, go)
-        else:
-            factor = go / applied
-            g2.copy_((_wide(g2) * (factor[:, None] if factor.numel() > 1 else factor)).to(g.dtype))
+        rescale_(g, applied, go)
     applied.copy_(go)
+
+
+def rescale_(g: torch.Tensor, applied: torch.Tensor, go: torch.Tensor) -> None:
+    """g *= go / applied in place (fp32 [1] each, or one per row of g's [rows, last dim] view)."""
+    if g.numel() == 0:
+        return
+    g2 = g.view(-1, g.shape[-1]) if g.dim() else g.view(1, 1)
+    if use_triton(g):
+        launch_scale_rows(g2, applied, go)
+    else:
+        factor = go / applied
+        g2.copy_((_wide(g2) * (factor[:, None] if factor.numel() > 1 else factor)).to(g.dtype))
 
 
 @_scale_saved_grads_op.register_fake

@@ -12,7 +12,11 @@ cross-entropy kernel writes the rows' losses and overwrites the buffer with dlog
 scaled by 1/n_valid for ``mean``); then ``grad_hidden[chunk] = dlogits @ W`` and
 ``grad_weight (+)= dlogits.T @ h_chunk``. So the gradients are computed during the forward, as
 Liger's fused linear cross-entropy does, and the backward only scales them by grad_output in
-place (nothing at all when it is 1).
+place (nothing at all when it is 1). In eager calls with several chunks, the last chunk's
+grad_weight GEMM waits for the backward (DEFER_LAST_WEIGHT_GRAD), whose grad_output it applies
+in its epilogue on sm_90: ``grad_weight = g · (grad_weight + dlogits_lastᵀ @ h_last)``, one pass
+over [V, H] where the GEMM and a scale pass made two; that chunk's dlogits stay allocated until
+the backward.
 
 Memory beyond the inputs and the gradients themselves: the [C, V] chunk buffer (<= 160 MiB:
 640 tokens of a 128256 vocab in bf16) plus O(T + V) fp32 vectors.
@@ -56,6 +60,7 @@ from .cross_entropy import (
     random_targets,
     reduce_loss_rows,
     reference_cross_entropy,
+    rescale_,
     scan_targets,
     saved_grads_for_backward,
     softcap_reference,
@@ -95,6 +100,12 @@ TILEFUSE_GEMMS = True
 GLUON_LOGITS = False
 GLUON_WEIGHT_GRAD = False
 
+# Eager calls leave the last chunk's grad_weight GEMM to the backward (_finish_weight_grad_op),
+# which folds grad_output into it: the 1 GiB [V, H] bf16 gradient is read and written once there
+# instead of once by the GEMM and once more by the scale pass. The price: that chunk's dlogits
+# (<= CHUNK_LOGITS_BYTES) stay allocated from the forward until the backward.
+DEFER_LAST_WEIGHT_GRAD = True
+
 
 # ----------------------------------------------------------------------------------------------
 # chunking heuristic
@@ -117,17 +128,20 @@ def _chunk_tokens(n_tokens: int, vocab: int, elem_size: int, budget: int | None 
 
 
 def _chunked_pass(h2, weight, bias, target, row_scale, opts: CEOptions, loss_rows, grad_hidden, grad_weight,
-                  grad_bias32, chunk=None, config=None, before_targets=None):
+                  grad_bias32, chunk=None, config=None, before_targets=None, defer_last=False):
     """Loss rows into ``loss_rows``; the gradients asked for (tensors, or None) from dlogits
     scaled by ``row_scale`` ([1] shared, or one per token). ``chunk``/``config`` override the
     chunk size and the CE kernel's launch config (GPU sweeps). ``before_targets``: called once
     the first logits GEMM is queued, before the first kernel that reads the targets (the second
-    half of cross_entropy.TargetCheck)."""
+    half of cross_entropy.TargetCheck). ``defer_last``: leave the last chunk's grad_weight GEMM
+    out when there are several chunks and return that chunk's dlogits (for
+    :func:`_finish_weight_grad_op`), else None."""
     n_tokens, vocab = h2.shape[0], weight.shape[0]
     want_grad = grad_hidden is not None or grad_weight is not None or grad_bias32 is not None
     chunk = chunk or _chunk_tokens(n_tokens, vocab, h2.element_size())
     buf = empty((min(chunk, n_tokens), vocab), h2.dtype, h2.device)
-    tilefuse_gemm = TILEFUSE_GEMMS and h2.is_cuda and h2.dtype != torch.float32
+    tilefuse_gemm = _tilefuse_gemms(h2)
+    pending = None
     for c0 in range(0, n_tokens, chunk):
         c1 = min(c0 + chunk, n_tokens)
         h_c, logits = h2[c0:c1], buf[: c1 - c0]
@@ -150,22 +164,43 @@ def _chunked_pass(h2, weight, bias, target, row_scale, opts: CEOptions, loss_row
         if grad_hidden is not None:
             torch.mm(logits, weight, out=grad_hidden[c0:c1])
         if grad_weight is not None:
-            if tilefuse_gemm and GLUON_WEIGHT_GRAD and _tma_ready(logits, h_c, grad_weight):
-                from ._matmul_gluon import launch_gemm_accumulate     # Gluon: GPU only, imported there
-
-                launch_gemm_accumulate(logits.t(), h_c, grad_weight, accumulate=c0 > 0)
-            elif c0 == 0 and tilefuse_gemm:
-                launch_matmul(logits.t(), h_c, out=grad_weight)
-            elif c0 == 0:
-                torch.mm(logits.t(), h_c, out=grad_weight)
-            elif min(grad_weight.shape) > 1:   # as grad_weightᵀ += h_cᵀ @ dlogits: cuBLAS picks a ~5 %
-                grad_weight.t().addmm_(h_c.t(), logits)     # faster kernel (H200, C = 512: 0.96-1.02 vs 1.02-1.06 ms)
-            else:   # H = 1: the [1, V] view has strides (1, 1), which cuBLASLt rejects (INVALID_VALUE, H200)
-                grad_weight.addmm_(logits.t(), h_c)
+            if defer_last and c0 > 0 and c1 == n_tokens:
+                pending = logits
+            else:
+                _weight_grad_gemm(grad_weight, logits, h_c, c0 == 0, tilefuse_gemm)
         if grad_bias32 is not None:
             grad_bias32 += logits.sum(0, dtype=torch.float32)
     if grad_weight is not None and n_tokens == 0:
         grad_weight.zero_()
+    return pending
+
+
+def _tilefuse_gemms(h2: torch.Tensor) -> bool:
+    """Whether tilefuse's GEMMs take this call's chunks (TILEFUSE_GEMMS: 16-bit CUDA tensors)."""
+    return TILEFUSE_GEMMS and h2.is_cuda and h2.dtype != torch.float32
+
+
+def _weight_grad_gemm(grad_weight, dlogits, h_c, first: bool, tilefuse_gemm: bool) -> None:
+    """grad_weight (+)= dlogitsᵀ @ h_c (``first``: no old value to add)."""
+    if tilefuse_gemm and GLUON_WEIGHT_GRAD and _tma_ready(dlogits, h_c, grad_weight):
+        from ._matmul_gluon import launch_gemm_accumulate     # Gluon: GPU only, imported there
+
+        launch_gemm_accumulate(dlogits.t(), h_c, grad_weight, accumulate=not first)
+    elif first and tilefuse_gemm:
+        launch_matmul(dlogits.t(), h_c, out=grad_weight)
+    elif first:
+        torch.mm(dlogits.t(), h_c, out=grad_weight)
+    elif min(grad_weight.shape) > 1:   # as grad_weightᵀ += h_cᵀ @ dlogits: cuBLAS picks a ~5 %
+        grad_weight.t().addmm_(h_c.t(), dlogits)     # faster kernel (H200, C = 512: 0.96-1.02 vs 1.02-1.06 ms)
+    else:   # H = 1: the [1, V] view has strides (1, 1), which cuBLASLt rejects (INVALID_VALUE, H200)
+        grad_weight.addmm_(dlogits.t(), h_c)
+
+
+def _deferred_rows(n_tokens: int, vocab: int, elem_size: int, chunk: int) -> int:
+    """Rows of the chunk whose grad_weight GEMM the forward defers (the last, when there are
+    several; 0 otherwise): the shape of _lce_fwd_op's pending output."""
+    chunk = chunk or _chunk_tokens(n_tokens, vocab, elem_size)
+    return n_tokens - (n_tokens - 1) // chunk * chunk if n_tokens > chunk else 0
 
 
 def _tma_ready(*mats: torch.Tensor) -> bool:
@@ -174,20 +209,22 @@ def _tma_ready(*mats: torch.Tensor) -> bool:
 
 
 def _grads_and_pass(hidden, weight, target, bias, row_scale, opts, need_h, need_w, need_b, chunk=0,
-                    before_targets=None):
+                    before_targets=None, defer_last=False):
     """Allocate the wanted gradients (empty [0] tensors for the others) and run the chunked pass
-    (``chunk`` tokens at a time; 0: _chunk_tokens' choice; ``before_targets``: _chunked_pass's)."""
+    (``chunk`` tokens at a time; 0: _chunk_tokens' choice; ``before_targets`` and ``defer_last``:
+    _chunked_pass's). Returns (loss rows, grad_hidden, grad_weight, grad_bias, the deferred
+    chunk's dlogits or an empty [0] tensor)."""
     h2 = hidden.reshape(-1, hidden.shape[-1])
     t1 = target.reshape(-1).contiguous()   # the CE kernel reads target[row]: unit stride
     gh = empty(hidden.shape, hidden.dtype, hidden.device) if need_h else hidden.new_empty(0)
     gw = empty(weight.shape, weight.dtype, weight.device) if need_w else weight.new_empty(0)
     gb32 = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_b else None
     loss_rows = empty((h2.shape[0],), torch.float32, hidden.device)
-    _chunked_pass(h2, weight, bias, t1, row_scale, opts, loss_rows,
-                  gh.view(h2.shape) if need_h else None, gw if need_w else None, gb32, chunk=chunk or None,
-                  before_targets=before_targets)
+    pending = _chunked_pass(h2, weight, bias, t1, row_scale, opts, loss_rows,
+                            gh.view(h2.shape) if need_h else None, gw if need_w else None, gb32,
+                            chunk=chunk or None, before_targets=before_targets, defer_last=defer_last)
     gb = gb32.to(bias.dtype) if need_b else weight.new_empty(0)   # distinct empties: outputs may not alias
-    return loss_rows, gh, gw, gb
+    return loss_rows, gh, gw, gb, pending if pending is not None else hidden.new_empty(0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -219,18 +256,22 @@ def linear_cross_entropy_reference(hidden, weight, target, bias=None, ignore_ind
 def _lce_fwd_op(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: Optional[torch.Tensor],
                 ignore_index: int, label_smoothing: float, z_loss: float, softcap: Optional[float],
                 reduction: str, need_h: bool, need_w: bool, need_b: bool, check_targets: bool,
-                chunk_tokens: int, loss_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss, grad_hidden, grad_weight, grad_bias); a gradient not wanted (or any, for "none")
-    comes back as an empty [0] tensor."""
+                chunk_tokens: int, loss_dtype: torch.dtype,
+                defer_weight_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, grad_hidden, grad_weight, grad_bias, pending); a gradient not wanted (or any, for
+    "none") comes back as an empty [0] tensor. ``defer_weight_grad`` (eager calls): grad_weight
+    still lacks the last chunk, whose dlogits come back as ``pending`` ([rows, V]; else [0]) for
+    the backward's :func:`_finish_weight_grad_op`."""
     opts = CEOptions(ignore_index, label_smoothing, z_loss, softcap)
     t1 = target.reshape(-1).contiguous()
     # the range test's result is awaited only once the first logits GEMM is queued
     scale, finish_check = scan_targets(t1, weight.shape[0], ignore_index, reduction, check_targets)
     in_fwd = reduction != "none"
-    loss_rows, gh, gw, gb = _grads_and_pass(hidden, weight, target, bias, scale, opts,
-                                            need_h and in_fwd, need_w and in_fwd, need_b and in_fwd, chunk_tokens,
-                                            before_targets=finish_check)
-    return reduce_loss_rows(loss_rows, scale, reduction, target.shape, loss_dtype), gh, gw, gb
+    loss_rows, gh, gw, gb, pending = _grads_and_pass(hidden, weight, target, bias, scale, opts,
+                                                     need_h and in_fwd, need_w and in_fwd, need_b and in_fwd,
+                                                     chunk_tokens, before_targets=finish_check,
+                                                     defer_last=defer_weight_grad)
+    return reduce_loss_rows(loss_rows, scale, reduction, target.shape, loss_dtype), gh, gw, gb, pending
 
 
 def _grad_fakes(hidden, weight, need_h, need_w, need_b):
@@ -243,10 +284,37 @@ def _grad_fakes(hidden, weight, need_h, need_w, need_b):
 
 @_lce_fwd_op.register_fake
 def _(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap, reduction, need_h, need_w,
-      need_b, check_targets, chunk_tokens, loss_dtype):
+      need_b, check_targets, chunk_tokens, loss_dtype, defer_weight_grad):
     in_fwd = reduction != "none"
     loss = torch.empty(target.shape if not in_fwd else (), dtype=loss_dtype, device=hidden.device)
-    return (loss, *_grad_fakes(hidden, weight, need_h and in_fwd, need_w and in_fwd, need_b and in_fwd))
+    n_tokens, vocab = target.numel(), weight.shape[0]
+    rows = (_deferred_rows(n_tokens, vocab, hidden.element_size(), chunk_tokens)
+            if defer_weight_grad and need_w and in_fwd else 0)
+    pending = torch.empty((rows, vocab) if rows else (0,), dtype=hidden.dtype, device=hidden.device)
+    return (loss, *_grad_fakes(hidden, weight, need_h and in_fwd, need_w and in_fwd, need_b and in_fwd), pending)
+
+
+@custom_op("tilefuse::linear_cross_entropy_finish_weight_grad", mutates_args=("grad_weight",))
+def _finish_weight_grad_op(grad_weight: torch.Tensor, dlogits: torch.Tensor, h_last: torch.Tensor,
+                           applied: torch.Tensor, grad_output: torch.Tensor) -> None:
+    """grad_weight = grad_output / applied · (grad_weight + dlogitsᵀ @ h_last): the last chunk's
+    weight-gradient GEMM, deferred from the forward so that the backward's scale rides in its
+    epilogue (sm_90 with TMA-aligned operands: the Gluon accumulate GEMM, one pass over the
+    [V, H] gradient where a GEMM then a scale pass make two: ~0.5 ms at V = 128256, H = 4096
+    bf16); elsewhere the forward's GEMM, then the scale pass (none when the factor is 1)."""
+    go = grad_output.reshape(-1).to(torch.float32)
+    if _tilefuse_gemms(h_last) and _tma_ready(dlogits, h_last, grad_weight):
+        from ._matmul_gluon import launch_gemm_accumulate     # Gluon: GPU only, imported there
+
+        launch_gemm_accumulate(dlogits.t(), h_last, grad_weight, scale=go / applied)
+    else:
+        _weight_grad_gemm(grad_weight, dlogits, h_last, False, _tilefuse_gemms(h_last))
+        rescale_(grad_weight, applied, go)
+
+
+@_finish_weight_grad_op.register_fake
+def _(grad_weight, dlogits, h_last, applied, grad_output):
+    return None
 
 
 @custom_op("tilefuse::linear_cross_entropy_bwd", mutates_args=())
@@ -257,8 +325,8 @@ def _lce_bwd_op(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor
     """reduction="none": the logits recomputed chunk by chunk, dlogits rows scaled by grad_rows."""
     opts = CEOptions(ignore_index, label_smoothing, z_loss, softcap)
     row_scale = grad_rows.reshape(-1).to(torch.float32).contiguous()
-    _, gh, gw, gb = _grads_and_pass(hidden, weight, target, bias, row_scale, opts, need_h, need_w, need_b,
-                                    chunk_tokens)
+    _, gh, gw, gb, _ = _grads_and_pass(hidden, weight, target, bias, row_scale, opts, need_h, need_w, need_b,
+                                       chunk_tokens)
     return gh, gw, gb
 
 
@@ -270,7 +338,7 @@ def _(hidden, weight, target, bias, grad_rows, ignore_index, label_smoothing, z_
 
 def _setup_context(ctx, inputs, output):
     (hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap, reduction,
-     need_h, need_w, need_b, _check, chunk_tokens, _dtype) = inputs
+     need_h, need_w, need_b, _check, chunk_tokens, _dtype, _defer) = inputs
     ctx.options = (ignore_index, label_smoothing, z_loss, softcap)
     ctx.chunk_tokens = chunk_tokens
     ctx.needs = (need_h, need_w, need_b)
@@ -278,20 +346,30 @@ def _setup_context(ctx, inputs, output):
     if reduction == "none":
         ctx.save_for_backward(hidden, weight, target, bias)
     else:
-        _, gh, gw, gb = output
-        ctx.save_for_backward(gh, gw, gb, torch.ones(1, dtype=torch.float32, device=hidden.device))
+        _, gh, gw, gb, pending = output
+        deferred = pending.numel() > 0
+        ctx.pending_start = target.numel() - pending.shape[0] if deferred else 0
+        ctx.save_for_backward(gh, gw, gb, torch.ones(1, dtype=torch.float32, device=hidden.device),
+                              pending if deferred else None, hidden if deferred else None)
 
 
-def _backward(ctx, grad_loss, _gh, _gw, _gb):
+def _backward(ctx, grad_loss, _gh, _gw, _gb, _pending):
     need_h, need_w, need_b = ctx.needs
     if ctx.reduction == "none":
         hidden, weight, target, bias = ctx.saved_tensors
         gh, gw, gb = _lce_bwd_op(hidden, weight, target, bias, grad_loss, *ctx.options, need_h, need_w, need_b,
                                  ctx.chunk_tokens)
     else:
-        gh, gw, gb, applied = ctx.saved_tensors
-        gh, gw, gb = saved_grads_for_backward(ctx, [gh, gw, gb], applied, grad_loss)
-    return (gh if need_h else None, gw if need_w else None, None, gb if need_b else None) + (None,) * 11
+        gh, gw, gb, applied, pending, hidden = ctx.saved_tensors
+        if pending is not None and not getattr(ctx, "grads_handed_out", False):
+            # the first backward: the deferred GEMM completes grad_weight, scaled in its epilogue
+            h_last = hidden.reshape(-1, hidden.shape[-1])[ctx.pending_start:]
+            with torch.autograd._unsafe_preserve_version_counter(gw):   # a saved tensor (as scale_saved_grads_)
+                _finish_weight_grad_op(gw, pending, h_last, applied, grad_loss)
+            saved_grads_for_backward(ctx, [gh, gb], applied, grad_loss)
+        else:
+            gh, gw, gb = saved_grads_for_backward(ctx, [gh, gw, gb], applied, grad_loss)
+    return (gh if need_h else None, gw if need_w else None, None, gb if need_b else None) + (None,) * 12
 
 
 # the stored gradients are outputs too: never materialize zero [V, H] / [T, H] grads for them
@@ -349,12 +427,14 @@ def linear_cross_entropy(
                                      or chunk_tokens < 1):
         raise ValueError(f"chunk_tokens must be None or a positive int, got {chunk_tokens!r}")
     grad_on = torch.is_grad_enabled()
-    loss, _, _, _ = _lce_fwd_op(
+    loss, _, _, _, _ = _lce_fwd_op(
         hidden, weight, target, bias, ignore_index, float(label_smoothing), float(z_loss),
         None if softcap is None else float(softcap), reduction,
         grad_on and hidden.requires_grad, grad_on and weight.requires_grad,
         grad_on and bias is not None and bias.requires_grad, bool(check_targets), int(chunk_tokens or 0),
         loss_dtype(hidden),
+        # eager only: a traced backward scales the stored gradients as one functional op each time
+        DEFER_LAST_WEIGHT_GRAD and not torch.compiler.is_compiling(),
     )
     return loss
 
