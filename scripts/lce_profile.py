@@ -37,9 +37,16 @@ def make(t: int, hdim: int, vocab: int):
 def step_fn(impl: str, h, w, target):
     g = torch.rand((), device="cuda", dtype=torch.bfloat16) + 0.5
 
+    import tilefuse.ops.linear_cross_entropy as lce
+
     def step():
-        if impl == "tilefuse":
-            loss = linear_cross_entropy(h, w, target)
+        if impl.startswith("tilefuse"):
+            # "tilefuse-nodefer": the whole grad_weight in the forward, then the scale pass
+            lce.DEFER_LAST_WEIGHT_GRAD = impl != "tilefuse-nodefer"
+            try:
+                loss = linear_cross_entropy(h, w, target)
+            finally:
+                lce.DEFER_LAST_WEIGHT_GRAD = True
         else:
             loss = F.cross_entropy((h @ w.t()).float(), target) if impl == "eager-fp32" else \
                 F.cross_entropy(h @ w.t(), target)
