@@ -2,7 +2,10 @@
 backward custom op called directly on the main thread, and of small-M matmuls (the autograd engine runs backward on its
 device thread, which cProfile of the main thread cannot see). PYTHONPATH=src.
 
-    python scripts/host_profile.py
+    python scripts/host_profile.py [--matmul-grad]
+
+``--matmul-grad``: only the matmul forward with grad-requiring a and b (the benchmark's ``fwd``
+pass: a training forward that records the graph), beside torch.matmul's, at M = 1 and 128.
 """
 
 from __future__ import annotations
@@ -15,6 +18,9 @@ import torch
 
 import tilefuse
 from tilefuse.ops import norms as nm
+
+
+CUMULATIVE = False      # also print the top functions by cumulative time (--matmul-grad)
 
 
 def _profile(label, fn, n=2000):
@@ -33,9 +39,26 @@ def _profile(label, fn, n=2000):
     pr.disable()
     torch.cuda.synchronize()
     pstats.Stats(pr).sort_stats("tottime").print_stats(22)
+    if CUMULATIVE:
+        pstats.Stats(pr).sort_stats("cumulative").print_stats(30)
+
+
+def _matmul_grad() -> None:
+    for m in (1, 128):
+        a = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        b = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        _profile(f"matmul {m}x4096x4096 fwd, grad inputs", lambda: tilefuse.matmul(a, b), n=1000)
+        _profile(f"torch.matmul {m}x4096x4096 fwd, grad inputs", lambda: torch.matmul(a, b), n=1000)
 
 
 def main() -> None:
+    import sys
+
+    if "--matmul-grad" in sys.argv:
+        global CUMULATIVE
+        CUMULATIVE = True
+        _matmul_grad()
+        return
     x = torch.randn(8, 4096, device="cuda")
     w = torch.randn(4096, device="cuda")
     dy = torch.randn_like(x)
