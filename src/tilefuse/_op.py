@@ -187,12 +187,10 @@ def no_grad_layout(x, *others) -> tuple | None:
     (:func:`direct_eager`) and has no gradient to build; else None (the checked path)."""
     if not direct_eager(x):
         return None
-    layout = layout_key(x, *others)
-    if layout is None:
-        return None
-    if torch.is_grad_enabled() and (x.requires_grad or any(t is not None and t.requires_grad for t in others)):
+    # a call that records a graph is decided before the layout is built (the checked path then)
+    if torch.is_grad_enabled() and (x.requires_grad or any(getattr(t, "requires_grad", False) for t in others)):
         return None                                       # autograd: the custom op's Function
-    return layout
+    return layout_key(x, *others)
 
 
 def call_key(layout: tuple | None, options: tuple) -> tuple | None:

@@ -22,6 +22,9 @@ GPU only (Gluon has no interpreter).
 
 from __future__ import annotations
 
+import functools
+from typing import NamedTuple
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -325,6 +328,46 @@ def ws_regs(consumers: int) -> tuple[int, int]:
     return min(launch, 248), worker
 
 
+class _WsPlan(NamedTuple):
+    """A small-M launch of :func:`gemm_ws_kernel`, everything but the tensors (:func:`_ws_plan`)."""
+    grid: tuple
+    block_n1: int               # the tile's first (power-of-two) column part
+    block_n2: int               # its second part (0: none)
+    block_k: int
+    b_k_major: bool
+    prepared: object            # gemm_ws_kernel.prepare(...) of the sizes, strides and constexprs
+
+
+@functools.lru_cache(maxsize=1024)
+def _ws_plan(m: int, n: int, k: int, elem: int, out_elem: int, b_k_major: bool | None, sms: int,
+             epilogue: tuple, res_strides: tuple, config: tuple) -> _WsPlan:
+    """The launch of one small-M problem, cached (host time: the kernel takes ~10-35 µs at
+    M = 128; building this on every call took ~60 µs of the H200 host's time, s42).
+    ``b_k_major`` None: from the config (or False). ``epilogue``: (HAS_BIAS, ACT, HAS_RESIDUAL,
+    SAVE_PREACT)."""
+    cfg = dict(config) if config else choose_ws_tile(m, n, sms) or dict(WS_TILES["64x64"])
+    block_n, block_k, consumers = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["CONSUMERS"]
+    b_k_major = cfg.get("B_K_MAJOR", bool(b_k_major))
+    tiles = cdiv(m, ROWS_PER_GROUP * consumers) * cdiv(n, block_n)
+    programs = max(1, min(sms, tiles))
+    launch_regs, worker_regs = ws_regs(consumers)
+    stages = fit_ring(cfg["STAGES"], consumers, block_n, block_k, elem, out_elem)
+    # a tile width that is not a power of two (96) is two parts that are (64 + 32)
+    block_n1 = 1 << (block_n.bit_length() - 1)
+    block_n2 = block_n - block_n1
+    if block_n2 & (block_n2 - 1):
+        raise ValueError(f"config: BLOCK_N must be a power of two or the sum of two, got {block_n}")
+    has_bias, act, has_res, save_preact = epilogue
+    kwargs = dict(
+        HAS_BIAS=has_bias, ACT=act, HAS_RESIDUAL=has_res, SAVE_PREACT=save_preact,
+        NUM_PROGRAMS=programs, GROUP_M=cfg["GROUP_M"], STAGES=stages, CONSUMERS=consumers,
+        CONSUMER_REGS=worker_regs, B_K_MAJOR=b_k_major, HAS_B2=block_n2 > 0, A_M_MAJOR=False, ACCUMULATE=False,
+        HAS_SCALE=False, num_warps=4, maxnreg=launch_regs,
+    )
+    prepared = gemm_ws_kernel.prepare((m, n, k, res_strides[0], res_strides[1], n), kwargs)
+    return _WsPlan((programs,), block_n1, block_n2, block_k, b_k_major, prepared)
+
+
 def launch_gemm_small_m_ws(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None = None,
                            residual: torch.Tensor | None = None, preact: torch.Tensor | None = None,
                            activation: str = "none", config: dict | None = None) -> torch.Tensor:
@@ -333,36 +376,19 @@ def launch_gemm_small_m_ws(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, 
     row-major, every base and row stride TMA-aligned, ``out`` (and ``preact``) preallocated
     row-major. ``config``: the tile (:func:`choose_ws_tile` when None)."""
     (m, k), n = a.shape, b.shape[1]
-    sms = num_sms(a)
-    cfg = dict(config) if config else choose_ws_tile(m, n, sms) or dict(WS_TILES["64x64"])
-    block_n, block_k, consumers = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["CONSUMERS"]
-    b_k_major = cfg.get("B_K_MAJOR", b.stride(0) == 1)
-    tiles = cdiv(m, ROWS_PER_GROUP * consumers) * cdiv(n, block_n)
-    programs = max(1, min(sms, tiles))
-    launch_regs, worker_regs = ws_regs(consumers)
-    stages = fit_ring(cfg["STAGES"], consumers, block_n, block_k, a.element_size(), out.element_size())
-    res_strides = residual.stride() if residual is not None else (n, 1)
-    # a tile width that is not a power of two (96) is two parts that are (64 + 32)
-    block_n1 = 1 << (block_n.bit_length() - 1)
-    block_n2 = block_n - block_n1
-    if block_n2 & (block_n2 - 1):
-        raise ValueError(f"config: BLOCK_N must be a power of two or the sum of two, got {block_n}")
+    plan = _ws_plan(m, n, k, a.element_size(), out.element_size(), b.stride(0) == 1, num_sms(a),
+                    (bias is not None, activation, residual is not None, preact is not None),
+                    residual.stride() if residual is not None else (n, 1), tuple(config.items()) if config else ())
+    block_k, block_n1, block_n2 = plan.block_k, plan.block_n1, plan.block_n2
+
     def b_part(width: int) -> TensorDescriptor:
-        return _descriptor(b.t(), (width, block_k)) if b_k_major else _descriptor(b, (block_k, width))
+        return _descriptor(b.t(), (width, block_k)) if plan.b_k_major else _descriptor(b, (block_k, width))
     b_desc, c_desc = b_part(block_n1), _descriptor(out, (ROWS_PER_GROUP, block_n1))
     b2_desc, c2_desc = (b_part(block_n2), _descriptor(out, (ROWS_PER_GROUP, block_n2))) if block_n2 else (b_desc, c_desc)
-    gemm_ws_kernel[(programs,)](
+    gemm_ws_kernel.launch_prepared(plan.grid, (
         _descriptor(a, (ROWS_PER_GROUP, block_k)), b_desc, b2_desc, c_desc, c2_desc,
         bias if bias is not None else out, residual if residual is not None else out,
-        preact if preact is not None else out, out,
-        m, n, k, res_strides[0], res_strides[1], n,
-        HAS_BIAS=bias is not None, ACT=activation, HAS_RESIDUAL=residual is not None,
-        SAVE_PREACT=preact is not None,
-        NUM_PROGRAMS=programs, GROUP_M=cfg["GROUP_M"], STAGES=stages, CONSUMERS=consumers,
-        CONSUMER_REGS=worker_regs, B_K_MAJOR=b_k_major, HAS_B2=block_n2 > 0, A_M_MAJOR=False, ACCUMULATE=False,
-        HAS_SCALE=False,
-        num_warps=4, maxnreg=launch_regs,
-    )
+        preact if preact is not None else out, out), plan.prepared)
     return out
 
 
