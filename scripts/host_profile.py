@@ -2,7 +2,7 @@
 backward custom op called directly on the main thread, and of small-M matmuls (the autograd engine runs backward on its
 device thread, which cProfile of the main thread cannot see). PYTHONPATH=src.
 
-    python scripts/host_profile.py [--matmul-grad]
+    python scripts/host_profile.py [--matmul-grad [MxNxK ...]]
 
 ``--matmul-grad``: only the matmul forward with grad-requiring a and b (the benchmark's ``fwd``
 pass: a training forward that records the graph), beside torch.matmul's, at M = 1 and 128.
@@ -43,12 +43,13 @@ def _profile(label, fn, n=2000):
         pstats.Stats(pr).sort_stats("cumulative").print_stats(30)
 
 
-def _matmul_grad() -> None:
-    for m in (1, 128):
-        a = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        b = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        _profile(f"matmul {m}x4096x4096 fwd, grad inputs", lambda: tilefuse.matmul(a, b), n=1000)
-        _profile(f"torch.matmul {m}x4096x4096 fwd, grad inputs", lambda: torch.matmul(a, b), n=1000)
+def _matmul_grad(shapes) -> None:
+    for m, n, k in shapes:
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        # the benchmark's b: a transposed weight view when N is odd, else row-major [K, N]
+        b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        _profile(f"matmul {m}x{n}x{k} fwd, grad inputs", lambda: tilefuse.matmul(a, b), n=1000)
+        _profile(f"torch.matmul {m}x{n}x{k} fwd, grad inputs", lambda: torch.matmul(a, b), n=1000)
 
 
 def main() -> None:
@@ -57,7 +58,8 @@ def main() -> None:
     if "--matmul-grad" in sys.argv:
         global CUMULATIVE
         CUMULATIVE = True
-        _matmul_grad()
+        shapes = [tuple(int(v) for v in a.split("x")) for a in sys.argv[1:] if a[0].isdigit()]
+        _matmul_grad(shapes or [(1, 4096, 4096), (128, 4096, 4096)])
         return
     x = torch.randn(8, 4096, device="cuda")
     w = torch.randn(4096, device="cuda")
