@@ -223,6 +223,20 @@ def test_last_chunk_weight_grad_deferred_to_backward(monkeypatch, n_tokens):
         assert len(finishes) == (chunks > 1)
 
 
+def test_deferred_gemm_refuses_hidden_edited_in_place(monkeypatch):
+    """The deferred GEMM reads hidden's last chunk in the backward: hidden edited in place after
+    the forward raises (autograd's version check) instead of giving grad_weight from new values."""
+    _tiny_chunks(monkeypatch, 29, 4, 4)
+    hidden, weight, _, target = _inputs(10, 12, 29)
+    leaf, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    h = leaf * 1.0
+    loss = linear_cross_entropy(h, w, target)
+    with torch.no_grad():
+        h.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
 def test_deferred_pending_shape_matches_fake(monkeypatch):
     """The forward's pending dlogits output has the shape its fake implementation promises
     (rows of the last chunk when there are several, else [0]), with and without deferral."""
