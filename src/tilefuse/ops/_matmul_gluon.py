@@ -251,8 +251,8 @@ def gemm_ws_kernel(
     if CONSUMERS == 1:
         gl.warp_specialize([
             (gemm_mma_partition, (a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, c_bufs.index(0),
-                                  c2_bufs.index(0), c_ready, c_free, bias_ptr, residual_ptr, preact_ptr, scale_ptr, M, N, K,
-                                  stride_rm, stride_rn, stride_pm, 0, HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT,
+                                  c2_bufs.index(0), c_ready, c_free, bias_ptr, residual_ptr, preact_ptr, scale_ptr,
+                                  M, N, K, stride_rm, stride_rn, stride_pm, 0, HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT,
                                   NUM_PROGRAMS, GROUP_M, BLOCK_N1, BLOCK_N2, BLOCK_K, STAGES, CONSUMERS, B_K_MAJOR,
                                   A_M_MAJOR, ACCUMULATE, HAS_SCALE)),
             (gemm_load_partition, (a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, M, N, K,
@@ -263,13 +263,13 @@ def gemm_ws_kernel(
         gl.static_assert(CONSUMERS == 2, "one or two consumer warp groups")
         gl.warp_specialize([
             (gemm_mma_partition, (a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, c_bufs.index(0),
-                                  c2_bufs.index(0), c_ready, c_free, bias_ptr, residual_ptr, preact_ptr, scale_ptr, M, N, K,
-                                  stride_rm, stride_rn, stride_pm, 0, HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT,
+                                  c2_bufs.index(0), c_ready, c_free, bias_ptr, residual_ptr, preact_ptr, scale_ptr,
+                                  M, N, K, stride_rm, stride_rn, stride_pm, 0, HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT,
                                   NUM_PROGRAMS, GROUP_M, BLOCK_N1, BLOCK_N2, BLOCK_K, STAGES, CONSUMERS, B_K_MAJOR,
                                   A_M_MAJOR, ACCUMULATE, HAS_SCALE)),
             (gemm_mma_partition, (a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, c_bufs.index(1),
-                                  c2_bufs.index(1), c_ready, c_free, bias_ptr, residual_ptr, preact_ptr, scale_ptr, M, N, K,
-                                  stride_rm, stride_rn, stride_pm, 1, HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT,
+                                  c2_bufs.index(1), c_ready, c_free, bias_ptr, residual_ptr, preact_ptr, scale_ptr,
+                                  M, N, K, stride_rm, stride_rn, stride_pm, 1, HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT,
                                   NUM_PROGRAMS, GROUP_M, BLOCK_N1, BLOCK_N2, BLOCK_K, STAGES, CONSUMERS, B_K_MAJOR,
                                   A_M_MAJOR, ACCUMULATE, HAS_SCALE)),
             (gemm_load_partition, (a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, M, N, K,
@@ -339,15 +339,15 @@ class _WsPlan(NamedTuple):
 
 
 @functools.lru_cache(maxsize=1024)
-def _ws_plan(m: int, n: int, k: int, elem: int, out_elem: int, b_k_major: bool | None, sms: int,
+def _ws_plan(m: int, n: int, k: int, elem: int, out_elem: int, b_k_major: bool, sms: int,
              epilogue: tuple, res_strides: tuple, config: tuple) -> _WsPlan:
     """The launch of one small-M problem, cached (host time: the kernel takes ~10-35 µs at
     M = 128; building this on every call took ~60 µs of the H200 host's time, s42).
-    ``b_k_major`` None: from the config (or False). ``epilogue``: (HAS_BIAS, ACT, HAS_RESIDUAL,
-    SAVE_PREACT)."""
+    ``b_k_major``: b read as [N, K] (a transposed weight) unless the config says otherwise.
+    ``epilogue``: (HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT)."""
     cfg = dict(config) if config else choose_ws_tile(m, n, sms) or dict(WS_TILES["64x64"])
     block_n, block_k, consumers = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["CONSUMERS"]
-    b_k_major = cfg.get("B_K_MAJOR", bool(b_k_major))
+    b_k_major = cfg.get("B_K_MAJOR", b_k_major)
     tiles = cdiv(m, ROWS_PER_GROUP * consumers) * cdiv(n, block_n)
     programs = max(1, min(sms, tiles))
     launch_regs, worker_regs = ws_regs(consumers)
@@ -378,7 +378,8 @@ def launch_gemm_small_m_ws(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, 
     (m, k), n = a.shape, b.shape[1]
     plan = _ws_plan(m, n, k, a.element_size(), out.element_size(), b.stride(0) == 1, num_sms(a),
                     (bias is not None, activation, residual is not None, preact is not None),
-                    residual.stride() if residual is not None else (n, 1), tuple(config.items()) if config else ())
+                    residual.stride() if residual is not None else (n, 1),
+                    tuple(config.items()) if config else ())
     block_k, block_n1, block_n2 = plan.block_k, plan.block_n1, plan.block_n2
 
     def b_part(width: int) -> TensorDescriptor:
@@ -404,11 +405,12 @@ def launch_gemm_accumulate(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, 
                            accumulate: bool = True, scale: torch.Tensor | None = None) -> torch.Tensor:
     """out [M, N] += a [M, K] @ b [K, N] in one pass over ``out`` (fp32 accumulation of the
     product, one rounding of the sum to out's dtype); with ``scale`` (fp32 [1] on out's device,
-    accumulating only) out = scale · (out + a @ b), the sum scaled before its one rounding. 16-bit a and b of one dtype, K > 0; a
-    row-major or the transpose of a row-major [K, M] (``dy.t()``), b row-major or a transposed
-    weight (``w.t()``); out row-major in a's dtype; every base and row stride TMA-aligned. No
-    checks here (callers check): a GPU-only building block. ``config``: ACCUMULATE_TILES's
-    128x256 when None. ``accumulate=False``: out = a @ b (the same tiles, no old output)."""
+    accumulating only) out = scale · (out + a @ b), the sum scaled before its one rounding.
+    16-bit a and b of one dtype, K > 0; a row-major or the transpose of a row-major [K, M]
+    (``dy.t()``), b row-major or a transposed weight (``w.t()``); out row-major in a's dtype; every
+    base and row stride TMA-aligned. No checks here (callers check): a GPU-only building block.
+    ``config``: ACCUMULATE_TILES's 128x256 when None. ``accumulate=False``: out = a @ b (the same
+    tiles, no old output)."""
     (m, k), n = a.shape, b.shape[1]
     cfg = dict(config) if config else dict(ACCUMULATE_TILES["128x256"])
     block_n, block_k, consumers = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["CONSUMERS"]
