@@ -349,8 +349,13 @@ def _setup_context(ctx, inputs, output):
         _, gh, gw, gb, pending = output
         deferred = pending.numel() > 0
         ctx.pending_start = target.numel() - pending.shape[0] if deferred else 0
+        # finished: whether *this* grad_weight already holds the deferred chunk. A saved tensor (on
+        # the CPU: read without a sync), not a ctx attribute, so that it travels with the saved
+        # grad_weight: a checkpoint recompute or copying saved-tensor hooks hand a later backward
+        # fresh copies of both, as they stood at the forward
         ctx.save_for_backward(gh, gw, gb, torch.ones(1, dtype=torch.float32, device=hidden.device),
-                              pending if deferred else None, hidden if deferred else None)
+                              pending if deferred else None, hidden if deferred else None,
+                              torch.zeros(1, dtype=torch.bool) if deferred else None)
 
 
 def _backward(ctx, grad_loss, _gh, _gw, _gb, _pending):
@@ -360,13 +365,22 @@ def _backward(ctx, grad_loss, _gh, _gw, _gb, _pending):
         gh, gw, gb = _lce_bwd_op(hidden, weight, target, bias, grad_loss, *ctx.options, need_h, need_w, need_b,
                                  ctx.chunk_tokens)
     else:
-        gh, gw, gb, applied, pending, hidden = ctx.saved_tensors
-        if pending is not None and not getattr(ctx, "grads_handed_out", False):
-            # the first backward: the deferred GEMM completes grad_weight, scaled in its epilogue
+        gh, gw, gb, applied, pending, hidden, finished = ctx.saved_tensors
+        if pending is not None and not bool(finished):
             h_last = hidden.reshape(-1, hidden.shape[-1])[ctx.pending_start:]
-            with torch.autograd._unsafe_preserve_version_counter(gw):   # a saved tensor (as scale_saved_grads_)
-                _finish_weight_grad_op(gw, pending, h_last, applied, grad_loss)
-            saved_grads_for_backward(ctx, [gh, gb], applied, grad_loss)
+            first = not getattr(ctx, "grads_handed_out", False)
+            # saved tensors edited in place (as scale_saved_grads_ does): their versions kept
+            with torch.autograd._unsafe_preserve_version_counter(gw), \
+                    torch.autograd._unsafe_preserve_version_counter(finished):
+                # the first backward: the deferred GEMM completes grad_weight, scaled in its
+                # epilogue; a later one on fresh copies (see _setup_context): completed at the
+                # copies' own scale (factor applied / applied), then rescaled with the others
+                _finish_weight_grad_op(gw, pending, h_last, applied, grad_loss if first else applied)
+                finished.fill_(True)
+            if first:
+                saved_grads_for_backward(ctx, [gh, gb], applied, grad_loss)
+            else:
+                gh, gw, gb = saved_grads_for_backward(ctx, [gh, gw, gb], applied, grad_loss)
         else:
             gh, gw, gb = saved_grads_for_backward(ctx, [gh, gw, gb], applied, grad_loss)
     return (gh if need_h else None, gw if need_w else None, None, gb if need_b else None) + (None,) * 12
