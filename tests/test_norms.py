@@ -351,6 +351,29 @@ def test_cpu_reference_path_options(is_rms, monkeypatch):
     _check(_rms if is_rms else _ln, _rms_ref if is_rms else _ln_ref, dict(x=_t((3, 5, n))), 1e-5)
 
 
+@pytest.mark.parametrize("triton_path", [False, True], ids=["reference", "triton"])
+@pytest.mark.parametrize("shape", [(10,), (3, 4)], ids=["1d", "whole-2d"])
+@pytest.mark.parametrize("module", ["RMSNorm", "LayerNorm"])
+def test_norm_over_every_dim_of_x(module, shape, triton_path, monkeypatch):
+    """normalized_shape covering every dim of x (unbatched 1-D input, as torch.nn allows): the
+    reference path's weight / bias gradients summed over an empty tuple of row dims, i.e. over
+    everything, and raised on the reshape (s42 audit); every gradient against torch.nn's."""
+    if not triton_path:
+        monkeypatch.setattr(nm, "use_triton", lambda t: False)
+    ours, theirs = {"RMSNorm": RMSNorm, "LayerNorm": LayerNorm}[module](list(shape)), getattr(torch.nn, module)(list(shape))
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.normal_()
+    ours.load_state_dict(theirs.state_dict())
+    x, g = torch.randn(shape), torch.randn(shape)
+    xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    ours.to(DEVICE)(xa.to(DEVICE)).backward(g.to(DEVICE))
+    theirs(xb).backward(g)
+    assert rel_err(xa.grad.cpu(), xb.grad) <= 1e-5
+    for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
+        assert rel_err(p.grad.cpu(), q.grad) <= 1e-5, name
+
+
 # ----------------------------------------------------------------------------------------------
 # bad input
 # ----------------------------------------------------------------------------------------------

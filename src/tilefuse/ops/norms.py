@@ -113,9 +113,9 @@ def _bwd_reference(dy, x, weight, mean, rstd, dres, offset, is_rms, need_dw, nee
     dx = dx * rstd
     if dres is not None:
         dx = dx + dres.float()
-    lead = tuple(range(x.dim() - 1))
-    dw = (dyw * xhat).sum(lead).reshape(n) if need_dw else x.new_empty((0,))
-    db = dyw.sum(lead).reshape(n) if need_db else x.new_empty((0,))
+    # column sums over every row (a 1-D x is one row: sum(()) would sum everything)
+    dw = (dyw * xhat).reshape(-1, n).sum(0) if need_dw else x.new_empty((0,))
+    db = dyw.reshape(-1, n).sum(0) if need_db else x.new_empty((0,))
     return dx.to(x.dtype).contiguous(), dw.to(dw_dtype), db.to(db_dtype)
 
 
