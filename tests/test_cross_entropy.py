@@ -424,13 +424,25 @@ def test_cpu_reference_path(monkeypatch):
                 _check(logits, _targets(5, 90).cpu(), inplace=inplace, defer_grad=defer, **kw)
 
 
-def test_module_matches_torch():
-    logits = torch.randn(2, 5, 64, device=DEVICE) * 2
-    target = torch.randint(0, 64, (2, 5), device=DEVICE)
-    target[0, 0] = 3
-    ours = CrossEntropyLoss(ignore_index=3, reduction="sum", label_smoothing=0.1)
-    theirs = torch.nn.CrossEntropyLoss(ignore_index=3, reduction="sum", label_smoothing=0.1)
-    assert rel_err(ours(logits, target), theirs(logits.double().reshape(-1, 64), target.reshape(-1))) <= 1e-5
+@pytest.mark.parametrize("shape", [(10, 64), (64,), (2, 64, 5), (2, 7, 7), (2, 9, 3, 4)], ids=str)
+@pytest.mark.parametrize("reduction", ["sum", "none"])
+def test_module_matches_torch(shape, reduction):
+    """torch.nn.CrossEntropyLoss's layouts: [C], [N, C], [N, C, d1, ...] (classes in dim 1). The
+    module read the class dim last: with C == d1 ([2, 7, 7]) its loss was silently another one
+    (0.97 against torch's 1.53, s42 audit), else it raised."""
+    logits = (torch.randn(shape, device=DEVICE) * 2).requires_grad_(True)
+    classes = shape[0] if len(shape) == 1 else shape[1]
+    target_shape = () if len(shape) == 1 else (shape[0],) + shape[2:]
+    target = torch.randint(0, classes, target_shape, device=DEVICE)
+    target.view(-1)[0] = 3
+    ours = CrossEntropyLoss(ignore_index=3, reduction=reduction, label_smoothing=0.1)
+    theirs = torch.nn.CrossEntropyLoss(ignore_index=3, reduction=reduction, label_smoothing=0.1)
+    ref_logits = logits.detach().double().requires_grad_(True)
+    got, want = ours(logits, target), theirs(ref_logits, target)
+    assert got.shape == want.shape and rel_err(got, want) <= 1e-5
+    go = torch.randn_like(want)
+    (g,), (r,) = torch.autograd.grad(got, [logits], go.to(got.dtype)), torch.autograd.grad(want, [ref_logits], go)
+    assert rel_err(g, r) <= 1e-5
     assert "label_smoothing=0.1" in repr(ours)
 
 

@@ -11,8 +11,11 @@ from ..ops.linear_cross_entropy import linear_cross_entropy
 
 
 class CrossEntropyLoss(torch.nn.Module):
-    """``torch.nn.CrossEntropyLoss(ignore_index, reduction, label_smoothing)`` on logits ``[..., V]``
-    (class dim last), plus ``z_loss`` and ``softcap``; see :func:`tilefuse.cross_entropy`.
+    """``torch.nn.CrossEntropyLoss(ignore_index, reduction, label_smoothing)``, plus ``z_loss`` and
+    ``softcap``; see :func:`tilefuse.cross_entropy`. As torch's, the input is ``[C]``, ``[N, C]`` or
+    ``[N, C, d1, ...]`` (classes in dim 1) with target ``[]``, ``[N]`` or ``[N, d1, ...]``; for an LM's
+    ``[B, T, V]`` logits flatten them to ``[B·T, V]`` (or call :func:`tilefuse.cross_entropy`, whose
+    class dim is the last). ``reduction="none"`` returns target's shape.
 
     ``logits_inplace_grad=True`` lets the op overwrite the logits with their gradient (no [T, V]
     buffer of its own); only use it where nothing reads the logits after the loss.
@@ -42,6 +45,8 @@ class CrossEntropyLoss(torch.nn.Module):
         self.logits_inplace_grad = logits_inplace_grad
 
     def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:  # noqa: A002 - torch's name
+        if input.dim() > 2:     # torch's [N, C, d1, ...]: the kernels read the class dim last
+            input = input.movedim(1, -1)
         return cross_entropy(input, target, self.ignore_index, self.label_smoothing, self.z_loss, self.softcap,
                              self.reduction, logits_inplace_grad=self.logits_inplace_grad,
                              defer_grad=self.defer_grad)
