@@ -303,12 +303,13 @@ def _finish_weight_grad_op(grad_weight: torch.Tensor, dlogits: torch.Tensor, h_l
     [V, H] gradient where a GEMM then a scale pass make two: ~0.5 ms at V = 128256, H = 4096
     bf16); elsewhere the forward's GEMM, then the scale pass (none when the factor is 1)."""
     go = grad_output.reshape(-1).to(torch.float32)
-    if _tilefuse_gemms(h_last) and _tma_ready(dlogits, h_last, grad_weight):
+    tilefuse_gemm = _tilefuse_gemms(h_last)
+    if tilefuse_gemm and _tma_ready(dlogits, h_last, grad_weight):
         from ._matmul_gluon import launch_gemm_accumulate     # Gluon: GPU only, imported there
 
         launch_gemm_accumulate(dlogits.t(), h_last, grad_weight, scale=go / applied)
     else:
-        _weight_grad_gemm(grad_weight, dlogits, h_last, False, _tilefuse_gemms(h_last))
+        _weight_grad_gemm(grad_weight, dlogits, h_last, False, tilefuse_gemm)
         rescale_(grad_weight, applied, go)
 
 
@@ -377,8 +378,8 @@ def _backward(ctx, grad_loss, _gh, _gw, _gb, _pending):
                 # copies' own scale (factor applied / applied), then rescaled with the others
                 _finish_weight_grad_op(gw, pending, h_last, applied, grad_loss if first else applied)
                 finished.fill_(True)
-            if first:
-                saved_grads_for_backward(ctx, [gh, gb], applied, grad_loss)
+            if first:       # gw is scaled already: the others only
+                gh, gb = saved_grads_for_backward(ctx, [gh, gb], applied, grad_loss)
             else:
                 gh, gw, gb = saved_grads_for_backward(ctx, [gh, gw, gb], applied, grad_loss)
         else:
