@@ -108,18 +108,21 @@ def peak_extra_mib(step) -> float:
 
 def ab(rounds: int, h, w, target, variants: list[str]) -> None:
     """Interleaved rounds of the named variants: "default", "nodefer" (no deferred last chunk),
-    "nocheck" (no target range test), "chunkN" (N tokens per chunk), "eager"; a "-g1" suffix
-    takes grad_output 1.
+    "nocheck" (no target range test), "chunkN" (N tokens per chunk), "tlgemm" (the chunks' own
+    GEMMs on the tl kernel, not the Gluon one), "eager"; a "-g1" suffix takes grad_output 1.
     (s37 also had "streams": each chunk's grad_hidden GEMM on a side stream beside its grad_weight
     GEMM; 45.85 against 44.53 ms do_bench, slower, removed.)"""
     import statistics
 
     import triton.testing
 
+    import tilefuse.ops._matmul_kernels as mk
     import tilefuse.ops.linear_cross_entropy as lce
 
     def configure(name):
         base, _, unit = name.partition("-")
+        mk.GLUON_LARGE_M = base != "tlgemm"     # held while this variant is timed
+        mk._matmul_plan.cache_clear()
         chunk = int(base[5:]) if base.startswith("chunk") else None
         if base == "eager":
             return step_fn("eager", h, w, target)

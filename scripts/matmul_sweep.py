@@ -31,6 +31,8 @@ SHAPES = {
     # the rest of the mid bucket (32 < M <= 256): where the Gluon small-M kernel's tile heuristic decides
     "mid": [(m, n, k) for n, k in [(4096, 4096), (14336, 4096), (4096, 14336), (6144, 4096)] for m in (64, 256)],
     "m128": [(128, n, k) for n, k in [(4096, 4096), (14336, 4096), (4096, 14336), (6144, 4096)]],
+    # just above the mid bucket: where choose_large_ws_tile's one-wave rule hands over to the Gluon kernel
+    "midlarge": [(m, n, 4096) for n in (4096, 14336) for m in (384, 1024, 2048)],
 }
 # large shapes: tiles x epilogue (pointer store / descriptor store in two column halves; with or
 # without flatten, which lets the next tile's loads start before this tile's stores)
@@ -46,6 +48,7 @@ EPILOGUES = {
     "+tma2-fl": dict(STORE_TMA=True, STORE_SPLIT=2, FLATTEN=True),
 }
 ALTERNATIVES = {
+    "tl": dict(GLUON=False),        # the tl kernel's default config (the Gluon kernel is the default on sm_90)
     **{t + e: dict(tc, **ec) for t, tc in LARGE_TILE_GRID.items() for e, ec in EPILOGUES.items()},
     "128x256-s3+fl": dict(mk.CONFIGS["tile_128x256"], FLATTEN=True),
     "128x256-s3+tma1-fl": dict(mk.CONFIGS["tile_128x256"], STORE_TMA=True, STORE_SPLIT=1, FLATTEN=True),
@@ -56,6 +59,11 @@ ALTERNATIVES = {
     "128x256-s4+tma2-g16": dict(mk.CONFIGS["tile_128x256"], num_stages=4, STORE_TMA=True, STORE_SPLIT=2, GROUP_M=16),
     "128x256-s4+tma2-g4": dict(mk.CONFIGS["tile_128x256"], num_stages=4, STORE_TMA=True, STORE_SPLIT=2, GROUP_M=4),
     "ptr": dict(USE_TMA=False),
+    # the Gluon warp-specialized kernel (_matmul_gluon.gemm_ws_kernel): a TMA loader warp and two
+    # consumer groups of 64 rows (linear cross-entropy's 128x256 accumulate tile; 128x128)
+    **{f"g{name}": dict(cfg, GLUON=True) for name, cfg in g.ACCUMULATE_TILES.items()},
+    "g128x256-g16": dict(g.ACCUMULATE_TILES["128x256"], GROUP_M=16, GLUON=True),
+    "g128x256-g4": dict(g.ACCUMULATE_TILES["128x256"], GROUP_M=4, GLUON=True),
 }
 SMALL_ALTERNATIVES = {
     "ptr": dict(USE_TMA=False),
@@ -229,13 +237,25 @@ def main() -> None:
                       "cuBLAS-rowmajor": lambda: torch.matmul(a, b_row),
                       "default-a-transposed": lambda: mk.launch_matmul(dy.t(), x)[0],
                       "cuBLAS-a-transposed": lambda: torch.matmul(dy.t(), x)}
+        if m > 256 and not args.quick:     # the Gluon kernel on the weight gradient's layout (A M-major)
+            gl_out = torch.empty(m, n, device="cuda", dtype=dtype)
+            layout_fns["gluon-a-transposed"] = lambda: g.launch_gemm_accumulate(dy.t(), x, gl_out, accumulate=False)
+            layout_fns["gluon-rowmajor"] = lambda: mk.launch_matmul(a, b_row, config=dict(
+                g.ACCUMULATE_TILES["128x256"], GLUON=True))[0]
+            for name, ref_l in (("gluon-a-transposed", dy.t().float() @ x.float()), ("gluon-rowmajor", ref)):
+                err = rel_err(layout_fns[name](), ref_l)
+                if err > 1e-2:
+                    print(f"  {name:22s} WRONG err={err:.3g}")
+                    del layout_fns[name]
         if args.graph:
             layout_fns = {name: graphed(fn) for name, fn in layout_fns.items()}
         layouts = interleaved_ms(layout_fns, args.rounds)
         for name in ("rowmajor", "a-transposed"):
-            ratio = layouts[f"cuBLAS-{name}"] / layouts[f"default-{name}"]
-            print(f"  {'default-' + name:22s} {2 * m * n * k / layouts['default-' + name] / 1e9:7.0f} TF/s  "
-                  f"{ratio:5.2f}x cuBLAS")
+            for who in ("default", "gluon"):
+                if f"{who}-{name}" in layouts:
+                    ratio = layouts[f"cuBLAS-{name}"] / layouts[f"{who}-{name}"]
+                    print(f"  {who + '-' + name:22s} {2 * m * n * k / layouts[who + '-' + name] / 1e9:7.0f} TF/s  "
+                          f"{ratio:5.2f}x cuBLAS")
         summary.append((m, n, k, cublas, (best, 2 * m * n * k / ms[best] / 1e9), 2 * m * n * k / ms["default"] / 1e9))
     if args.gate_up:
         sweep_gate_up(8192, 14336, 4096, dtype)

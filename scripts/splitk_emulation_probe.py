@@ -61,7 +61,7 @@ def main() -> None:
             ea = torch.randn(em, ek, device="cuda", dtype=dt)
             ew = torch.randn(en, ek, device="cuda", dtype=dt)
             eout = torch.empty(em, en, device="cuda", dtype=dt)
-            fn = (lambda ea=ea, ew=ew, eout=eout, cfg=cfg: g.launch_gemm_small_m_ws(ea, ew.t(), eout, config=cfg))
+            fn = (lambda ea=ea, ew=ew, eout=eout, cfg=cfg: g.launch_gemm_ws(ea, ew.t(), eout, config=cfg))
             err = rel_err(fn(), ea.float() @ ew.float().t())
             assert err < 1e-2, (label, err)
             fns[f"{label} (no fixup)"] = fn

@@ -203,13 +203,17 @@ def compile_fp8(case):
 
 
 GEMM_CASES = {   # name: (tile of _matmul_gluon.WS_TILES, activation, bias / residual / preact, out dtype,
-    # b K-major (x @ wᵀ) or row-major [K, N])
+    # b K-major (x @ wᵀ) or row-major [K, N], [a M-major (aᵀ given)]); epilogue "bias": the bias alone
     "64x64-plain": ("64x64", "none", False, torch.bfloat16, True),
     "64x128-gelu-epilogue": ("64x128", "gelu", True, torch.bfloat16, True),
     "128x128-silu-epilogue-fp32": ("128x128", "silu", True, torch.float32, True),
     "64x64-row-major-b": ("64x64", "none", False, torch.bfloat16, False),
     "128x128-row-major-b-epilogue": ("128x128", "relu", True, torch.float16, False),
     "64x96-two-part-tile-epilogue": ("64x96", "gelu", True, torch.bfloat16, True),
+    # the large-M tiles (_matmul_gluon.LARGE_WS_TILES) with the epilogues choose_large_ws_tile gives them
+    "large-128x256-bias-gelu": ("large-128x256", "gelu", "bias", torch.bfloat16, True),
+    "large-128x256-a-m-major": ("large-128x256", "none", False, torch.bfloat16, False, True),
+    "large-128x128-epilogue-fp32": ("large-128x128", "silu", True, torch.float32, True),
 }
 
 
@@ -222,11 +226,15 @@ def compile_gemm(case):
     """The Gluon small-M GEMM with each declared tile, as the launcher builds it: no spills, the
     ring and output tiles within shared memory, wgmma and TMA in the SASS."""
     from tilefuse.ops import _matmul_gluon as g
-    tile, act, epilogue, out_dtype, b_k_major = GEMM_CASES[case]
-    cfg = g.WS_TILES.get(tile) or dict(g.WS_TILES["64x128"], BLOCK_N=96)      # 96 = 64 + 32: two B parts
-    m, n, k = 200, 1000, 3000
+    tile, act, epilogue, out_dtype, b_k_major, *a_m_major = GEMM_CASES[case]
+    a_m_major = bool(a_m_major and a_m_major[0])
+    cfg = (g.LARGE_WS_TILES[tile.removeprefix("large-")] if tile.startswith("large-")
+           else g.WS_TILES.get(tile) or dict(g.WS_TILES["64x128"], BLOCK_N=96))      # 96 = 64 + 32: two B parts
+    m, n, k = 2000, 1000, 3000
     dtype = torch.float16 if out_dtype == torch.float16 else torch.bfloat16
     a, w = torch.empty(m, k, dtype=dtype), torch.empty(n, k, dtype=dtype)
+    a_desc = g._descriptor(a.t().contiguous(), (cfg["BLOCK_K"], g.ROWS_PER_GROUP)) if a_m_major else \
+        g._descriptor(a, (g.ROWS_PER_GROUP, cfg["BLOCK_K"]))
     out = torch.empty(m, n, dtype=out_dtype)
     launch_regs, worker_regs = g.ws_regs(cfg["CONSUMERS"])
     rows = g.ROWS_PER_GROUP
@@ -235,14 +243,15 @@ def compile_gemm(case):
     w_t = w.t().contiguous()
     part = lambda width: (g._descriptor(w, (width, cfg["BLOCK_K"])) if b_k_major  # noqa: E731
                           else g._descriptor(w_t, (cfg["BLOCK_K"], width)))
-    args = dict(a_desc=g._descriptor(a, (rows, cfg["BLOCK_K"])), b_desc=part(bn1), b2_desc=part(bn2 or bn1),
+    args = dict(a_desc=a_desc, b_desc=part(bn1), b2_desc=part(bn2 or bn1),
                 c_desc=g._descriptor(out, (rows, bn1)), c2_desc=g._descriptor(out, (rows, bn2 or bn1)),
                 bias_ptr=torch.empty(n, dtype=dtype), residual_ptr=out, preact_ptr=out, scale_ptr=out, M=m, N=n, K=k,
                 stride_rm=n, stride_rn=1, stride_pm=n)
     stages = g.fit_ring(cfg["STAGES"], cfg["CONSUMERS"], cfg["BLOCK_N"], cfg["BLOCK_K"], 2, out.element_size())
-    constexprs = dict(HAS_BIAS=epilogue, ACT=act, HAS_RESIDUAL=epilogue, SAVE_PREACT=epilogue, NUM_PROGRAMS=132,
+    full = epilogue is True     # "bias": the bias alone (no residual / preact)
+    constexprs = dict(HAS_BIAS=bool(epilogue), ACT=act, HAS_RESIDUAL=full, SAVE_PREACT=full, NUM_PROGRAMS=132,
                       GROUP_M=cfg["GROUP_M"], STAGES=stages, CONSUMERS=cfg["CONSUMERS"], CONSUMER_REGS=worker_regs,
-                      B_K_MAJOR=b_k_major, HAS_B2=bn2 > 0, A_M_MAJOR=False, ACCUMULATE=False,
+                      B_K_MAJOR=b_k_major, HAS_B2=bn2 > 0, A_M_MAJOR=a_m_major, ACCUMULATE=False,
                       HAS_SCALE=False)
     compiled = _compile_sm90(g.gemm_ws_kernel, args, constexprs, launch_regs)
     _check(compiled)

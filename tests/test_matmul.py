@@ -434,6 +434,64 @@ def test_gpu_gluon_small_m(tile, dtype, out_dtype, row_major_b):
 @pytest.mark.parametrize("tile", ["128x256", "128x128"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("layout", ["a-m-major", "row-major", "b-k-major"])
+def test_gpu_gluon_large_m(tile, dtype, layout):
+    """The Gluon kernel at M > MID_MAX_M with each large tile (forced through config): a row-major
+    or M-major (dyᵀ, the weight gradient), b a transposed weight or row-major; ragged M / N / K
+    (TMA zero fill and clipped stores), K shorter than the ring, the epilogues the tile's heuristic
+    allows (128x256: bias + activation; 128x128: also residual and pre-activation, and fp32 out),
+    output NaN-poisoned, bit-identical relaunches and a CUDA graph replay."""
+    from tilefuse.ops import _matmul_gluon as g
+    if not torch.cuda.get_device_capability()[0] == 9:
+        pytest.skip("wgmma kernel: sm_90 only")
+    cfg = dict(g.LARGE_WS_TILES[tile], GLUON=True)
+    full = tile == "128x128"            # residual / preact / fp32 out fit its registers and shared memory
+    for (m, n, k), act in zip([(1000, 768, 3000), (300, 136, 40), (4104, 520, 1032), (2049, 4096, 8)],
+                              ["gelu", "silu", None, "relu"]):
+        a = torch.randn(k, m, device="cuda", dtype=dtype).t() if layout == "a-m-major" else \
+            torch.randn(m, k, device="cuda", dtype=dtype)
+        b = torch.randn(n, k, device="cuda", dtype=dtype).t() if layout == "b-k-major" else \
+            torch.randn(k, n, device="cuda", dtype=dtype) / k ** 0.5
+        out_dtype = torch.float32 if full and act == "silu" else dtype
+        plan = mk._matmul_plan(m, n, k, dtype, out_dtype, a.stride(), b.stride(), (n, 1), True, 132, True, True,
+                               (True, act or "none", full, full and act is not None), mk.config_key(cfg))
+        assert dict(plan.ws_tile)["A_M_MAJOR"] == (layout == "a-m-major")
+        bias = torch.randn(n, device="cuda", dtype=dtype)
+        res = torch.randn(m, n, device="cuda", dtype=out_dtype) if full else None
+        ref = matmul_reference(a.double(), b.double(), bias.double(), act, res.double() if full else None)
+        out = torch.full((m, n), float("nan"), device="cuda", dtype=out_dtype)
+        out, pre = mk.launch_matmul(a, b, bias, res, act or "none", out_dtype=out_dtype,
+                                    save_preact=full and act is not None, config=cfg, out=out)
+        assert rel_err(out, ref) <= TOL[dtype], (m, n, k)
+        if pre is not None:
+            assert rel_err(pre, matmul_reference(a.double(), b.double(), bias.double())) <= TOL[dtype]
+        plain = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
+        mk.launch_matmul(a, b, config=cfg, out=plain)
+        assert rel_err(plain, a.double() @ b.double()) <= TOL[dtype]
+        assert torch.equal(out, mk.launch_matmul(a, b, bias, res, act or "none", out_dtype=out_dtype, config=cfg)[0])
+    _assert_graph_replays(lambda: mk.launch_matmul(a, b, bias, res, act or "none", out_dtype=out_dtype,
+                                                   config=cfg)[0], out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("act", [None, "gelu"])
+def test_gpu_gluon_large_m_by_default_fwd_bwd(act):
+    """M = 2048 through the public op on sm_90: the forward, the input gradient (dz @ w) and the
+    weight gradient (xᵀ @ dz, a M-major) each take the Gluon kernel by default; outputs and every
+    gradient vs the fp64 reference."""
+    if torch.cuda.get_device_capability()[0] == 9:
+        for a_strides, b_strides, epilogue in [((4096, 1), (1, 4096), (True, act or "none", True, act is not None)),
+                                               ((4096, 1), (4096, 1), (False, "none", False, False)),
+                                               ((1, 4096), (4096, 1), (False, "none", False, False))]:
+            assert mk._matmul_plan(4096, 4096, 4096, torch.bfloat16, torch.bfloat16, a_strides, b_strides,
+                                   (4096, 1), True, 132, True, True, epilogue, ()).ws_tile
+    _check(_rand((2, 2048, 4096), torch.bfloat16), _weight_t(4096, 4096, torch.bfloat16), _rand(4096, torch.bfloat16),
+           act, _rand((2, 2048, 4096), torch.bfloat16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", ["128x256", "128x128"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("layout", ["a-m-major", "row-major", "b-k-major"])
 def test_gpu_gluon_accumulate(tile, dtype, layout):
     """out += a @ b on the Gluon kernel (linear cross-entropy's grad_weight): a as dyᵀ (the
     transpose of a row-major [K, M]) or row-major, b row-major or a transposed weight; ragged M / N
@@ -537,6 +595,31 @@ def test_gluon_small_m_plan():
     assert not plan(128, config=(("SPLIT_K", 2),)).ws_tile and not plan(128, config=(("GLUON", False),)).ws_tile
     forced = plan(16, config=(("GLUON", True), ("STAGES", 4)))
     assert tile(forced)["STAGES"] == 4 and tile(forced)["BLOCK_N"] == 64
+
+
+def test_gluon_large_m_plan():
+    """On sm_90, 16-bit GEMMs above MID_MAX_M take the Gluon kernel's 128x256 tile when it makes at
+    least one wave of tiles, 128x128 when the epilogue has a residual or a saved pre-activation or
+    the output is fp32 (registers / shared memory), and read a transposed a (the weight gradient)
+    M-major; too few tiles, an unaligned output, non-sm_90 GPUs and tl configs keep the tl kernel."""
+    def plan(m, n=4096, k=4096, epilogue=(False, "none", False, False), a_strides=None, out_dtype=torch.bfloat16,
+             out_aligned=True, config=(), exact=True):
+        a_strides = a_strides or (k, 1)
+        return mk._matmul_plan(m, n, k, torch.bfloat16, out_dtype, a_strides, (1, k), (n, 1), True, 132, True, exact,
+                               epilogue, config, out_aligned)
+    tile = lambda p: dict(p.ws_tile)    # noqa: E731
+    big = tile(plan(8192))
+    assert (big["CONSUMERS"], big["BLOCK_N"], big["A_M_MAJOR"]) == (2, 256, False)
+    assert tile(plan(8192, epilogue=(True, "gelu", False, False)))["BLOCK_N"] == 256
+    for epilogue in [(True, "gelu", True, False), (False, "none", False, True)]:
+        assert tile(plan(8192, epilogue=epilogue))["BLOCK_N"] == 128
+    assert tile(plan(8192, out_dtype=torch.float32))["BLOCK_N"] == 128
+    assert tile(plan(4096, k=8192, a_strides=(1, 4096)))["A_M_MAJOR"] is True
+    assert tile(plan(1088))["BLOCK_N"] == 256                   # 9 x 16 = 144 tiles of 128x256
+    assert not plan(1024, n=2048).ws_tile                       # 8 x 8 = 64 tiles: under one wave
+    assert not plan(8192, out_aligned=False).ws_tile and not plan(8192, exact=False).ws_tile
+    assert not plan(8192, config=(("BLOCK_N", 128),)).ws_tile and not plan(8192, config=(("GLUON", False),)).ws_tile
+    assert not plan(128, a_strides=(1, 128)).ws_tile            # mid M reads a row-major only
 
 
 def test_descriptors_by_default_only_above_mid_m():

@@ -1,7 +1,8 @@
-"""Warp-specialized bf16/fp16 GEMM for small M on Hopper (Gluon): a deep TMA ring.
+"""Warp-specialized bf16/fp16 GEMM on Hopper (Gluon): a deep TMA ring.
 
     out[M, N] = a[M, K] @ w[N, K]ᵀ        (x @ w.t(): nn.Linear's weight, K-contiguous)
     out[M, N] = a[M, K] @ b[K, N]         (row-major b: dy @ w, nn.Linear's input gradient)
+    out[M, N] = (aᵀ)ᵀ @ b                 (a given M-major: dyᵀ @ x, the weight gradient; large M)
 
 Why a second GEMM: at M ≤ 256 the GEMM streams the weight once (memory-bound) and each SM's
 share of it must keep enough bytes in flight. ncu on the ``tl`` kernel at 128x4096x4096 (H200,
@@ -16,6 +17,9 @@ a producer warp group. Here:
 - the output tile goes out through shared memory and a TMA store;
 - a tile width that is not a power of two (96) is two B parts that are (64 + 32): two TMA loads
   per stage, two accumulators, two epilogues (Triton's blocks are powers of two).
+
+At large M the same kernel with 128x256 tiles (two 64x256 consumer groups, the tile cuBLAS's
+nvjet kernels use) is compute-bound and beats the ``tl`` kernel by ~2 % (``choose_large_ws_tile``).
 
 GPU only (Gluon has no interpreter).
 """
@@ -328,26 +332,54 @@ def ws_regs(consumers: int) -> tuple[int, int]:
     return min(launch, 248), worker
 
 
+# Large M (> MID_MAX_M): compute-bound tiles. H200 2026-11-29, CUDA-graph replays after an L2 flush,
+# interleaved with cuBLAS (scripts/matmul_sweep.py, -s43-matmul-sweep-large-gluon.log), b = w.t():
+# 128x256 at 4096³ / 8192³ / 8192 x (4096x4096, 14336x4096, 4096x14336, 6144x4096) 1.00 / 1.03 /
+# 1.03 / 0.99 / 1.00 / 1.02x cuBLAS, where the tl kernel's 128x256 measured 0.96 / 1.01 / 1.00 /
+# 0.97 / 0.99 / 1.00x; 128x128 0.98 / 0.98 / 1.02 / 0.99 / 0.97 / 1.01x. Row-major b and the
+# weight gradient's M-major a likewise (+1 to +5 points over the tl kernel at 11 of 12 rows).
+LARGE_WS_TILES = {
+    "128x256": dict(CONSUMERS=2, BLOCK_N=256, BLOCK_K=64, STAGES=4, GROUP_M=8),
+    "128x128": dict(CONSUMERS=2, BLOCK_N=128, BLOCK_K=64, STAGES=6, GROUP_M=8),
+}
+
+
+def choose_large_ws_tile(m: int, n: int, epilogue: tuple, out_elem: int, sms: int) -> dict | None:
+    """The large-M tile: 128x256 unless its registers or shared memory run short (a residual or a
+    saved pre-activation in the epilogue spills 350-450 bytes at 128x256, offline sm_90 compile; a
+    4-byte output leaves room for a 2-stage ring), then 128x128; None (the tl kernel, whose tile
+    choice and split-K fill the SMs) when the tile's count is below one wave. ``epilogue``:
+    (HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT)."""
+    _, _, has_res, save_preact = epilogue
+    name = "128x128" if has_res or save_preact or out_elem > 2 else "128x256"
+    cfg = LARGE_WS_TILES[name]
+    tiles = cdiv(m, ROWS_PER_GROUP * cfg["CONSUMERS"]) * cdiv(n, cfg["BLOCK_N"])
+    return dict(cfg) if tiles >= sms else None
+
+
 class _WsPlan(NamedTuple):
-    """A small-M launch of :func:`gemm_ws_kernel`, everything but the tensors (:func:`_ws_plan`)."""
+    """A launch of :func:`gemm_ws_kernel`, everything but the tensors (:func:`_ws_plan`)."""
     grid: tuple
     block_n1: int               # the tile's first (power-of-two) column part
     block_n2: int               # its second part (0: none)
     block_k: int
     b_k_major: bool
+    a_m_major: bool
     prepared: object            # gemm_ws_kernel.prepare(...) of the sizes, strides and constexprs
 
 
 @functools.lru_cache(maxsize=1024)
 def _ws_plan(m: int, n: int, k: int, elem: int, out_elem: int, b_k_major: bool, sms: int,
              epilogue: tuple, res_strides: tuple, config: tuple) -> _WsPlan:
-    """The launch of one small-M problem, cached (host time: the kernel takes ~10-35 µs at
-    M = 128; building this on every call took ~60 µs of the H200 host's time, s42).
-    ``b_k_major``: b read as [N, K] (a transposed weight) unless the config says otherwise.
+    """The launch of one problem, cached (host time: the kernel takes ~10-35 µs at M = 128;
+    building this on every call took ~60 µs of the H200 host's time, s42).
+    ``b_k_major``: b read as [N, K] (a transposed weight) unless the config says otherwise; a is
+    row-major unless the config's A_M_MAJOR says it is given as aᵀ [K, M] row-major.
     ``epilogue``: (HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT)."""
     cfg = dict(config) if config else choose_ws_tile(m, n, sms) or dict(WS_TILES["64x64"])
     block_n, block_k, consumers = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["CONSUMERS"]
     b_k_major = cfg.get("B_K_MAJOR", b_k_major)
+    a_m_major = cfg.get("A_M_MAJOR", False)
     tiles = cdiv(m, ROWS_PER_GROUP * consumers) * cdiv(n, block_n)
     programs = max(1, min(sms, tiles))
     launch_regs, worker_regs = ws_regs(consumers)
@@ -361,20 +393,21 @@ def _ws_plan(m: int, n: int, k: int, elem: int, out_elem: int, b_k_major: bool, 
     kwargs = dict(
         HAS_BIAS=has_bias, ACT=act, HAS_RESIDUAL=has_res, SAVE_PREACT=save_preact,
         NUM_PROGRAMS=programs, GROUP_M=cfg["GROUP_M"], STAGES=stages, CONSUMERS=consumers,
-        CONSUMER_REGS=worker_regs, B_K_MAJOR=b_k_major, HAS_B2=block_n2 > 0, A_M_MAJOR=False, ACCUMULATE=False,
+        CONSUMER_REGS=worker_regs, B_K_MAJOR=b_k_major, HAS_B2=block_n2 > 0, A_M_MAJOR=a_m_major, ACCUMULATE=False,
         HAS_SCALE=False, num_warps=4, maxnreg=launch_regs,
     )
     prepared = gemm_ws_kernel.prepare((m, n, k, res_strides[0], res_strides[1], n), kwargs)
-    return _WsPlan((programs,), block_n1, block_n2, block_k, b_k_major, prepared)
+    return _WsPlan((programs,), block_n1, block_n2, block_k, b_k_major, a_m_major, prepared)
 
 
-def launch_gemm_small_m_ws(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None = None,
-                           residual: torch.Tensor | None = None, preact: torch.Tensor | None = None,
-                           activation: str = "none", config: dict | None = None) -> torch.Tensor:
+def launch_gemm_ws(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None = None,
+                   residual: torch.Tensor | None = None, preact: torch.Tensor | None = None,
+                   activation: str = "none", config: dict | None = None) -> torch.Tensor:
     """out [M, N] = act(a [M, K] @ b [K, N] + bias) + residual (and preact = a @ b + bias);
-    16-bit a and b, K > 0, a row-major, b a transposed weight (``w.t()``, K-contiguous) or
-    row-major, every base and row stride TMA-aligned, ``out`` (and ``preact``) preallocated
-    row-major. ``config``: the tile (:func:`choose_ws_tile` when None)."""
+    16-bit a and b, K > 0, a row-major (or, with the config's A_M_MAJOR, the transpose of a
+    row-major [K, M]), b a transposed weight (``w.t()``, K-contiguous) or row-major, every base
+    and row stride TMA-aligned, ``out`` (and ``preact``) preallocated row-major. ``config``: the
+    tile (:func:`choose_ws_tile` when None)."""
     (m, k), n = a.shape, b.shape[1]
     plan = _ws_plan(m, n, k, a.element_size(), out.element_size(), b.stride(0) == 1, num_sms(a),
                     (bias is not None, activation, residual is not None, preact is not None),
@@ -386,8 +419,9 @@ def launch_gemm_small_m_ws(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, 
         return _descriptor(b.t(), (width, block_k)) if plan.b_k_major else _descriptor(b, (block_k, width))
     b_desc, c_desc = b_part(block_n1), _descriptor(out, (ROWS_PER_GROUP, block_n1))
     b2_desc, c2_desc = (b_part(block_n2), _descriptor(out, (ROWS_PER_GROUP, block_n2))) if block_n2 else (b_desc, c_desc)
+    a_desc = _descriptor(a.t(), (block_k, ROWS_PER_GROUP)) if plan.a_m_major else _descriptor(a, (ROWS_PER_GROUP, block_k))
     gemm_ws_kernel.launch_prepared(plan.grid, (
-        _descriptor(a, (ROWS_PER_GROUP, block_k)), b_desc, b2_desc, c_desc, c2_desc,
+        a_desc, b_desc, b2_desc, c_desc, c2_desc,
         bias if bias is not None else out, residual if residual is not None else out,
         preact if preact is not None else out, out), plan.prepared)
     return out
@@ -395,10 +429,7 @@ def launch_gemm_small_m_ws(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, 
 
 # out += a @ b with a short K (linear cross-entropy's grad_weight: M = V, N = H, K = 512 tokens per
 # chunk): compute-bound tiles, the old output loaded by the producer during the K loop.
-ACCUMULATE_TILES = {
-    "128x256": dict(CONSUMERS=2, BLOCK_N=256, BLOCK_K=64, STAGES=4, GROUP_M=8),
-    "128x128": dict(CONSUMERS=2, BLOCK_N=128, BLOCK_K=64, STAGES=6, GROUP_M=8),
-}
+ACCUMULATE_TILES = LARGE_WS_TILES
 
 
 def launch_gemm_accumulate(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, config: dict | None = None,

@@ -309,6 +309,9 @@ MID_MAX_M = 256
 DEFAULT_USE_TMA = True      # descriptors where eligible (GPU sm_90+); False: pointer loads everywhere
 DEFAULT_STORE_TMA = False  # out through a descriptor store (with operands through descriptors)
 DEFAULT_STORE_SPLIT = 2    # column subtiles of that store
+# large-M 16-bit GEMMs on sm_90 take the Gluon kernel (_ws_tile); False: the tl kernel. An A/B
+# switch for whole-step probes (scripts/lce_profile.py): clear _matmul_plan's cache after a change.
+GLUON_LARGE_M = True
 DEFAULT_FLATTEN = False    # H100 2026-11-22: flatten=True was within noise on large GEMMs, 4x slower at M=1, -15% gate-up
 
 
@@ -464,36 +467,45 @@ class _MatmulPlan(NamedTuple):
     prepared: PreparedArgs      # matmul_kernel's sizes, strides and constexprs
     split_tiles: int            # output tiles when split over K (0: not split)
     workspace: int              # fp32 elements of the split-K partials (0: not split)
-    ws_tile: tuple = ()         # the Gluon small-M kernel's tile config instead (see _ws_tile)
+    ws_tile: tuple = ()         # the Gluon kernel's tile config instead (see _ws_tile)
 
 
 def _ws_tile(m: int, n: int, k: int, dtype: torch.dtype, out_dtype: torch.dtype, a_strides: tuple,
-             b_strides: tuple, layout: TmaLayout, sms: int, hopper: bool, config: dict) -> tuple:
-    """The tile of ``_matmul_gluon.gemm_ws_kernel`` when it takes this GEMM, else ():
-    sm_90, 16-bit operands, 32 < M <= MID_MAX_M, a row-major and b a transposed weight (x @ w.t(),
-    nn.Linear's forward) or row-major [K, N] (dy @ w, its input gradient) read through host
-    descriptors, a row-major output TMA can store, and a tile that keeps most SMs busy (no
-    split-K there: ``choose_ws_tile``). H200 2026-11-24, graph replays after an L2 flush, M = 128:
-    1.00 / 0.97 / 1.04 / 0.94x cuBLAS at N x K = 4096², 14336x4096, 4096x14336, 6144x4096, where
-    the tl kernel measured 0.86 / 0.95 / 0.96 / 0.85x in the same run
-    (-s19-matmul-sweep-small-m-graph.log; M = 64 / 256 in -s19-decode-splits-matmul-mid-sweep.log);
-    row-major b: 0.99 / 0.96 / 1.01 / 1.03x, the tl kernel 0.80 / 0.93 / 0.91 / 0.87x
-    (-s20-matmul-row-major-b-sweep.log, -s20-matmul-m128-stream-k-sweep.log).
+             b_strides: tuple, layout: TmaLayout, sms: int, hopper: bool, epilogue: tuple, out_aligned: bool,
+             config: dict) -> tuple:
+    """The tile of ``_matmul_gluon.gemm_ws_kernel`` when it takes this GEMM, else (): sm_90,
+    16-bit operands read through host descriptors, a row-major output TMA can store, and
+    - 32 < M <= MID_MAX_M: a row-major and b a transposed weight (x @ w.t(), nn.Linear's forward)
+      or row-major [K, N] (dy @ w, its input gradient), with a tile that keeps most SMs busy (no
+      split-K there: ``choose_ws_tile``). H200 2026-11-24, graph replays after an L2 flush,
+      M = 128: 1.00 / 0.97 / 1.04 / 0.94x cuBLAS at N x K = 4096², 14336x4096, 4096x14336,
+      6144x4096, where the tl kernel measured 0.86 / 0.95 / 0.96 / 0.85x in the same run
+      (-s19-matmul-sweep-small-m-graph.log; M = 64 / 256 in -s19-decode-splits-matmul-mid-sweep.log);
+      row-major b: 0.99 / 0.96 / 1.01 / 1.03x, the tl kernel 0.80 / 0.93 / 0.91 / 0.87x
+      (-s20-matmul-row-major-b-sweep.log, -s20-matmul-m128-stream-k-sweep.log).
+    - M > MID_MAX_M: also a transposed a (dyᵀ @ x, the weight gradient), with the tile of
+      ``choose_large_ws_tile`` (None: the tl kernel).
     ``config``: GLUON False never takes it, True whenever eligible (at any M, 64x64 tiles if none
     fills the SMs; the tile keys BLOCK_N, BLOCK_K, STAGES, CONSUMERS, GROUP_M override); any other
     config without GLUON is a tl kernel config, and keeps the tl kernel."""
-    from ._matmul_gluon import WS_TILES, choose_ws_tile     # (imports this module)
+    from ._matmul_gluon import WS_TILES, choose_large_ws_tile, choose_ws_tile     # (imports this module)
 
     forced = config.get("GLUON", False if config else None)
+    bucket = m_bucket(m)
+    a_m_major = layout.a_m_contiguous and bucket == "large"
     eligible = (hopper and dtype in (torch.bfloat16, torch.float16) and k > 0 and forced is not False
-                and (forced or m_bucket(m) == "mid") and layout.ok and not layout.a_m_contiguous
-                and a_strides[1] == 1 and _store_tma_ok(n, out_dtype))
+                and (forced or bucket in ("mid", "large")) and layout.ok and out_aligned
+                and (a_m_major or (not layout.a_m_contiguous and a_strides[1] == 1)) and _store_tma_ok(n, out_dtype))
     if not eligible:
         return ()
-    tile = choose_ws_tile(m, n, sms) or (dict(WS_TILES["64x64"]) if forced else None)
+    if bucket == "large":
+        tile = choose_large_ws_tile(m, n, epilogue, out_dtype.itemsize, sms) if GLUON_LARGE_M or forced else None
+    else:
+        tile = choose_ws_tile(m, n, sms)
+    tile = tile or (dict(WS_TILES["64x64"]) if forced else None)
     if tile and forced:
         tile.update({key: config[key] for key in tile if key in config})
-    return tuple(tile.items()) + (("B_K_MAJOR", layout.b_k_contiguous),) if tile else ()
+    return tuple(tile.items()) + (("B_K_MAJOR", layout.b_k_contiguous), ("A_M_MAJOR", a_m_major)) if tile else ()
 
 
 _SPLIT_K_BUFFERS: dict = {}     # (device, stream) -> (int32 arrival counters, fp32 partials)
@@ -522,11 +534,13 @@ def split_k_buffers(device: torch.device, tiles: int, workspace: int) -> tuple[t
 @functools.lru_cache(maxsize=4096)
 def _matmul_plan(m: int, n: int, k: int, dtype: torch.dtype, out_dtype: torch.dtype, a_strides: tuple,
                  b_strides: tuple, res_strides: tuple, aligned: bool, sms: int, hopper: bool,
-                 hopper_exact: bool, epilogue: tuple, config: tuple) -> _MatmulPlan:
+                 hopper_exact: bool, epilogue: tuple, config: tuple, out_aligned: bool = True) -> _MatmulPlan:
     """The launch of one GEMM problem: everything but the pointers, cached (host time: a
-    small-M GEMM's kernel takes a few µs). ``epilogue``: (HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT)."""
+    small-M GEMM's kernel takes a few µs). ``epilogue``: (HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT).
+    ``aligned``: a's and b's bases are 16-byte aligned; ``out_aligned``: out's (a caller's ``out``)."""
     layout = tma_layout_from_strides(a_strides, b_strides, (m, k), (k, n), aligned, dtype.itemsize)
-    ws_tile = _ws_tile(m, n, k, dtype, out_dtype, a_strides, b_strides, layout, sms, hopper_exact, dict(config))
+    ws_tile = _ws_tile(m, n, k, dtype, out_dtype, a_strides, b_strides, layout, sms, hopper_exact, epilogue,
+                       out_aligned, dict(config))
     if ws_tile:
         return _MatmulPlan((), True, None, 0, 0, ws_tile)
     cfg = dict(_cached_config(m, n, k, dtype, sms))
@@ -592,11 +606,11 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = 
                         residual.stride() if residual is not None else (n, 1),
                         a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0, num_sms(a), is_hopper_or_newer(a),
                         is_hopper(a), (bias is not None, activation, residual is not None, save_preact),
-                        config_key(config))
+                        config_key(config), out.data_ptr() % 16 == 0)
     if plan.ws_tile:
-        from ._matmul_gluon import launch_gemm_small_m_ws
+        from ._matmul_gluon import launch_gemm_ws
 
-        launch_gemm_small_m_ws(a, b, out, bias, residual, preact, activation, dict(plan.ws_tile))
+        launch_gemm_ws(a, b, out, bias, residual, preact, activation, dict(plan.ws_tile))
         return out, preact
     if plan.uses_tma and a.device.type == "cuda":   # (forced under the interpreter: pointer loads)
         use_device_descriptors()        # per call: the allocator is a per-thread context value
