@@ -447,6 +447,8 @@ def test_gpu_gluon_large_m(tile, dtype, layout):
     full = tile == "128x128"            # residual / preact / fp32 out fit its registers and shared memory
     for (m, n, k), act in zip([(1000, 768, 3000), (300, 136, 40), (4104, 520, 1032), (2049, 4096, 8)],
                               ["gelu", "silu", None, "relu"]):
+        if layout == "a-m-major":       # descriptors read aᵀ [K, M]: 16-byte rows (M a multiple of 8)
+            m = (m + 7) // 8 * 8
         a = torch.randn(k, m, device="cuda", dtype=dtype).t() if layout == "a-m-major" else \
             torch.randn(m, k, device="cuda", dtype=dtype)
         b = torch.randn(n, k, device="cuda", dtype=dtype).t() if layout == "b-k-major" else \
@@ -572,7 +574,7 @@ def test_one_row_a_with_any_row_stride():
 
 def test_gluon_small_m_plan():
     """On sm_90 (hopper_exact) mid-M x @ w.t() and row-major-b GEMMs take the Gluon kernel with the
-    tile of least stream cost (as measured best); other M, a transposed a, fp32, unaligned outputs,
+    tile of least stream cost (as measured best); M <= 32, a transposed a, fp32, unaligned outputs,
     tl configs and GLUON=False keep the tl kernel; GLUON=True takes it at any M, with its tile keys
     overriding."""
     def plan(m, n=4096, k=4096, config=(), b_strides=None, a_strides=None, dtype=torch.bfloat16, exact=True):
@@ -587,7 +589,8 @@ def test_gluon_small_m_plan():
     assert tile(plan(256, 4096))["BLOCK_N"] == 128 and plan(mk.MID_MAX_M).ws_tile
     assert tile(plan(64))["BLOCK_N"] == 64 and tile(plan(256, 6144))["CONSUMERS"] == 2
     assert not plan(64, n=1024).ws_tile         # 16 tiles of 64x64: the tl kernel's split-K
-    assert not plan(16).ws_tile and not plan(mk.MID_MAX_M + 1).ws_tile
+    assert not plan(16).ws_tile
+    assert tile(plan(mk.MID_MAX_M + 1))["BLOCK_N"] == 128      # large M: test_gluon_large_m_plan
     assert not plan(128, exact=False).ws_tile and not plan(128, dtype=torch.float32).ws_tile
     assert tile(plan(128, b_strides=(4096, 1)))["B_K_MAJOR"] is False and tile(plan(128))["B_K_MAJOR"] is True
     assert not plan(128, a_strides=(1, 128)).ws_tile
@@ -598,10 +601,11 @@ def test_gluon_small_m_plan():
 
 
 def test_gluon_large_m_plan():
-    """On sm_90, 16-bit GEMMs above MID_MAX_M take the Gluon kernel's 128x256 tile when it makes at
-    least one wave of tiles, 128x128 when the epilogue has a residual or a saved pre-activation or
-    the output is fp32 (registers / shared memory), and read a transposed a (the weight gradient)
-    M-major; too few tiles, an unaligned output, non-sm_90 GPUs and tl configs keep the tl kernel."""
+    """On sm_90, 16-bit GEMMs above MID_MAX_M take the Gluon kernel: the 128x256 tile with enough
+    waves of it and no fuller waves of 128x128, else 128x128; 128x128 when the epilogue has a
+    residual or a saved pre-activation or the output is fp32 (registers / shared memory); a
+    transposed a (the weight gradient) read M-major; too few tiles, an unaligned output, non-sm_90
+    GPUs and tl configs keep the tl kernel."""
     def plan(m, n=4096, k=4096, epilogue=(False, "none", False, False), a_strides=None, out_dtype=torch.bfloat16,
              out_aligned=True, config=(), exact=True):
         a_strides = a_strides or (k, 1)
@@ -615,8 +619,10 @@ def test_gluon_large_m_plan():
         assert tile(plan(8192, epilogue=epilogue))["BLOCK_N"] == 128
     assert tile(plan(8192, out_dtype=torch.float32))["BLOCK_N"] == 128
     assert tile(plan(4096, k=8192, a_strides=(1, 4096)))["A_M_MAJOR"] is True
-    assert tile(plan(1088))["BLOCK_N"] == 256                   # 9 x 16 = 144 tiles of 128x256
-    assert not plan(1024, n=2048).ws_tile                       # 8 x 8 = 64 tiles: under one wave
+    for m, n, width in [(4096, 4096, 256), (8192, 14336, 256), (2048, 14336, 256), (640, 128256, 256),
+                        (1024, 4096, 128), (1024, 14336, 128), (384, 14336, 128), (384, 4096, 128)]:
+        assert tile(plan(m, n))["BLOCK_N"] == width, (m, n)     # as measured best (choose_large_ws_tile)
+    assert not plan(300, n=1024).ws_tile                        # 3 x 8 = 24 tiles: the tl kernel's split-K
     assert not plan(8192, out_aligned=False).ws_tile and not plan(8192, exact=False).ws_tile
     assert not plan(8192, config=(("BLOCK_N", 128),)).ws_tile and not plan(8192, config=(("GLUON", False),)).ws_tile
     assert not plan(128, a_strides=(1, 128)).ws_tile            # mid M reads a row-major only

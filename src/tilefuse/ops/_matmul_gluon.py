@@ -342,19 +342,38 @@ LARGE_WS_TILES = {
     "128x256": dict(CONSUMERS=2, BLOCK_N=256, BLOCK_K=64, STAGES=4, GROUP_M=8),
     "128x128": dict(CONSUMERS=2, BLOCK_N=128, BLOCK_K=64, STAGES=6, GROUP_M=8),
 }
+# each tile's throughput at full waves relative to 128x256 (the six shapes above: 0.97-1.04x, ~0.97 mean)
+LARGE_TILE_RATE = {"128x256": 1.0, "128x128": 0.97}
+# 128x256 wants this many waves: with fewer, its ramp and epilogue are not hidden behind other tiles
+# (-s43-matmul-sweep-midlarge-gluon.log, N = K = 4096: M = 1024, one wave, 0.95x cuBLAS against 0.98x
+# for two waves of 128x128; M = 2048, two waves, 0.98 against 0.98; 4096³, four waves, 1.00 against 0.98)
+MIN_WAVES_128X256 = 3
+
+
+def large_tile_cost(m: int, n: int, name: str, sms: int) -> float:
+    """Relative time of a large-M tile: waves × the tile's area / its rate (compute-bound)."""
+    cfg = LARGE_WS_TILES[name]
+    rows = ROWS_PER_GROUP * cfg["CONSUMERS"]
+    return cdiv(cdiv(m, rows) * cdiv(n, cfg["BLOCK_N"]), sms) * rows * cfg["BLOCK_N"] / LARGE_TILE_RATE[name]
 
 
 def choose_large_ws_tile(m: int, n: int, epilogue: tuple, out_elem: int, sms: int) -> dict | None:
-    """The large-M tile: 128x256 unless its registers or shared memory run short (a residual or a
-    saved pre-activation in the epilogue spills 350-450 bytes at 128x256, offline sm_90 compile; a
-    4-byte output leaves room for a 2-stage ring), then 128x128; None (the tl kernel, whose tile
-    choice and split-K fill the SMs) when the tile's count is below one wave. ``epilogue``:
-    (HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT)."""
+    """The large-M tile of least :func:`large_tile_cost`; 128x256 only with MIN_WAVES_128X256
+    waves and when its registers and shared memory suffice (a residual or a saved pre-activation in
+    the epilogue spills 350-450 bytes at 128x256, offline sm_90 compile; a 4-byte output leaves
+    room for a 2-stage ring). None (the tl kernel, whose tile choice and split-K fill the SMs) when
+    the tiles leave over 55 % of the SMs idle (MIN_FILL). ``epilogue``: (HAS_BIAS, ACT,
+    HAS_RESIDUAL, SAVE_PREACT). M = 384 / 1024, N = 14336: 0.87 / 0.99x cuBLAS on 128x128 against
+    0.67 / 0.89x on 128x256 and 0.64 / 0.86x on the tl kernel (-s43-matmul-sweep-midlarge-gluon.log)."""
     _, _, has_res, save_preact = epilogue
-    name = "128x128" if has_res or save_preact or out_elem > 2 else "128x256"
+    names = ["128x128"]
+    wide = cdiv(m, 2 * ROWS_PER_GROUP) * cdiv(n, LARGE_WS_TILES["128x256"]["BLOCK_N"])
+    if not (has_res or save_preact or out_elem > 2) and wide >= MIN_WAVES_128X256 * sms:
+        names.append("128x256")
+    name = min(names, key=lambda t: large_tile_cost(m, n, t, sms))
     cfg = LARGE_WS_TILES[name]
     tiles = cdiv(m, ROWS_PER_GROUP * cfg["CONSUMERS"]) * cdiv(n, cfg["BLOCK_N"])
-    return dict(cfg) if tiles >= sms else None
+    return dict(cfg) if min(tiles, sms) >= MIN_FILL * sms else None
 
 
 class _WsPlan(NamedTuple):
