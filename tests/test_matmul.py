@@ -2,6 +2,9 @@
 (transposed / strided operands), both load paths (pointers, TMA descriptors), launch configs and
 the heuristic, empties, bad input, out_dtype, torch.compile, nn.Linear, and the registry shapes."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -472,6 +475,28 @@ def test_gpu_gluon_large_m(tile, dtype, layout):
         assert torch.equal(out, mk.launch_matmul(a, b, bias, res, act or "none", out_dtype=out_dtype, config=cfg)[0])
     _assert_graph_replays(lambda: mk.launch_matmul(a, b, bias, res, act or "none", out_dtype=out_dtype,
                                                    config=cfg)[0], out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [128, 1024])
+def test_gpu_gluon_gemm_first_in_a_fresh_backward(m):
+    """A fresh process whose first backward kernel is a Gluon GEMM (dx = dy @ w at M = 128 and
+    1024): its host TMA descriptors are encoded on the autograd engine's device thread, where no
+    CUDA context was current yet. Failed with "Failed to create tensor map descriptor: invalid
+    device context" before ``_launch.ensure_thread_context`` (H200, 2026-11-29); now the gradients
+    match fp64. In a child process: the first backward of a process is the case."""
+    code = (f"import torch, tilefuse\n"
+            f"from tilefuse.testing import rel_err\n"
+            f"x = torch.randn({m}, 4096, device='cuda', dtype=torch.bfloat16, requires_grad=True)\n"
+            f"w = (torch.randn(4096, 4096, device='cuda', dtype=torch.bfloat16) / 64).requires_grad_(True)\n"
+            f"dy = torch.randn({m}, 4096, device='cuda', dtype=torch.bfloat16)\n"
+            f"got = torch.autograd.grad(tilefuse.matmul(x, w.t()), (x, w), dy)\n"
+            f"xd, wd = x.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)\n"
+            f"ref = torch.autograd.grad(xd @ wd.t(), (xd, wd), dy.double())\n"
+            f"print(max(rel_err(g, r) for g, r in zip(got, ref)))\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert float(run.stdout.split()[-1]) <= TOL[torch.bfloat16]
 
 
 @pytest.mark.gpu

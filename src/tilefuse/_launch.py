@@ -35,8 +35,10 @@ backward). Kernels that need global scratch (descriptors built in the kernel) ke
 
 from __future__ import annotations
 
+import ctypes
 import inspect
 import os
+import threading
 from typing import NamedTuple
 
 import torch
@@ -125,6 +127,7 @@ class FastKernel:
         path and keeps what it compiled under ``key``."""
         hit = cache.get(key)
         if hit is None or hooks_active():
+            ensure_thread_context()     # Triton's path encodes host descriptors before its launcher runs
             compiled = self.fn[grid](*args, **kwargs)
             if getattr(compiled, "function", None) is not None:
                 # the parameters after the positional ones, in order: every value there comes from
@@ -232,16 +235,43 @@ def _expand_descriptors(args: tuple, descs: tuple) -> list:
         desc = args[pos]
         encoded = getattr(desc, "encoded", None)
         if encoded is None:
+            ensure_thread_context()
             out.extend(make_tensordesc_arg(desc, meta))
         else:
             key = id(meta)          # kernel metadata lives as long as the compiled kernel: cached for good
             hit = encoded.get(key)
             if hit is None:
+                ensure_thread_context()
                 hit = encoded[key] = make_tensordesc_arg(desc, meta)
             out.extend(hit)
         start = pos + 1
     out.extend(args[start:])
     return out
+
+
+_THREAD = threading.local()
+
+
+def ensure_thread_context() -> None:
+    """Make the current device's primary CUDA context current on this thread, once per thread,
+    before a host TMA descriptor is encoded: ``cuTensorMapEncodeTiled`` needs a current context,
+    and the autograd engine's device threads can have none (c10's ``set_device`` skips
+    ``cudaSetDevice`` when the device number already matches, so nothing has made the context
+    current there). A backward whose first kernel was a Gluon GEMM failed with "Failed to create
+    tensor map descriptor: invalid device context" (H200, 2026-11-29, a fresh process); Triton's
+    C launcher makes the context current itself, but only after the descriptors are encoded.
+    Nothing happens before CUDA is initialized in the process (CPU and interpreter runs)."""
+    if getattr(_THREAD, "ready", False) or not torch.cuda.is_initialized():
+        return
+    driver = ctypes.CDLL("libcuda.so.1")
+    ctx = ctypes.c_void_p()
+    if driver.cuCtxGetCurrent(ctypes.byref(ctx)) == 0 and not ctx.value:
+        dev = ctypes.c_int()
+        if (driver.cuDeviceGet(ctypes.byref(dev), torch.cuda.current_device()) != 0
+                or driver.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) != 0
+                or driver.cuCtxSetCurrent(ctx) != 0):
+            raise RuntimeError("tilefuse: could not make the CUDA primary context current on this thread")
+    _THREAD.ready = True
 
 
 def _direct_launch(compiled) -> "_DirectLaunch | None":
