@@ -482,11 +482,14 @@ def test_gpu_gluon_large_m(tile, dtype, layout):
 def test_gpu_gluon_gemm_first_in_a_fresh_backward(m):
     """A fresh process whose first backward kernel is a Gluon GEMM (dx = dy @ w at M = 128 and
     1024): its host TMA descriptors are encoded on the autograd engine's device thread, where no
-    CUDA context was current yet. Failed with "Failed to create tensor map descriptor: invalid
-    device context" before ``_launch.ensure_thread_context`` (H200, 2026-11-29); now the gradients
-    match fp64. In a child process: the first backward of a process is the case."""
+    CUDA context is current until some CUDA runtime call makes it so. With the caching allocator
+    already holding memory, the gradient's allocation makes no such call (a cudaMalloc would), and
+    the encoding failed with "Failed to create tensor map descriptor: invalid device context"
+    before ``_launch.ensure_thread_context`` (H200, 2026-11-29); now the gradients match fp64.
+    In a child process: the first backward of a process is the case."""
     code = (f"import torch, tilefuse\n"
             f"from tilefuse.testing import rel_err\n"
+            f"torch.empty(2**30, dtype=torch.uint8, device='cuda')   # freed at once: the allocator keeps 1 GiB\n"
             f"x = torch.randn({m}, 4096, device='cuda', dtype=torch.bfloat16, requires_grad=True)\n"
             f"w = (torch.randn(4096, 4096, device='cuda', dtype=torch.bfloat16) / 64).requires_grad_(True)\n"
             f"dy = torch.randn({m}, 4096, device='cuda', dtype=torch.bfloat16)\n"
