@@ -480,21 +480,27 @@ def test_gpu_gluon_large_m(tile, dtype, layout):
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [128, 1024])
 def test_gpu_gluon_gemm_first_in_a_fresh_backward(m):
-    """A fresh process whose first backward kernel is a Gluon GEMM (dx = dy @ w at M = 128 and
-    1024): its host TMA descriptors are encoded on the autograd engine's device thread, where no
-    CUDA context is current until some CUDA runtime call makes it so. With the caching allocator
-    already holding memory, the gradient's allocation makes no such call (a cudaMalloc would), and
-    the encoding failed with "Failed to create tensor map descriptor: invalid device context"
-    before ``_launch.ensure_thread_context`` (H200, 2026-11-29); now the gradients match fp64.
-    In a child process: the first backward of a process is the case."""
-    code = (f"import torch, tilefuse\n"
+    """A process whose first backward kernel is a Gluon GEMM (dx = dy @ w at M = 128 and 1024),
+    after the same GEMMs ran on the main thread: its host TMA descriptors are encoded on the
+    autograd engine's device thread, where no CUDA context is current until some CUDA runtime
+    call makes it so (with the allocator's cache warm, the gradients' allocations make none).
+    Failed with "Failed to create tensor map descriptor: invalid device context" before
+    ``_launch.ensure_thread_context`` (H200, 2026-11-29, scripts/gemm_host_us.py's step row);
+    now the gradients match fp64. In a child process: the first backward of a process is the case.
+    ``TILEFUSE_TEST_NO_CONTEXT_FIX=1`` runs the child without the fix (to see the failure)."""
+    code = (f"import os, torch, tilefuse, tilefuse._launch as L\n"
+            f"from tilefuse.ops import _matmul_kernels as mk\n"
             f"from tilefuse.testing import rel_err\n"
-            f"torch.empty(2**30, dtype=torch.uint8, device='cuda')   # freed at once: the allocator keeps 1 GiB\n"
-            f"x = torch.randn({m}, 4096, device='cuda', dtype=torch.bfloat16, requires_grad=True)\n"
-            f"w = (torch.randn(4096, 4096, device='cuda', dtype=torch.bfloat16) / 64).requires_grad_(True)\n"
+            f"if os.environ.get('TILEFUSE_TEST_NO_CONTEXT_FIX') == '1': L.ensure_thread_context = lambda: None\n"
+            f"x = torch.randn({m}, 4096, device='cuda', dtype=torch.bfloat16)\n"
+            f"w = torch.randn(4096, 4096, device='cuda', dtype=torch.bfloat16) / 64\n"
             f"dy = torch.randn({m}, 4096, device='cuda', dtype=torch.bfloat16)\n"
-            f"got = torch.autograd.grad(tilefuse.matmul(x, w.t()), (x, w), dy)\n"
-            f"xd, wd = x.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)\n"
+            f"for _ in range(20):\n"
+            f"    mk.launch_matmul(x, w.t()), mk.launch_matmul(dy, w), mk.launch_matmul(dy.t(), x)\n"
+            f"torch.cuda.synchronize()\n"
+            f"xg, wg = x.clone().requires_grad_(True), w.clone().requires_grad_(True)\n"
+            f"got = torch.autograd.grad(tilefuse.matmul(xg, wg.t()), (xg, wg), dy)\n"
+            f"xd, wd = x.double().requires_grad_(True), w.double().requires_grad_(True)\n"
             f"ref = torch.autograd.grad(xd @ wd.t(), (xd, wd), dy.double())\n"
             f"print(max(rel_err(g, r) for g, r in zip(got, ref)))\n")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
