@@ -662,6 +662,39 @@ def test_gluon_large_m_plan():
     assert not plan(128, a_strides=(1, 128)).ws_tile            # mid M reads a row-major only
 
 
+@pytest.mark.parametrize("a_m_major", [False, True])
+@pytest.mark.parametrize("b_k_major", [True, False])
+@pytest.mark.parametrize("width", [256, 96])
+def test_gluon_planned_launch_passes_the_operands_views(a_m_major, b_k_major, width, monkeypatch):
+    """The Gluon GEMM's planned launch (``launch_ws_plan``, the plan made once in
+    ``_matmul_plan``) hands the kernel the descriptors of the right views: a [M, K] (or aᵀ's
+    row-major [K, M] when M-major), b's [N, K] rows when K-major (``w.t()``) else [K, N], out in
+    one or two column parts (a 96-wide tile is 64 + 32), and the tensors after them, checked field
+    by field against descriptors of explicitly made views (the kernel itself runs on sm_90 only:
+    test_gpu_gluon_large_m / test_gpu_gluon_small_m)."""
+    from tilefuse.ops import _gluon_common as gc
+    from tilefuse.ops import _matmul_gluon as g
+    m, n, k = 512, 1024, 320
+    a = torch.randn(k, m, dtype=torch.bfloat16).t() if a_m_major else torch.randn(m, k, dtype=torch.bfloat16)
+    b = torch.randn(n, k, dtype=torch.bfloat16).t() if b_k_major else torch.randn(k, n, dtype=torch.bfloat16)
+    out, bias = torch.empty(m, n, dtype=torch.bfloat16), torch.randn(n, dtype=torch.bfloat16)
+    tile = dict(g.LARGE_WS_TILES["128x128"], BLOCK_N=width, BLOCK_K=128, B_K_MAJOR=b_k_major, A_M_MAJOR=a_m_major)
+    plan = g._ws_plan(m, n, k, 2, 2, b_k_major, 132, (True, "gelu", False, False), (n, 1), tuple(tile.items()))
+    seen = []
+    monkeypatch.setattr(g.gemm_ws_kernel, "launch_prepared", lambda grid, tensors, prepared: seen.append(tensors))
+    g.launch_ws_plan(plan, a, b, out, bias)
+    (a_d, b_d, b2_d, c_d, c2_d, *rest), = seen
+    parts = [64, 32] if width == 96 else [width, width]
+    bk = plan.block_k
+    expect = [gc.matrix_descriptor(a.t(), (bk, 64)) if a_m_major else gc.matrix_descriptor(a, (64, bk))]
+    expect += [gc.matrix_descriptor(b.t(), (p, bk)) if b_k_major else gc.matrix_descriptor(b, (bk, p)) for p in parts]
+    expect += [gc.matrix_descriptor(out, (64, p)) for p in parts]
+    for got, want in zip((a_d, b_d, b2_d, c_d, c2_d), expect):
+        assert (got.base.data_ptr(), got.shape, got.strides, got.block_shape, got.layout) == \
+            (want.base.data_ptr(), want.shape, want.strides, want.block_shape, want.layout)
+    assert rest[0] is bias and all(t is out for t in rest[1:])
+
+
 def test_descriptors_by_default_only_above_mid_m():
     """On an sm_90 GPU (hopper=True) the plan reads K-contiguous operands (x @ w.t()) through
     descriptors for large M only; small and mid M keep pointer loads (cheaper launch). Other

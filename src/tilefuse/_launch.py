@@ -166,8 +166,9 @@ class FastKernel:
         if not (_ENABLED and isinstance(self.fn, JITFunction)):
             return self.fn[grid](*args, **prepared.kwargs)
         device = torch.cuda.current_device()
-        key = (device, tuple([(t.dtype, t.data_ptr() % 16 == 0) if type(t) is torch.Tensor else _arg_key(t)
-                              for t in tensors]), prepared.key)
+        # a cached host descriptor carries its key (launch_key): no _arg_key type chain for it
+        key = (device, tuple([(t.dtype, t.data_ptr() % 16 == 0) if type(t) is torch.Tensor
+                              else getattr(t, "launch_key", None) or _arg_key(t) for t in tensors]), prepared.key)
         return self._run_keyed(self._prepared_cache, key, device, grid, args, prepared.kwargs)
 
     def bind_prepared(self, grid, tensors: tuple, prepared: "PreparedArgs") -> "BoundLaunch | None":

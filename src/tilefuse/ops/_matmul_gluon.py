@@ -39,6 +39,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from .._dispatch import cdiv, num_sms
 from .._launch import fast_launch
 from ._gluon_common import matrix_descriptor as _descriptor
+from ._gluon_common import transposed_matrix_descriptor as _descriptor_t
 from ._gluon_common import (LOADER_REGS_KERNEL, ROWS_PER_GROUP, SMEM_BYTES, WG_ROWS, accumulator_barriers,
                              consumer_regs, gemm_load_partition, gemm_ring, release_stage)
 from ._activation_math import activation_fwd
@@ -419,6 +420,28 @@ def _ws_plan(m: int, n: int, k: int, elem: int, out_elem: int, b_k_major: bool, 
     return _WsPlan((programs,), block_n1, block_n2, block_k, b_k_major, a_m_major, prepared)
 
 
+def launch_ws_plan(plan: _WsPlan, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
+                   bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+                   preact: torch.Tensor | None = None) -> torch.Tensor:
+    """One launch of a :func:`_ws_plan` (``_matmul_kernels`` keeps the plan in its own cached
+    GEMM plan, so a call builds only this call's descriptors): see :func:`launch_gemm_ws`."""
+    block_k, block_n1, block_n2 = plan.block_k, plan.block_n1, plan.block_n2
+    if plan.b_k_major:
+        b_desc = _descriptor_t(b, (block_n1, block_k))
+        b2_desc = _descriptor_t(b, (block_n2, block_k)) if block_n2 else b_desc
+    else:
+        b_desc = _descriptor(b, (block_k, block_n1))
+        b2_desc = _descriptor(b, (block_k, block_n2)) if block_n2 else b_desc
+    c_desc = _descriptor(out, (ROWS_PER_GROUP, block_n1))
+    c2_desc = _descriptor(out, (ROWS_PER_GROUP, block_n2)) if block_n2 else c_desc
+    a_desc = _descriptor_t(a, (block_k, ROWS_PER_GROUP)) if plan.a_m_major else _descriptor(a, (ROWS_PER_GROUP, block_k))
+    gemm_ws_kernel.launch_prepared(plan.grid, (
+        a_desc, b_desc, b2_desc, c_desc, c2_desc,
+        bias if bias is not None else out, residual if residual is not None else out,
+        preact if preact is not None else out, out), plan.prepared)
+    return out
+
+
 def launch_gemm_ws(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None = None,
                    residual: torch.Tensor | None = None, preact: torch.Tensor | None = None,
                    activation: str = "none", config: dict | None = None) -> torch.Tensor:
@@ -432,18 +455,7 @@ def launch_gemm_ws(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: to
                     (bias is not None, activation, residual is not None, preact is not None),
                     residual.stride() if residual is not None else (n, 1),
                     tuple(config.items()) if config else ())
-    block_k, block_n1, block_n2 = plan.block_k, plan.block_n1, plan.block_n2
-
-    def b_part(width: int) -> TensorDescriptor:
-        return _descriptor(b.t(), (width, block_k)) if plan.b_k_major else _descriptor(b, (block_k, width))
-    b_desc, c_desc = b_part(block_n1), _descriptor(out, (ROWS_PER_GROUP, block_n1))
-    b2_desc, c2_desc = (b_part(block_n2), _descriptor(out, (ROWS_PER_GROUP, block_n2))) if block_n2 else (b_desc, c_desc)
-    a_desc = _descriptor(a.t(), (block_k, ROWS_PER_GROUP)) if plan.a_m_major else _descriptor(a, (ROWS_PER_GROUP, block_k))
-    gemm_ws_kernel.launch_prepared(plan.grid, (
-        a_desc, b_desc, b2_desc, c_desc, c2_desc,
-        bias if bias is not None else out, residual if residual is not None else out,
-        preact if preact is not None else out, out), plan.prepared)
-    return out
+    return launch_ws_plan(plan, a, b, out, bias, residual, preact)
 
 
 # out += a @ b with a short K (linear cross-entropy's grad_weight: M = V, N = H, K = 512 tokens per
@@ -470,8 +482,8 @@ def launch_gemm_accumulate(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, 
     programs = max(1, min(num_sms(a), tiles))
     launch_regs, worker_regs = ws_regs(consumers)
     stages = fit_ring(cfg["STAGES"], consumers, block_n, block_k, a.element_size(), out.element_size())
-    a_desc = _descriptor(a.t(), (block_k, ROWS_PER_GROUP)) if a_m_major else _descriptor(a, (ROWS_PER_GROUP, block_k))
-    b_desc = _descriptor(b.t(), (block_n, block_k)) if b_k_major else _descriptor(b, (block_k, block_n))
+    a_desc = _descriptor_t(a, (block_k, ROWS_PER_GROUP)) if a_m_major else _descriptor(a, (ROWS_PER_GROUP, block_k))
+    b_desc = _descriptor_t(b, (block_n, block_k)) if b_k_major else _descriptor(b, (block_k, block_n))
     c_desc = _descriptor(out, (ROWS_PER_GROUP, block_n))
     if scale is not None and not accumulate:
         raise ValueError("scale: an accumulating GEMM only")

@@ -468,6 +468,8 @@ class _MatmulPlan(NamedTuple):
     split_tiles: int            # output tiles when split over K (0: not split)
     workspace: int              # fp32 elements of the split-K partials (0: not split)
     ws_tile: tuple = ()         # the Gluon kernel's tile config instead (see _ws_tile)
+    ws_plan: object = None      # its launch plan (_matmul_gluon._ws_plan)
+    ws_launch: object = None    # and _matmul_gluon.launch_ws_plan (imported when the plan is made)
 
 
 def _ws_tile(m: int, n: int, k: int, dtype: torch.dtype, out_dtype: torch.dtype, a_strides: tuple,
@@ -542,7 +544,11 @@ def _matmul_plan(m: int, n: int, k: int, dtype: torch.dtype, out_dtype: torch.dt
     ws_tile = _ws_tile(m, n, k, dtype, out_dtype, a_strides, b_strides, layout, sms, hopper_exact, epilogue,
                        out_aligned, dict(config))
     if ws_tile:
-        return _MatmulPlan((), True, None, 0, 0, ws_tile)
+        from ._matmul_gluon import _ws_plan, launch_ws_plan     # (imports this module)
+
+        ws = _ws_plan(m, n, k, dtype.itemsize, out_dtype.itemsize, dict(ws_tile)["B_K_MAJOR"], sms, epilogue,
+                      res_strides, ws_tile)
+        return _MatmulPlan((), True, None, 0, 0, ws_tile, ws, launch_ws_plan)
     cfg = dict(_cached_config(m, n, k, dtype, sms))
     cfg.update(wide_tile_epilogue(cfg))
     cfg.update({key: value for key, value in config if key != "GLUON"})
@@ -607,10 +613,8 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = 
                         a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0, num_sms(a), is_hopper_or_newer(a),
                         is_hopper(a), (bias is not None, activation, residual is not None, save_preact),
                         config_key(config), out.data_ptr() % 16 == 0)
-    if plan.ws_tile:
-        from ._matmul_gluon import launch_gemm_ws
-
-        launch_gemm_ws(a, b, out, bias, residual, preact, activation, dict(plan.ws_tile))
+    if plan.ws_plan is not None:
+        plan.ws_launch(plan.ws_plan, a, b, out, bias, residual, preact)
         return out, preact
     if plan.uses_tma and a.device.type == "cuda":   # (forced under the interpreter: pointer loads)
         use_device_descriptors()        # per call: the allocator is a per-thread context value
