@@ -4,12 +4,13 @@ the heuristic, empties, bad input, out_dtype, torch.compile, nn.Linear, and the 
 
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import CPU_DTYPES, DEVICE, HAS_CUDA, count_calls
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from tilefuse.nn.linear import Linear
@@ -693,6 +694,63 @@ def test_gluon_planned_launch_passes_the_operands_views(a_m_major, b_k_major, wi
         assert (got.base.data_ptr(), got.shape, got.strides, got.block_shape, got.layout) == \
             (want.base.data_ptr(), want.shape, want.strides, want.block_shape, want.layout)
     assert rest[0] is bias and all(t is out for t in rest[1:])
+
+
+def _strided(rows: int, cols: int, layout: str, dtype: torch.dtype) -> torch.Tensor:
+    """A [rows, cols] CPU tensor: row-major, the transpose of a row-major [cols, rows], or
+    row-major with 8 elements of padding per row (a slice of a wider buffer)."""
+    if layout == "t":
+        return torch.randn(cols, rows).to(dtype).t()
+    if layout == "pad":
+        return torch.randn(rows, cols + 8).to(dtype)[:, :cols]
+    return torch.randn(rows, cols).to(dtype)
+
+
+def _mostly_multiples_of_8(top: int):
+    """Sizes that are multiples of 8 (TMA-aligned rows of 16-bit data) three times in four."""
+    eights = st.integers(1, top // 8).map(lambda v: 8 * v)
+    return st.one_of(eights, eights, eights, st.integers(1, top))
+
+
+@settings(max_examples=200, deadline=None)
+@example(m=1024, n=2048, k=64, a_layout="t", b_layout="t", dtype=torch.bfloat16, wide_out=False, epilogue="bias-gelu", sms=2)
+@example(m=1024, n=2048, k=72, a_layout="rm", b_layout="pad", dtype=torch.float16, wide_out=True, epilogue="residual",
+         sms=2)
+@given(m=_mostly_multiples_of_8(1200), n=_mostly_multiples_of_8(1200), k=_mostly_multiples_of_8(96), a_layout=st.sampled_from(["rm", "t", "pad"]),
+       b_layout=st.sampled_from(["rm", "t", "pad"]), dtype=st.sampled_from([torch.bfloat16, torch.bfloat16, torch.float16,
+                                                                             torch.float32]),
+       wide_out=st.booleans(), epilogue=st.sampled_from(["none", "bias-gelu", "residual", "preact"]),
+       sms=st.sampled_from([2, 8, 132]))
+def test_gluon_plans_build_valid_descriptors(m, n, k, a_layout, b_layout, dtype, wide_out, epilogue, sms):
+    """Any GEMM the sm_90 plan gives the Gluon kernel can be read and written through TMA
+    descriptors, as the planned launch builds them (the descriptor constructor asserts 16-byte
+    strides), with the tile's limits kept: 16-bit operands, K > 0, a M-major only at large M,
+    128x256 only with a 2-byte output and no residual / pre-activation. Random shapes and strides
+    on the CPU, the SM count shrunk so that small shapes reach every tile rule."""
+    from tilefuse.ops import _matmul_gluon as g
+    a, b = _strided(m, k, a_layout, dtype), _strided(k, n, b_layout, dtype)
+    out_dtype = torch.float32 if wide_out else dtype
+    out = torch.empty(m, n, dtype=out_dtype)
+    has_bias, act = epilogue == "bias-gelu", "gelu" if epilogue in ("bias-gelu", "preact") else "none"
+    residual = torch.randn(m, n).to(out_dtype) if epilogue == "residual" else None
+    preact = torch.empty(m, n, dtype=out_dtype) if epilogue == "preact" else None
+    aligned = a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0
+    plan = mk._matmul_plan(m, n, k, dtype, out_dtype, a.stride(), b.stride(), (n, 1), aligned, sms, True, True,
+                           (has_bias, act, residual is not None, preact is not None), (), out.data_ptr() % 16 == 0)
+    if plan.ws_plan is None:
+        return
+    tile = dict(plan.ws_tile)
+    assert dtype != torch.float32 and k > 0
+    assert not tile["A_M_MAJOR"] or m > mk.MID_MAX_M
+    if tile["BLOCK_N"] == 256:
+        assert out_dtype != torch.float32 and residual is None and preact is None
+    seen = []
+    bias = torch.randn(n).to(dtype) if has_bias else None
+    with mock.patch.object(g.gemm_ws_kernel, "launch_prepared", lambda grid, tensors, prepared: seen.append(tensors)):
+        plan.ws_launch(plan.ws_plan, a, b, out, bias, residual, preact)     # builds every descriptor
+    a_desc, b_desc, _, c_desc, _ = seen[0][:5]
+    assert list(a_desc.shape) == ([k, m] if tile["A_M_MAJOR"] else [m, k])
+    assert list(b_desc.shape) == ([n, k] if tile["B_K_MAJOR"] else [k, n]) and list(c_desc.shape) == [m, n]
 
 
 def test_descriptors_by_default_only_above_mid_m():
