@@ -136,3 +136,22 @@ def test_direct_launch_with_cached_descriptors():
     assert entries and all(direct is not None and direct.descs for _, _, direct in entries)
     encoded = [d for d in _launch._HOST_DESCRIPTORS.values() if d.launch_key[3] is None and d.encoded]
     assert encoded                      # the tl descriptors kept their encoded form
+
+
+def test_every_launch_path_makes_a_context_current_first(monkeypatch):
+    """Triton's own launch path (the interpreter's; on a GPU fast launches off, as here, callable
+    grids and a cache miss) calls ``ensure_thread_context`` before the kernel runs, so host TMA
+    descriptors are never encoded on a thread without a current CUDA context (the autograd
+    engine's device thread: test_matmul's test_gpu_gluon_gemm_first_in_a_fresh_backward). On a
+    machine where CUDA was never initialized the function does nothing."""
+    from conftest import DEVICE
+    calls = []
+    monkeypatch.setattr(_launch, "ensure_thread_context", lambda: calls.append(1))
+    monkeypatch.setattr(_launch, "_ENABLED", False)
+    x = torch.randn(4, 33, device=DEVICE)
+    y = sm.softmax(x)
+    assert calls and rel_err(y, torch.softmax(x.double(), -1)) <= 1e-5
+    if not torch.cuda.is_available():
+        monkeypatch.undo()
+        _launch.ensure_thread_context()         # CUDA never initialized: returns without touching it
+        assert not torch.cuda.is_initialized()

@@ -95,8 +95,18 @@ class FastKernel:
 
     def __getitem__(self, grid):
         if not (_ENABLED and isinstance(self.fn, JITFunction)) or callable(grid):
-            return self.fn[grid]
+            return self._plain(grid)
         return lambda *args, **kwargs: self._launch(grid, args, kwargs)
+
+    def _plain(self, grid):
+        """Triton's own launch (fast launches off, interpreted kernels, callable grids), after
+        :func:`ensure_thread_context`: Triton encodes host descriptors before its launcher runs."""
+        launch = self.fn[grid]
+
+        def run(*args, **kwargs):
+            ensure_thread_context()
+            return launch(*args, **kwargs)
+        return run
 
     def _key(self, device: int, args: tuple, kwargs: dict) -> tuple:
         # keyword arguments in call-site order (one call site, one order: no sort needed)
@@ -164,7 +174,7 @@ class FastKernel:
         their key)."""
         args = (*tensors, *prepared.ints)
         if not (_ENABLED and isinstance(self.fn, JITFunction)):
-            return self.fn[grid](*args, **prepared.kwargs)
+            return self._plain(grid)(*args, **prepared.kwargs)
         device = torch.cuda.current_device()
         # a cached host descriptor carries its key (launch_key): no _arg_key type chain for it
         key = (device, tuple([(t.dtype, t.data_ptr() % 16 == 0) if type(t) is torch.Tensor
