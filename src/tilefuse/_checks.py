@@ -79,3 +79,50 @@ def check_dim(name: str, t: torch.Tensor, dim: int) -> int:
     if not -nd <= dim < nd:
         raise ValueError(f"{name}: dim {dim} out of range for a tensor of {t.dim()} dimension(s)")
     return dim % nd
+
+
+def _injective(shape: Sequence[int], strides: Sequence[int]) -> bool:
+    """Whether a strided layout's dims nest (each stride beyond the reach of the smaller-strided
+    dims), so that no two indices share an element. Sufficient, not necessary: every slice and
+    permutation of a contiguous tensor passes."""
+    reach = 0
+    for n, st in sorted(((n, st) for n, st in zip(shape, strides) if n > 1), key=lambda p: p[1]):
+        if st <= reach:
+            return False
+        reach += (n - 1) * st
+    return True
+
+
+def may_share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` can have a memory element in common: False when their byte ranges
+    are disjoint; exact for two views of one layout that differ in one dim's range (q and k
+    sliced from a packed qkv buffer, along the heads or any other dim); True when the layouts
+    are such that it cannot tell (the caller refuses the call). ``torch._C._overlaps`` is no
+    help: it calls a packed buffer's q and k slices overlapping."""
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    size = a.element_size()
+
+    def byte_range(t):
+        lo = t.data_ptr()
+        return lo, lo + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) * t.element_size() + t.element_size()
+    (alo, ahi), (blo, bhi) = byte_range(a), byte_range(b)
+    if ahi <= blo or bhi <= alo:      # live tensors of different storages never share addresses
+        return False
+    if (b.element_size() != size or a.dim() != b.dim() or (b.data_ptr() - a.data_ptr()) % size
+            or any(min(st) < 0 for st in zip(a.stride(), b.stride()))):
+        return True
+    delta = (b.data_ptr() - a.data_ptr()) // size
+    for m in range(a.dim()):
+        others_same = all(a.shape[i] == b.shape[i] and (a.shape[i] == 1 or a.stride(i) == b.stride(i))
+                          for i in range(a.dim()) if i != m)
+        st = a.stride(m)
+        if not others_same or st <= 0 or delta % st or (a.shape[m] > 1 and b.shape[m] > 1 and b.stride(m) != st):
+            continue
+        c = delta // st     # b's range along dim m starts c steps past a's
+        lo, hi = min(0, c), max(a.shape[m], c + b.shape[m])
+        extended = list(a.shape)
+        extended[m] = hi - lo
+        if _injective(extended, a.stride()):
+            return max(0, c) < min(a.shape[m], c + b.shape[m])    # do [0, n_a) and [c, c + n_b) meet
+    return True

@@ -39,7 +39,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch.autograd.graph import increment_version
 
-from .._checks import check_same_device, check_same_dtype, check_tensor, check_writable
+from .._checks import check_same_device, check_same_dtype, check_tensor, check_writable, may_share_elements
 from .._dispatch import cdiv, empty, next_power_of_2, num_sms, use_triton
 from .._launch import PreparedArgs
 from .._op import CallCache, call_key, custom_op, no_grad_layout, plain_tensors
@@ -378,11 +378,6 @@ def _check_rope_inputs(q, k, cos, sin, position_ids, interleaved, rotary_dim, in
             raise ValueError(f"with position_ids, cos/sin must be a [max_pos, r] table with "
                              f"r=rotary_dim={rotary_dim}, got shape {tuple(cos.shape)}")
     if inplace:
-        if not torch.compiler.is_compiling() and q.numel() and k.numel() and q.data_ptr() == k.data_ptr():
-            # rope(x, x, inplace=True) rotated x twice (once as q, once as k); eager only (dynamo
-            # cannot compare data pointers)
-            raise ValueError("inplace=True with q and k starting at the same memory (the same tensor?): each "
-                             "element would be rotated twice; pass distinct tensors or inplace=False")
         for name, t in (("q", q), ("k", k)):
             if t.numel() > 1 and t.stride(-1) != 1:
                 raise ValueError(f"inplace=True needs {name} contiguous in its last dimension (stride {t.stride()})")
@@ -390,7 +385,20 @@ def _check_rope_inputs(q, k, cos, sin, position_ids, interleaved, rotary_dim, in
             if torch.is_grad_enabled() and t.requires_grad:
                 raise ValueError(f"inplace=True is for inference: {name} requires grad and grad mode is "
                                  "enabled; use inplace=False (or torch.no_grad()) to differentiate")
+        _check_disjoint_in_place(q, k)
     return rotary_dim
+
+
+def _check_disjoint_in_place(q: torch.Tensor, k: torch.Tensor) -> None:
+    """In place, q and k must not share an element: the kernel would rotate it twice (once as
+    q, once as k), where the reference path rotates each from the original. rope(x, x) did
+    that (s42 and before); so did overlapping slices (0.62 / 0.68 off) and, through the eager
+    fast path, which skipped this test, rope(x, x) again (0.67 off; s43 audit). q and k sliced
+    from one packed qkv buffer stay allowed (``may_share_elements`` proves them disjoint). Eager
+    only (dynamo cannot compare data pointers)."""
+    if not torch.compiler.is_compiling() and may_share_elements(q, k):
+        raise ValueError("inplace=True with q and k in the same memory (the same tensor, or overlapping views): "
+                         "shared elements would be rotated twice; pass disjoint tensors or inplace=False")
 
 
 def _default_layout(q, k) -> str:
@@ -455,6 +463,7 @@ class _RopeCall(NamedTuple):
 
     def run(self, q, k, cos, sin, position_ids):
         if self.inplace:
+            _check_disjoint_in_place(q, k)      # addresses are not in the cache key
             q_out, k_out = q, k
             increment_version(q)                         # as the custom op's mutation would
             increment_version(k)
