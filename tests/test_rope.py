@@ -427,13 +427,15 @@ def test_inplace_refuses_q_and_k_in_the_same_memory():
     qkv buffer (no shared element), along the heads or the positions, stay allowed, also on
     the fast path."""
     cos, sin = rope_cos_sin_table(6, 16, device=DEVICE)
-    rope(_rand(2, 6, 4, 16), _rand(2, 6, 4, 16), cos, sin, inplace=True, layout="bshd")    # this layout's fast path exists
-    x = _rand(2, 6, 4, 16)
-    for q, k in [(x, x), (x[:, :, 0:3], x[:, :, 1:4]), (x[:, :, 1:3], x[:, :, 0:2]), (x[:, 0:4], x[:, 2:6])]:
-        for _ in range(2):          # the checked path, then the fast path
-            with pytest.raises(ValueError, match="same memory"):
-                rope(q, k, cos[:q.shape[1]], sin[:q.shape[1]], inplace=True, layout="bshd")
-    qkv = _rand(2, 6, 3, 4, 16)
+    for pick in [lambda t: (t, t), lambda t: (t[:, :, 0:3], t[:, :, 1:4]), lambda t: (t[:, :, 1:3], t[:, :, 0:2]),
+                 lambda t: (t[:, 0:4], t[:, 2:6])]:
+        # the same views of two buffers first: disjoint, and this layout's fast path is made
+        (q, _), (_, k) = pick(_rand(2, 6, 4, 16)), pick(_rand(2, 6, 4, 16))
+        rope(q, k, cos[:q.shape[1]], sin[:q.shape[1]], inplace=True, layout="bshd")
+        q, k = pick(_rand(2, 6, 4, 16))
+        with pytest.raises(ValueError, match="same memory"):
+            rope(q, k, cos[:q.shape[1]], sin[:q.shape[1]], inplace=True, layout="bshd")
+    qkv, x = _rand(2, 6, 3, 4, 16), _rand(2, 6, 4, 16)
     packed = _rand(2, 6, 6, 16)      # GQA-style: 4 q heads, then 2 k heads
     for q, k in [(qkv[:, :, 0], qkv[:, :, 1]), (packed[:, :, :4], packed[:, :, 4:]), (x[:, 0:3], x[:, 3:6]),
                  (qkv[:, :, 1], qkv[:, :, 0])]:

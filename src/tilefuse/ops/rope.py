@@ -441,7 +441,8 @@ def rope(q, k, cos, sin, position_ids=None, interleaved=False, rotary_dim=None, 
         _FAST.put(key, _RopeCall(_plan_of(q, k, *out, cos, sin, position_ids, interleaved, rotary_dim, False,
                                           inplace, None, layout), inplace,
                                  None if inplace else _alloc_order(tuple(q.shape), q.stride()),
-                                 None if inplace else _alloc_order(tuple(k.shape), k.stride())))
+                                 None if inplace else _alloc_order(tuple(k.shape), k.stride()),
+                                 (_byte_span(q), _byte_span(k)), {}))
     return out
 
 
@@ -453,6 +454,11 @@ def _checked_rope(q, k, cos, sin, position_ids, interleaved, rotary_dim, inplace
     return _rope_op(q, k, cos, sin, position_ids, interleaved, rotary_dim, layout, False)
 
 
+def _byte_span(t: torch.Tensor) -> int:
+    """Bytes from a tensor's first element to just past its last (non-negative strides)."""
+    return (sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.element_size() if t.numel() else 0
+
+
 class _RopeCall(NamedTuple):
     """A validated no-grad call layout of :func:`rope` (the eager fast path): the launch the
     checked path makes after its checks, and the outputs' allocation order."""
@@ -460,10 +466,18 @@ class _RopeCall(NamedTuple):
     inplace: bool
     q_alloc: Optional[tuple]        # _alloc_order of q and k (new outputs), None in place
     k_alloc: Optional[tuple]
+    spans: tuple                    # _byte_span of q and k (this layout's)
+    disjoint: dict                  # in place: k's address minus q's -> q and k share no element
 
     def run(self, q, k, cos, sin, position_ids):
         if self.inplace:
-            _check_disjoint_in_place(q, k)      # addresses are not in the cache key
+            # addresses are not in the cache key: byte ranges apart, or an offset checked before
+            # (a packed qkv buffer's q and k keep theirs), else the full test
+            delta = k.data_ptr() - q.data_ptr()
+            if not (delta >= self.spans[0] or -delta >= self.spans[1] or self.disjoint.get(delta)):
+                _check_disjoint_in_place(q, k)
+                if len(self.disjoint) < 64:
+                    self.disjoint[delta] = True
             q_out, k_out = q, k
             increment_version(q)                         # as the custom op's mutation would
             increment_version(k)
