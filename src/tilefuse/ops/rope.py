@@ -426,7 +426,9 @@ def rope(q, k, cos, sin, position_ids=None, interleaved=False, rotary_dim=None, 
     repeat_interleaved). Features past ``rotary_dim`` pass through. fp32 math; outputs in q/k's
     dtype and memory order. Gradients flow to q and k only (cos/sin get none).
     ``inplace=True`` rotates q and k in place and returns them; it is for inference: autograd
-    through it is not supported (error when q or k requires grad under grad mode).
+    through it is not supported (error when q or k requires grad under grad mode). q and k must
+    not share an element (slices of one packed qkv buffer are fine; the same tensor or
+    overlapping views raise).
     """
     if layout is None:
         layout = _default_layout(q, k)
