@@ -462,3 +462,47 @@ def test_append_kernel_never_writes_through_a_bad_page_id():
     ad._launch_append(big_k[:4], big_v[:4], kn, kn, lens, table)
     assert big_k[0, 15].eq(1).all() and big_v[0, 15].eq(1).all()
     assert not big_k[4:].any() and not big_v[4:].any() and big_k[:4].sum() == 16
+
+
+def test_fast_path_keeps_refusing_grad_requiring_caches():
+    """An append into caches that require grad (under grad mode) is refused on every call: the
+    refusal ran on the checked path only, and once a call of the same layout was cached the
+    append wrote into the grad-requiring leaves (s43 audit)."""
+    inp = _case(2, 1, 4, 2, 32, 16, torch.float32, [5, 9], append=True)
+    attention_decode(**_clone(inp))                      # this layout's fast path exists
+    for _ in range(2):
+        run = _clone(inp)
+        run["k_cache"].requires_grad_(True)
+        with pytest.raises(ValueError, match="require grad"):
+            attention_decode(**run)
+        assert run["k_cache"]._version == 0
+    with torch.no_grad():                                 # inference: fine
+        attention_decode(**run)
+
+
+def test_append_refuses_overlapping_caches():
+    """k_cache and v_cache views that share slots: the append kernel writes k then v per block of
+    heads, so a later block's k overwrote an earlier block's v (0.66 off against torch's order,
+    s43 audit); refused on the checked and the fast path. A packed [B, L, 2, H, D] cache's k and v
+    slices and one tensor for both stay allowed, and match the reference on both paths."""
+    batch, length, h_kv, d = 1, 16, 4, 16
+    inp = _case(batch, 1, 4, h_kv, length, d, torch.float32, [3], append=True)
+    for make in [lambda buf: (buf[:, :, 0:4], buf[:, :, 2:6]), lambda buf: (buf[:, :, 2:6], buf[:, :, 0:4])]:
+        # the same views of two buffers first: disjoint, and this layout's fast path is made
+        k0, _ = make(torch.randn(batch, length, 6, d, device=DEVICE))
+        _, v0 = make(torch.randn(batch, length, 6, d, device=DEVICE))
+        attention_decode(**dict(_clone(inp), k_cache=k0, v_cache=v0))
+        k_cache, v_cache = make(torch.randn(batch, length, 6, d, device=DEVICE))
+        with pytest.raises(ValueError, match="overlap"):
+            attention_decode(**dict(_clone(inp), k_cache=k_cache, v_cache=v_cache))
+    for _ in range(2):                                    # checked path, then fast path
+        kv = torch.randn(batch, length, 2, h_kv, d, device=DEVICE)
+        ref_kv = kv.double().clone()
+        run = dict(_clone(inp), k_cache=kv[:, :, 0], v_cache=kv[:, :, 1])
+        out = attention_decode(**run)
+        ref = attention_decode_reference(**dict(_f64(inp), k_cache=ref_kv[:, :, 0], v_cache=ref_kv[:, :, 1]))
+        assert rel_err(out, ref) <= 1e-5
+        assert torch.equal(kv[0, 3, 0], inp["k_new"][0, 0]) and torch.equal(kv[0, 3, 1], inp["v_new"][0, 0])
+    one = torch.randn(batch, length, h_kv, d, device=DEVICE)
+    attention_decode(**dict(_clone(inp), k_cache=one, v_cache=one))    # one tensor for both: torch's order
+    assert torch.equal(one[0, 3], inp["v_new"][0, 0])

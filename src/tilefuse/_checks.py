@@ -93,6 +93,11 @@ def _injective(shape: Sequence[int], strides: Sequence[int]) -> bool:
     return True
 
 
+def byte_span(t: torch.Tensor) -> int:
+    """Bytes from a tensor's first element to just past its last (non-negative strides)."""
+    return (sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.element_size() if t.numel() else 0
+
+
 def may_share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``a`` and ``b`` can have a memory element in common: False when their byte ranges
     are disjoint; exact for two views of one layout that differ in one dim's range (q and k
@@ -102,17 +107,13 @@ def may_share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.numel() == 0 or b.numel() == 0:
         return False
     size = a.element_size()
-
-    def byte_range(t):
-        lo = t.data_ptr()
-        return lo, lo + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) * t.element_size() + t.element_size()
-    (alo, ahi), (blo, bhi) = byte_range(a), byte_range(b)
-    if ahi <= blo or bhi <= alo:      # live tensors of different storages never share addresses
+    delta = b.data_ptr() - a.data_ptr()
+    if delta >= byte_span(a) or -delta >= byte_span(b):   # live tensors of two storages never share addresses
         return False
-    if (b.element_size() != size or a.dim() != b.dim() or (b.data_ptr() - a.data_ptr()) % size
+    if (b.element_size() != size or a.dim() != b.dim() or delta % size
             or any(min(st) < 0 for st in zip(a.stride(), b.stride()))):
         return True
-    delta = (b.data_ptr() - a.data_ptr()) // size
+    delta //= size
     for m in range(a.dim()):
         others_same = all(a.shape[i] == b.shape[i] and (a.shape[i] == 1 or a.stride(i) == b.stride(i))
                           for i in range(a.dim()) if i != m)
@@ -126,3 +127,23 @@ def may_share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
         if _injective(extended, a.stride()):
             return max(0, c) < min(a.shape[m], c + b.shape[m])    # do [0, n_a) and [c, c + n_b) meet
     return True
+
+
+class DisjointByOffset:
+    """An eager fast path's memory of which address offsets between two arguments were proven to
+    share no element, for one call layout (shapes and strides fixed by the cache key, addresses
+    not): a call passes at once when the byte ranges are apart or its offset was proven before
+    (a packed buffer's two slices keep theirs), else ``refuse(a, b)`` runs the full test (and
+    raises where the two may share)."""
+    __slots__ = ("span_a", "span_b", "proven")
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor):
+        self.span_a, self.span_b, self.proven = byte_span(a), byte_span(b), set()
+
+    def check(self, a: torch.Tensor, b: torch.Tensor, refuse) -> None:
+        delta = b.data_ptr() - a.data_ptr()
+        if delta >= self.span_a or -delta >= self.span_b or delta in self.proven:
+            return
+        refuse(a, b)
+        if len(self.proven) < 64:
+            self.proven.add(delta)

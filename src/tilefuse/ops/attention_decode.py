@@ -47,10 +47,11 @@ import torch
 from torch.autograd.graph import increment_version
 
 from .._autocast import autocast_dtype, cast_to
-from .._checks import check_same_device, check_same_dtype, check_shape, check_tensor, check_writable
+from .._checks import (DisjointByOffset, check_same_device, check_same_dtype, check_shape, check_tensor,
+                       check_writable, may_share_elements)
 from .._dispatch import cdiv, contiguous_strides, empty, next_power_of_2, num_sms, use_triton, workspace
 from .._launch import PreparedArgs, config_key
-from .._op import CallCache, call_key, custom_op, direct_eager, layout_key, plain_tensors
+from .._op import CallCache, call_key, custom_op, no_grad_layout, plain_tensors
 from ..registry import Inputs, OpSpec, register, tensor_bytes
 from ._attention_common import (
     attention_reference, normalize_scale, normalize_softcap, normalize_window, visible_mask,
@@ -270,9 +271,12 @@ class _DecodeCall(NamedTuple):
     n_new: int
     lse_shape: tuple
     return_lse: bool
+    disjoint: DisjointByOffset      # with an append: k_cache and v_cache share no element (not in the key)
 
     def run(self, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new):
         if self.n_new:
+            if k_cache is not v_cache:
+                self.disjoint.check(k_cache, v_cache, _check_caches_disjoint)
             _launch_append(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table)
             increment_version(k_cache)                   # as the custom op's mutation would
             increment_version(v_cache)
@@ -446,18 +450,33 @@ def _check_inputs(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
         check_same_dtype(q=q, k_new=k_new, v_new=v_new)
         check_writable("k_cache", k_cache, "k_new is appended to it")
         check_writable("v_cache", v_cache, "v_new is appended to it")
+        if k_cache is not v_cache:
+            _check_caches_disjoint(k_cache, v_cache)
     check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens,
                       block_table=block_table, k_new=k_new, v_new=v_new)
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"num_splits must be None (auto) or an int >= 1, got {num_splits!r}")
 
 
+def _check_caches_disjoint(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """With an append, k_cache and v_cache must be one tensor or share no element: the append
+    kernel writes k then v per block of heads, so where overlapping views share slots a later
+    block's k landed on an earlier block's v (0.66 off against torch's append order, s43 audit;
+    on a GPU, unordered writes from different threads). Eager only (dynamo cannot compare data
+    pointers)."""
+    if not torch.compiler.is_compiling() and may_share_elements(k_cache, v_cache):
+        raise ValueError("k_cache and v_cache overlap (views sharing memory): k_new and v_new cannot both be "
+                         "appended into shared slots; pass disjoint caches (a packed [.., 2, H, D] cache's "
+                         "slices are fine)")
+
+
 def _fast_key(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, options: tuple):
-    """The layout key of an eager call (every tensor's :func:`layout_key`, the options with their
-    types, the Triton path or not), or None where the dispatcher must see the call."""
-    if not direct_eager(q):
-        return None
-    return call_key(layout_key(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new), options)
+    """The layout key of an eager call with no gradient to build (every tensor's layout, the
+    options with their types, the Triton path or not), or None where the checked path must see
+    the call: the dispatcher's cases, and grad-requiring tensors under grad mode (whose refusal
+    for an append into the caches ran on the checked path only: a warm fast path wrote into
+    grad-requiring leaves, s43 audit)."""
+    return call_key(no_grad_layout(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new), options)
 
 
 def _remember(key, q, k_cache, v_cache, cache_seqlens, block_table, k_new, n_new, left, right, softcap, scale,
@@ -475,7 +494,7 @@ def _remember(key, q, k_cache, v_cache, cache_seqlens, block_table, k_new, n_new
         return
     batch, s_q, h_q, _ = q.shape
     plan = _plan_for(q, k_cache, v_cache, block_table, n_new, left, right, softcap, scale, num_splits or 0)
-    _FAST.put(key, _DecodeCall(plan, n_new, (batch, h_q, s_q), return_lse))
+    _FAST.put(key, _DecodeCall(plan, n_new, (batch, h_q, s_q), return_lse, DisjointByOffset(k_cache, v_cache)))
 
 
 def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,

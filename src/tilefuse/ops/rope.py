@@ -39,7 +39,8 @@ from typing import NamedTuple, Optional
 import torch
 from torch.autograd.graph import increment_version
 
-from .._checks import check_same_device, check_same_dtype, check_tensor, check_writable, may_share_elements
+from .._checks import (DisjointByOffset, check_same_device, check_same_dtype, check_tensor, check_writable,
+                       may_share_elements)
 from .._dispatch import cdiv, empty, next_power_of_2, num_sms, use_triton
 from .._launch import PreparedArgs
 from .._op import CallCache, call_key, custom_op, no_grad_layout, plain_tensors
@@ -444,7 +445,7 @@ def rope(q, k, cos, sin, position_ids=None, interleaved=False, rotary_dim=None, 
                                           inplace, None, layout), inplace,
                                  None if inplace else _alloc_order(tuple(q.shape), q.stride()),
                                  None if inplace else _alloc_order(tuple(k.shape), k.stride()),
-                                 (_byte_span(q), _byte_span(k)), {}))
+                                 DisjointByOffset(q, k) if inplace else None))
     return out
 
 
@@ -456,11 +457,6 @@ def _checked_rope(q, k, cos, sin, position_ids, interleaved, rotary_dim, inplace
     return _rope_op(q, k, cos, sin, position_ids, interleaved, rotary_dim, layout, False)
 
 
-def _byte_span(t: torch.Tensor) -> int:
-    """Bytes from a tensor's first element to just past its last (non-negative strides)."""
-    return (sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.element_size() if t.numel() else 0
-
-
 class _RopeCall(NamedTuple):
     """A validated no-grad call layout of :func:`rope` (the eager fast path): the launch the
     checked path makes after its checks, and the outputs' allocation order."""
@@ -468,18 +464,11 @@ class _RopeCall(NamedTuple):
     inplace: bool
     q_alloc: Optional[tuple]        # _alloc_order of q and k (new outputs), None in place
     k_alloc: Optional[tuple]
-    spans: tuple                    # _byte_span of q and k (this layout's)
-    disjoint: dict                  # in place: k's address minus q's -> q and k share no element
+    disjoint: Optional[DisjointByOffset]    # in place: q and k share no element (addresses are not in the key)
 
     def run(self, q, k, cos, sin, position_ids):
         if self.inplace:
-            # addresses are not in the cache key: byte ranges apart, or an offset checked before
-            # (a packed qkv buffer's q and k keep theirs), else the full test
-            delta = k.data_ptr() - q.data_ptr()
-            if not (delta >= self.spans[0] or -delta >= self.spans[1] or self.disjoint.get(delta)):
-                _check_disjoint_in_place(q, k)
-                if len(self.disjoint) < 64:
-                    self.disjoint[delta] = True
+            self.disjoint.check(q, k, _check_disjoint_in_place)
             q_out, k_out = q, k
             increment_version(q)                         # as the custom op's mutation would
             increment_version(k)
