@@ -53,8 +53,7 @@ def transposed_matrix_descriptor(t: torch.Tensor, block: tuple[int, int]) -> Ten
     """:func:`matrix_descriptor` of ``t.t()`` (a K-major B, ``w.t()``, or an M-major A, ``dy.t()``,
     read as the row-major matrix it transposes), memoized on ``t``'s own view: a hit builds no
     transposed view (~1 µs of host time each on the CI CPU)."""
-    tt = t.t()
-    return host_descriptor(tt, tuple(tt.shape), tt.stride(), tuple(block), smem_layout(tuple(block), t.dtype))
+    return matrix_descriptor(t.t(), block)
 
 
 def consumer_regs(consumers: int, loader_regs: int = LOADER_REGS, cap: int = 232) -> tuple[int, int]:
