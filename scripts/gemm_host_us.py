@@ -7,9 +7,11 @@ perf_counter time per call is the host's cost as long as the GPU is the slower s
 also gives the wall time per call after a final synchronize: when the two agree, the loop was
 host-bound). Rows: ``launch_matmul`` on the forward's layout (x @ w.t()), the input gradient's
 (dy @ w, row-major b) and the weight gradient's (dyᵀ @ x, M-major a), each with a fresh output,
-and a whole ``tilefuse.matmul`` training step (forward + ``autograd.grad`` of x and w). Variants:
+and a whole ``tilefuse.matmul`` training step (forward + ``autograd.grad`` of x and w), its
+forward alone (building the graph), and the step with the backward on the calling thread. Variants:
 "gluon" (default) and "tl" (``_matmul_kernels.GLUON_LARGE_M = False``); "torch" for the step.
-``--profile``: cProfile of the Gluon forward launch (top 15 by total time).
+``--profile``: cProfile of the Gluon forward launch, or of ``--profile-row "step fwd+bwd"``
+(top 25 by own and by cumulative time).
 """
 
 from __future__ import annotations
@@ -39,11 +41,18 @@ def per_call_us(fn, calls: int) -> tuple[float, float]:
     return (t1 - t0) / calls * 1e6, (t2 - t0) / calls * 1e6
 
 
+def _one_thread(fn):
+    """fn with the autograd engine's backward on the calling thread (no device-thread hand-off)."""
+    with torch.autograd.set_multithreading_enabled(False):
+        return fn()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("shape", nargs="*", type=int, default=[1024, 4096, 4096])
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--profile-row", default="fwd x @ w.t()", help="which row --profile profiles")
     args = ap.parse_args()
     m, n, k = args.shape
     bf = dict(device="cuda", dtype=torch.bfloat16)
@@ -54,6 +63,13 @@ def main() -> None:
         "dgrad dy @ w": lambda: mk.launch_matmul(dy, w),
         "wgrad dy.t() @ x": lambda: mk.launch_matmul(dy.t(), x),
         "step fwd+bwd": lambda: torch.autograd.grad(tilefuse.matmul(xg, wg.t()), (xg, wg), dy),
+        "step fwd only": lambda: tilefuse.matmul(xg, wg.t()),
+        "step, 1 thread": lambda: _one_thread(lambda: torch.autograd.grad(tilefuse.matmul(xg, wg.t()), (xg, wg), dy)),
+    }
+    torch_rows = {
+        "step fwd+bwd": lambda: torch.autograd.grad(xg @ wg.t(), (xg, wg), dy),
+        "step fwd only": lambda: xg @ wg.t(),
+        "step, 1 thread": lambda: _one_thread(lambda: torch.autograd.grad(xg @ wg.t(), (xg, wg), dy)),
     }
     print(torch.cuda.get_device_name(), f"{m}x{n}x{k} bf16: host µs per call in the loop / wall µs per call")
     for name, fn in rows.items():
@@ -63,14 +79,16 @@ def main() -> None:
             mk._matmul_plan.cache_clear()
             host, wall = per_call_us(fn, args.calls)
             cells.append(f"{variant} {host:6.1f} / {wall:6.1f}")
-        if name.startswith("step"):
-            host, wall = per_call_us(lambda: torch.autograd.grad(xg @ wg.t(), (xg, wg), dy), args.calls)
+        if name in torch_rows:
+            host, wall = per_call_us(torch_rows[name], args.calls)
             cells.append(f"torch {host:6.1f} / {wall:6.1f}")
         print(f"  {name:18s} " + "   ".join(cells))
     mk.GLUON_LARGE_M = True
     mk._matmul_plan.cache_clear()
     if args.profile:
-        fn = rows["fwd x @ w.t()"]
+        # a step's backward runs on the calling thread, where cProfile sees it
+        row = rows[args.profile_row]
+        fn = (lambda: _one_thread(row)) if args.profile_row.startswith("step") else row
         per_call_us(fn, 50)
         pr = cProfile.Profile()
         pr.enable()
@@ -78,7 +96,8 @@ def main() -> None:
             fn()
         pr.disable()
         torch.cuda.synchronize()
-        pstats.Stats(pr).sort_stats("tottime").print_stats(15)
+        pstats.Stats(pr).sort_stats("tottime").print_stats(25)
+        pstats.Stats(pr).sort_stats("cumulative").print_stats(25)
 
 
 if __name__ == "__main__":

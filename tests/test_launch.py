@@ -29,6 +29,45 @@ def test_arg_key_of_gluon_descriptors():
     assert _launch._arg_key(_descriptor(a.view(torch.float8_e5m2), (64, 128))) != ka
 
 
+def test_address_memo_keeps_the_second_sighting_and_passes_addresses(monkeypatch):
+    """AddressMemo (on the CPU, with a stand-in kernel): a key is bound the second time it is seen,
+    a hit calls the C launcher with the tensors as their addresses, descriptors in their encoded
+    form, the prepared integers and the kernel's fixed parameters, on its device's current stream;
+    a profiler's launch hooks send it back to Triton's path; ``limit`` entries, then it starts over."""
+    calls = []
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1000 + device, raising=False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+
+    class Compiled:
+        function, packed_metadata = 77, ("meta",)
+
+    direct = _launch._DirectLaunch(lambda *args: calls.append(args), False, True, ())
+    bound = _launch.BoundLaunch(direct, Compiled, ["rest"], (5, 1, 1), ())
+
+    class Kernel:
+        def bind_prepared(self, grid, tensors, prepared):
+            return bound
+
+    x, y = torch.empty(8), torch.empty(8)
+    prepared = _launch.PreparedArgs((11, 12), {}, 0)
+    memo = _launch.AddressMemo(limit=2)
+    key = (x.data_ptr(), y.data_ptr())
+    assert not memo.launch(key)
+    memo.keep(key, Kernel(), (5,), (x, y), prepared)
+    assert len(memo) == 0 and not memo.launch(key)          # first sighting: only noted
+    memo.keep(key, Kernel(), (5,), (x, y), prepared)
+    assert len(memo) == 1 and memo.launch(key) and len(calls) == 1
+    assert calls[0] == (5, 1, 1, 1003, 77, False, True, None, None, ("meta",), None, None, None,
+                        x.data_ptr(), y.data_ptr(), 11, 12, "rest")
+    monkeypatch.setattr(_launch, "hooks_active", lambda: True)
+    assert not memo.launch(key) and len(calls) == 1
+    monkeypatch.setattr(_launch, "hooks_active", lambda: False)
+    for other in [(1, 2), (3, 4)]:                           # a third key past the limit: start over
+        memo.keep(other, Kernel(), (5,), (x, y), prepared)
+        memo.keep(other, Kernel(), (5,), (x, y), prepared)
+    assert len(memo) == 1 and not memo.launch(key)
+
+
 @pytest.mark.gpu
 def test_cached_launches_match_triton_path(monkeypatch):
     """Alternate shapes whose specialization differs (n_cols == 1, % 16, misaligned rows) through

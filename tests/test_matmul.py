@@ -299,7 +299,43 @@ def test_fast_path_repeats_the_checked_launch(act, lead, checked_matmuls):
     b_grad = b.clone().requires_grad_(True)
     for _ in range(2):
         y = matmul(a, b_grad, bias, act, res)
-    assert y.requires_grad and len(checked_matmuls) == 6 and len(mm._FAST) == 2
+    # a call that records a graph has its own key (with the requires_grad flags): checked once
+    assert y.requires_grad and len(checked_matmuls) == 5 and len(mm._FAST) == 3
+    # the repeat went through the op's Function: it saved the pre-activation iff there is one
+    node = y.grad_fn if y.grad_fn.name() != "ViewBackward0" else y.grad_fn.next_functions[0][0]
+    assert (node.saved_tensors[3] is not None) == (act is not None)
+    dy = torch.randn_like(y)
+    b64 = b.double().requires_grad_(True)
+    (db_ref,) = torch.autograd.grad(matmul_reference(a.double(), b64, bias.double(), act, res.double()), b64,
+                                    dy.double())
+    assert rel_err(torch.autograd.grad(y, b_grad, dy)[0], db_ref) <= 1e-5
+
+
+@pytest.mark.parametrize("act", [None, "silu"])
+def test_fast_path_with_grad_keys_on_requires_grad(act, checked_matmuls):
+    """Training calls repeat through the fast path per set of requires_grad flags: each flag set
+    is checked once, every gradient matches fp64 on fresh values, and grad mode off takes the
+    no-grad entry."""
+    a, w = _rand((2, 5, 40), torch.float32, grad=False), _rand((24, 40), torch.float32, grad=False)
+    bias = _rand((24,), torch.float32, grad=False)
+    for flags in [(True, True, True), (True, False, False), (False, True, False), (False, False, True)]:
+        for _ in range(3):
+            a.copy_(torch.randn_like(a))
+            leaves = [t.detach().clone().requires_grad_(f) for t, f in zip((a, w, bias), flags)]
+            y = matmul(leaves[0], leaves[1].t(), leaves[2], act)
+            wanted = [t for t, f in zip(leaves, flags) if f]
+            dy = torch.randn_like(y)
+            grads = torch.autograd.grad(y, wanted, dy)
+            ref64 = [t.detach().double().requires_grad_(f) for t, f in zip(leaves, flags)]
+            refs = torch.autograd.grad(matmul_reference(ref64[0], ref64[1].t(), ref64[2], act),
+                                       [t for t in ref64 if t.requires_grad], dy.double())
+            for g, r in zip(grads, refs):
+                assert rel_err(g, r) <= 1e-5
+    assert len(checked_matmuls) == 4 and len(mm._FAST) == 4
+    with torch.no_grad():
+        for _ in range(2):
+            y = matmul(leaves[0], leaves[1].t(), leaves[2], act)
+    assert not y.requires_grad and len(checked_matmuls) == 5 and len(mm._FAST) == 5
 
 
 def test_compile_fullgraph():
@@ -476,6 +512,50 @@ def test_gpu_gluon_large_m(tile, dtype, layout):
         assert torch.equal(out, mk.launch_matmul(a, b, bias, res, act or "none", out_dtype=out_dtype, config=cfg)[0])
     _assert_graph_replays(lambda: mk.launch_matmul(a, b, bias, res, act or "none", out_dtype=out_dtype,
                                                    config=cfg)[0], out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [192, 1000])
+@pytest.mark.parametrize("epilogue", ["none", "bias-gelu-residual-preact"])
+def test_gpu_gluon_launch_memo_by_address(m, epilogue):
+    """Repeated Gluon GEMMs at the same addresses go through the plan's AddressMemo (from the
+    second sighting on): new values at those addresses give the new product every time (the
+    memo keeps addresses, never values), outputs NaN-poisoned before each launch; other
+    addresses, a bias of the same address in another dtype's plan and a CUDA graph replay are right too."""
+    if not torch.cuda.get_device_capability()[0] == 9:
+        pytest.skip("wgmma kernel: sm_90 only")
+    n, k, dtype = 2048, 320, torch.bfloat16
+    full = epilogue != "none"
+    a = torch.empty(m, k, device="cuda", dtype=dtype)
+    w = torch.empty(n, k, device="cuda", dtype=dtype)
+    bias = torch.empty(n, device="cuda", dtype=dtype) if full else None
+    res = torch.empty(m, n, device="cuda", dtype=dtype) if full else None
+    out = torch.empty(m, n, device="cuda", dtype=dtype)
+    act = "gelu" if full else "none"
+    plan = mk._matmul_plan(m, n, k, dtype, dtype, a.stride(), w.t().stride(), (n, 1), True, mk.num_sms(a), True, True,
+                           (full, act, full, full), ())
+    assert plan.ws_plan is not None, "this shape must take the Gluon kernel"
+    plan.memo._entries.clear()
+    plan.memo._seen.clear()
+    for i in range(5):
+        for t in (a, w, bias, res):
+            if t is not None:
+                t.normal_()
+        out.fill_(float("nan"))
+        got, pre = mk.launch_matmul(a, w.t(), bias, res, act, save_preact=full, out=out)
+        ref = matmul_reference(a.double(), w.double().t(), bias.double() if full else None, act,
+                               res.double() if full else None)
+        assert got is out and rel_err(out, ref) <= TOL[dtype], i
+        if full:    # preact is a fresh tensor: its address may change, so only out's part is fixed
+            assert rel_err(pre, a.double() @ w.double().t() + bias.double()) <= TOL[dtype], i
+    assert len(plan.memo) >= 1, "repeats at one address tuple must be kept"
+    a2 = torch.randn_like(a)        # another address: a miss, right
+    got, _ = mk.launch_matmul(a2, w.t(), bias, res, act, save_preact=full)
+    ref = matmul_reference(a2.double(), w.double().t(), bias.double() if full else None, act,
+                           res.double() if full else None)
+    assert rel_err(got, ref) <= TOL[dtype]
+    _assert_graph_replays(lambda: mk.launch_matmul(a, w.t(), bias, res, act, save_preact=full, out=out)[0],
+                          mk.launch_matmul(a, w.t(), bias, res, act, save_preact=full)[0].clone())
 
 
 @pytest.mark.gpu

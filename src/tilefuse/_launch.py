@@ -212,6 +212,65 @@ class BoundLaunch(NamedTuple):
         self.direct(g0, g1, g2, stream, self.compiled, (*tensors, *self.ints), self.rest)
 
 
+class AddressMemo:
+    """The launches of one cached op plan, kept by the addresses of their tensors.
+
+    A plan fixes every argument of its launch but the addresses: sizes, strides, dtypes,
+    constexprs, the grid, and each host descriptor's view and box. Two launches of one plan at the
+    same addresses therefore pass the same arguments, so a repeat (a training step's GEMMs at the
+    caching allocator's addresses of the step before) calls the C launcher with the argument list
+    the first one built: descriptors already encoded, pointers as integers (the launcher then
+    skips its per-pointer ``cuPointerGetAttribute``). No per-launch key, descriptor lookups or
+    expansion. The caller's ``key`` must hold every address, and the dtype of each tensor the plan
+    does not fix.
+
+    An address tuple is kept the second time it is seen (a stream of fresh addresses pays one set
+    insertion per launch, not a binding); ``limit`` entries, then the memo starts over."""
+
+    __slots__ = ("_entries", "_seen", "limit")
+
+    def __init__(self, limit: int = 1024):
+        self._entries: dict = {}
+        self._seen: set = set()
+        self.limit = limit
+
+    def launch(self, key: tuple) -> bool:
+        """Launch the launch kept for ``key`` on the current stream of its device; False when
+        there is none (or a profiler's launch hooks must see it: Triton's path then)."""
+        entry = self._entries.get(key)
+        if entry is None or hooks_active():
+            return False
+        launch, g0, g1, g2, function, coop, pdl, meta, args, device = entry
+        launch(g0, g1, g2, torch._C._cuda_getCurrentRawStream(device), function, coop, pdl, None, None, meta,
+               None, None, None, *args)
+        return True
+
+    def keep(self, key: tuple, kernel: "FastKernel", grid, tensors: tuple, prepared: "PreparedArgs") -> None:
+        """After ``kernel.launch_prepared(grid, tensors, prepared)`` at ``key``'s addresses:
+        keep that launch for the next one at the same addresses (from the second sighting on)."""
+        if key not in self._seen:
+            if len(self._seen) >= self.limit:
+                self._seen.clear()
+            self._seen.add(key)
+            return
+        bound = kernel.bind_prepared(grid, tensors, prepared)
+        if bound is None:
+            return
+        # the launch's own arguments, tensors as their addresses (the launcher reads an int as is)
+        args = (*[t.data_ptr() if type(t) is torch.Tensor else t for t in tensors], *prepared.ints)
+        direct = bound.direct
+        if direct.descs:
+            args = _expand_descriptors(args, direct.descs)
+        if len(self._entries) >= self.limit:
+            self._entries.clear()
+        compiled = bound.compiled
+        self._entries[key] = (direct.launch, *bound.grid, compiled.function, direct.coop, direct.pdl,
+                              compiled.packed_metadata, (*args, *bound.rest), torch.cuda.current_device())
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
 class _DirectLaunch:
     """A compiled kernel's C launcher called without Triton's Python wrappers around it, which
     on every launch build the argument list again and re-encode each host TMA descriptor

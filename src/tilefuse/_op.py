@@ -193,6 +193,21 @@ def no_grad_layout(x, *others) -> tuple | None:
     return layout_key(x, *others)
 
 
+def eager_layout(x, *others) -> tuple | None:
+    """:func:`no_grad_layout`, except that an eager call which records a graph (grad mode on and
+    a tensor that requires grad) gets its layout with each tensor's ``requires_grad`` appended
+    instead of None: the key of an op whose fast path also covers training calls (``matmul``:
+    what its checked path decides, including whether to save the pre-activation, follows from
+    the layout, the flags and the options)."""
+    if not direct_eager(x):
+        return None
+    layout = layout_key(x, *others)
+    if layout is None or not torch.is_grad_enabled():
+        return layout
+    grads = tuple([t is not None and t.requires_grad for t in (x, *others)])
+    return (*layout, grads) if True in grads else layout
+
+
 def call_key(layout: tuple | None, options: tuple) -> tuple | None:
     """An eager fast path's key: the tensors' ``layout`` (:func:`no_grad_layout` or
     :func:`layout_key`; the first tensor's device decides the path), each of ``options`` with its
@@ -316,6 +331,12 @@ class FastOp:
         tensors are plain and which records no graph (:func:`direct_backward`). Saves the
         per-argument checks (~3-4 µs of host time on the CI CPU for a dozen arguments)."""
         return self.op._init_fn(*args)
+
+    def apply_eager(self, *args):
+        """The eager autograd Function's apply, without :meth:`__call__`'s argument scan: for a
+        caller that has established what the scan would (an eager call, plain tensors, grad mode
+        on and a tensor that requires grad: an :func:`eager_layout` key with its flags)."""
+        return self._apply(*args)
 
     def __call__(self, *args, **kwargs):
         if kwargs:   # autograd.Function.apply is positional-only

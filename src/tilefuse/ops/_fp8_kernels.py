@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from .._dispatch import cdiv, empty, is_hopper, is_hopper_or_newer, next_power_of_2, num_sms
+from .._dispatch import cdiv, device_traits, empty, is_hopper, is_hopper_or_newer, next_power_of_2, num_sms
 from .._launch import PreparedArgs, config_key, fast_launch, use_device_descriptors
 from ._matmul_kernels import _tile_coords
 
@@ -445,14 +445,6 @@ def _grid_fp8_constants(dtype: torch.dtype, soft_round: bool) -> dict:
                 MANT_BITS=mant, MIN_NORMAL_EXP=min_exp)
 
 
-@functools.lru_cache(maxsize=None)
-def _device_traits(device: torch.device) -> tuple[int, bool, bool]:
-    """(SMs, sm_90, sm_90 or newer) of a device: the part of a launch plan's key it fixes, looked
-    up once per device (three separate queries cost ~2 µs of host time per launch)."""
-    probe = torch.empty(0, device=device)
-    return num_sms(probe), is_hopper(probe), is_hopper_or_newer(probe)
-
-
 # ----------------------------------------------------------------------------------------------
 # launch plans: everything but the pointers, cached per shape / strides / options
 # ----------------------------------------------------------------------------------------------
@@ -600,7 +592,7 @@ def launch_quantize_tensor(x: torch.Tensor, dtype: torch.dtype, write_q: bool = 
     qt = empty((c, r), dtype, device) if write_qt else None
     scale = empty((1,), torch.float32, device)       # [1]: the GEMM's form of a per-tensor scale
     sx = x.stride()
-    plan = quantize_tensor_plan(r, c, sx[0], sx[1], dtype, write_q, write_qt, _device_traits(device)[0],
+    plan = quantize_tensor_plan(r, c, sx[0], sx[1], dtype, write_q, write_qt, device_traits(device)[0],
                                 KERNELS_INTERPRETED, 0 if partials is None else partials.numel())
     if partials is None:
         partials = empty(plan.grid, torch.float32, device)
@@ -628,7 +620,7 @@ def launch_fp8_gemm(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, sca
     out = empty(out_shape or (m, n), out_dtype, device)
     if m == 0 or n == 0:
         return out
-    sms, hopper, hopper_or_newer = _device_traits(device)
+    sms, hopper, hopper_or_newer = device_traits(device)
     plan = gemm_plan(m, n, k, a.stride(), b.stride(), out_dtype, scale_a.numel() != 1, scale_b.numel() != 1,
                      bias is not None, bool(fast_accum), sms, hopper, hopper_or_newer,
                      a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0,

@@ -37,7 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .._dispatch import cdiv, num_sms
-from .._launch import fast_launch
+from .._launch import AddressMemo, fast_launch
 from ._gluon_common import matrix_descriptor as _descriptor
 from ._gluon_common import transposed_matrix_descriptor as _descriptor_t
 from ._gluon_common import (LOADER_REGS_KERNEL, ROWS_PER_GROUP, SMEM_BYTES, WG_ROWS, accumulator_barriers,
@@ -422,9 +422,12 @@ def _ws_plan(m: int, n: int, k: int, elem: int, out_elem: int, b_k_major: bool, 
 
 def launch_ws_plan(plan: _WsPlan, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
                    bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
-                   preact: torch.Tensor | None = None) -> torch.Tensor:
+                   preact: torch.Tensor | None = None, memo: AddressMemo | None = None,
+                   key: tuple | None = None) -> torch.Tensor:
     """One launch of a :func:`_ws_plan` (``_matmul_kernels`` keeps the plan in its own cached
-    GEMM plan, so a call builds only this call's descriptors): see :func:`launch_gemm_ws`."""
+    GEMM plan, so a call builds only this call's descriptors): see :func:`launch_gemm_ws`.
+    ``memo``: the caller's plan's launches by address; this one is kept there under ``key``
+    (the caller's plan fixes every view, :class:`AddressMemo`)."""
     block_k, block_n1, block_n2 = plan.block_k, plan.block_n1, plan.block_n2
     if plan.b_k_major:
         b_desc = _descriptor_t(b, (block_n1, block_k))
@@ -435,10 +438,11 @@ def launch_ws_plan(plan: _WsPlan, a: torch.Tensor, b: torch.Tensor, out: torch.T
     c_desc = _descriptor(out, (ROWS_PER_GROUP, block_n1))
     c2_desc = _descriptor(out, (ROWS_PER_GROUP, block_n2)) if block_n2 else c_desc
     a_desc = _descriptor_t(a, (block_k, ROWS_PER_GROUP)) if plan.a_m_major else _descriptor(a, (ROWS_PER_GROUP, block_k))
-    gemm_ws_kernel.launch_prepared(plan.grid, (
-        a_desc, b_desc, b2_desc, c_desc, c2_desc,
-        bias if bias is not None else out, residual if residual is not None else out,
-        preact if preact is not None else out, out), plan.prepared)
+    tensors = (a_desc, b_desc, b2_desc, c_desc, c2_desc, bias if bias is not None else out,
+               residual if residual is not None else out, preact if preact is not None else out, out)
+    gemm_ws_kernel.launch_prepared(plan.grid, tensors, plan.prepared)
+    if memo is not None:
+        memo.keep(key, gemm_ws_kernel, plan.grid, tensors, plan.prepared)
     return out
 
 

@@ -31,8 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .._dispatch import cdiv, empty, is_hopper, is_hopper_or_newer, next_power_of_2, num_sms, rows_view
-from .._launch import PreparedArgs, config_key, fast_launch, use_device_descriptors
+from .._dispatch import cdiv, device_traits, empty, is_hopper_or_newer, next_power_of_2, num_sms, rows_view
+from .._launch import AddressMemo, PreparedArgs, config_key, fast_launch, use_device_descriptors
 from ._activation_math import BWD_TILE_ELEMS, activation_fwd, activation_fwd_bwd, tile_config, tile_rows_cols
 from ._common import row_tile_mask_offsets
 
@@ -470,6 +470,7 @@ class _MatmulPlan(NamedTuple):
     ws_tile: tuple = ()         # the Gluon kernel's tile config instead (see _ws_tile)
     ws_plan: object = None      # its launch plan (_matmul_gluon._ws_plan)
     ws_launch: object = None    # and _matmul_gluon.launch_ws_plan (imported when the plan is made)
+    memo: object = None         # the Gluon launches kept by address (_launch.AddressMemo)
 
 
 def _ws_tile(m: int, n: int, k: int, dtype: torch.dtype, out_dtype: torch.dtype, a_strides: tuple,
@@ -548,7 +549,7 @@ def _matmul_plan(m: int, n: int, k: int, dtype: torch.dtype, out_dtype: torch.dt
 
         ws = _ws_plan(m, n, k, dtype.itemsize, out_dtype.itemsize, dict(ws_tile)["B_K_MAJOR"], sms, epilogue,
                       res_strides, ws_tile)
-        return _MatmulPlan((), True, None, 0, 0, ws_tile, ws, launch_ws_plan)
+        return _MatmulPlan((), True, None, 0, 0, ws_tile, ws, launch_ws_plan, AddressMemo())
     cfg = dict(_cached_config(m, n, k, dtype, sms))
     cfg.update(wide_tile_epilogue(cfg))
     cfg.update({key: value for key, value in config if key != "GLUON"})
@@ -608,13 +609,21 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = 
     a_strides = a.stride()
     if m == 1 and a_strides[1] == 1:    # a one-row a's row stride is free: a 16-byte aligned one lets descriptors read it
         a_strides = (cdiv(k, 16 // a.element_size()) * (16 // a.element_size()), 1)
+    sms, hopper, hopper_or_newer = device_traits(a.device)
     plan = _matmul_plan(m, n, k, a.dtype, out_dtype, a_strides, b.stride(),
                         residual.stride() if residual is not None else (n, 1),
-                        a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0, num_sms(a), is_hopper_or_newer(a),
-                        is_hopper(a), (bias is not None, activation, residual is not None, save_preact),
-                        config_key(config), out.data_ptr() % 16 == 0)
+                        a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0, sms, hopper_or_newer,
+                        hopper, (bias is not None, activation, residual is not None, save_preact),
+                        config_key(config) if config else (), out.data_ptr() % 16 == 0)
     if plan.ws_plan is not None:
-        plan.ws_launch(plan.ws_plan, a, b, out, bias, residual, preact)
+        # the plan fixes a's and b's dtypes and views, out's and preact's; bias and residual bring
+        # their dtypes (a repeat at the same addresses: one call of the C launcher)
+        key = (a.data_ptr(), b.data_ptr(), out.data_ptr(),
+               None if bias is None else (bias.data_ptr(), bias.dtype),
+               None if residual is None else (residual.data_ptr(), residual.dtype),
+               None if preact is None else preact.data_ptr())
+        if not plan.memo.launch(key):
+            plan.ws_launch(plan.ws_plan, a, b, out, bias, residual, preact, plan.memo, key)
         return out, preact
     if plan.uses_tma and a.device.type == "cuda":   # (forced under the interpreter: pointer loads)
         use_device_descriptors()        # per call: the allocator is a per-thread context value
