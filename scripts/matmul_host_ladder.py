@@ -62,6 +62,15 @@ class BackwardTimer:
         self.cls.backward = self.orig
 
 
+def _no_memo(fn):
+    """fn with the Gluon launches' AddressMemo switched off (the A/B of _matmul_kernels.MEMO_LAUNCHES)."""
+    mk.MEMO_LAUNCHES = False
+    try:
+        return fn()
+    finally:
+        mk.MEMO_LAUNCHES = True
+
+
 def one_thread(fn):
     with torch.autograd.set_multithreading_enabled(False):
         return fn()
@@ -80,6 +89,8 @@ def ladder(m: int, n: int, k: int, calls: int, profile: str | None) -> None:
         "launch_matmul x @ w.t()": (lambda: mk.launch_matmul(x, w.t()), lambda: torch.mm(x, w.t())),
         "launch_matmul dy @ w": (lambda: mk.launch_matmul(dy, w), lambda: torch.mm(dy, w)),
         "launch_matmul dy.t() @ x": (lambda: mk.launch_matmul(dy.t(), x), lambda: torch.mm(dy.t(), x)),
+        "launch_matmul x @ w.t(), no memo": (lambda: _no_memo(lambda: mk.launch_matmul(x, w.t())), None),
+        "step, MT, no memo": (lambda: _no_memo(step), None),
         "matmul, no grad": (lambda: tilefuse.matmul(x, w.t()), lambda: x @ w.t()),
         "matmul fwd, graph": (lambda: tilefuse.matmul(xg, wg.t()), lambda: xg @ wg.t()),
         "bwd only, MT": (lambda: torch.autograd.grad(ours_out, (xg, wg), dy, retain_graph=True),
@@ -91,7 +102,7 @@ def ladder(m: int, n: int, k: int, calls: int, profile: str | None) -> None:
     }
     plan = mk._matmul_plan.cache_info()
     print(f"\n{torch.cuda.get_device_name()} {m}x{n}x{k} bf16, host µs per call (best of 3 loops of {calls})")
-    print(f"  {'row':28s} {'tilefuse':>9s} {'torch':>9s}   in our bwd / step")
+    print(f"  {'row':34s} {'tilefuse':>9s} {'torch':>9s}   in our bwd / step")
     for name, (ours, theirs) in rows.items():
         timer = BackwardTimer() if name.startswith(("step", "bwd")) else None
         us = host_us(ours, calls)
@@ -105,7 +116,7 @@ def ladder(m: int, n: int, k: int, calls: int, profile: str | None) -> None:
             inside = f"{timer.total / calls * 1e6:8.1f}"
             timer.restore()
         them = f"{host_us(theirs, calls):9.1f}" if theirs is not None else " " * 9
-        print(f"  {name:28s} {us:9.1f} {them}   {inside}")
+        print(f"  {name:34s} {us:9.1f} {them}   {inside}")
     print(f"  (plan cache: {mk._matmul_plan.cache_info()}, before the rows: {plan})")
     if profile:
         fn = rows[profile][0]
