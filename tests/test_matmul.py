@@ -532,8 +532,9 @@ def test_gpu_gluon_launch_memo_by_address(m, epilogue):
     res = torch.empty(m, n, device="cuda", dtype=dtype) if full else None
     out = torch.empty(m, n, device="cuda", dtype=dtype)
     act = "gelu" if full else "none"
+    # every argument positional, as launch_matmul passes them (lru_cache keys on how they are passed)
     plan = mk._matmul_plan(m, n, k, dtype, dtype, a.stride(), w.t().stride(), (n, 1), True, mk.num_sms(a), True, True,
-                           (full, act, full, full), ())
+                           (full, act, full, full), (), True)
     assert plan.ws_plan is not None, "this shape must take the Gluon kernel"
     plan.memo._entries.clear()
     plan.memo._seen.clear()
