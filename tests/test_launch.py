@@ -66,6 +66,10 @@ def test_address_memo_keeps_the_second_sighting_and_passes_addresses(monkeypatch
         memo.keep(other, Kernel(), (5,), (x, y), prepared)
         memo.keep(other, Kernel(), (5,), (x, y), prepared)
     assert len(memo) == 1 and not memo.launch(key)
+    bound = None                                             # a kernel that cannot be bound: off for good
+    memo.keep(key, Kernel(), (5,), (x, y), prepared)
+    memo.keep(key, Kernel(), (5,), (x, y), prepared)
+    assert memo.off and len(memo) == 1
 
 
 @pytest.mark.gpu

@@ -225,14 +225,17 @@ class AddressMemo:
     does not fix.
 
     An address tuple is kept the second time it is seen (a stream of fresh addresses pays one set
-    insertion per launch, not a binding); ``limit`` entries, then the memo starts over."""
+    insertion per launch, not a binding); ``limit`` entries, then the memo starts over. A kernel
+    whose launches cannot be bound (Triton's ``run`` with scratch buffers: device-side
+    descriptors) turns the memo off for good."""
 
-    __slots__ = ("_entries", "_seen", "limit")
+    __slots__ = ("_entries", "_seen", "limit", "off")
 
     def __init__(self, limit: int = 1024):
         self._entries: dict = {}
         self._seen: set = set()
         self.limit = limit
+        self.off = False
 
     def launch(self, key: tuple) -> bool:
         """Launch the launch kept for ``key`` on the current stream of its device; False when
@@ -248,13 +251,16 @@ class AddressMemo:
     def keep(self, key: tuple, kernel: "FastKernel", grid, tensors: tuple, prepared: "PreparedArgs") -> None:
         """After ``kernel.launch_prepared(grid, tensors, prepared)`` at ``key``'s addresses:
         keep that launch for the next one at the same addresses (from the second sighting on)."""
+        if self.off:
+            return
         if key not in self._seen:
             if len(self._seen) >= self.limit:
                 self._seen.clear()
             self._seen.add(key)
             return
         bound = kernel.bind_prepared(grid, tensors, prepared)
-        if bound is None:
+        if bound is None:       # (the launch just made is cached if it can be: this one never is)
+            self.off = True
             return
         # the launch's own arguments, tensors as their addresses (the launcher reads an int as is)
         args = (*[t.data_ptr() if type(t) is torch.Tensor else t for t in tensors], *prepared.ints)

@@ -470,7 +470,7 @@ class _MatmulPlan(NamedTuple):
     ws_tile: tuple = ()         # the Gluon kernel's tile config instead (see _ws_tile)
     ws_plan: object = None      # its launch plan (_matmul_gluon._ws_plan)
     ws_launch: object = None    # and _matmul_gluon.launch_ws_plan (imported when the plan is made)
-    memo: object = None         # the Gluon launches kept by address (_launch.AddressMemo)
+    memo: object = None         # the launches kept by address (_launch.AddressMemo)
 
 
 def _ws_tile(m: int, n: int, k: int, dtype: torch.dtype, out_dtype: torch.dtype, a_strides: tuple,
@@ -511,8 +511,9 @@ def _ws_tile(m: int, n: int, k: int, dtype: torch.dtype, out_dtype: torch.dtype,
     return tuple(tile.items()) + (("B_K_MAJOR", layout.b_k_contiguous), ("A_M_MAJOR", a_m_major)) if tile else ()
 
 
-# Gluon GEMM launches repeated at the same addresses call the C launcher with the arguments kept
-# the first time (_launch.AddressMemo); False: every launch builds them (an A/B switch for probes)
+# GEMM launches repeated at the same addresses (Gluon, and tl without device-side descriptors) call
+# the C launcher with the arguments kept the first time (_launch.AddressMemo); False: every launch
+# builds them (an A/B switch for probes)
 MEMO_LAUNCHES = True
 
 _SPLIT_K_BUFFERS: dict = {}     # (device, stream) -> (int32 arrival counters, fp32 partials)
@@ -585,8 +586,10 @@ def _matmul_plan(m: int, n: int, k: int, dtype: torch.dtype, out_dtype: torch.dt
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     split_tiles = tiles if split > 1 else 0
+    # device-side descriptors (USE_TMA) launch through Triton's run with a scratch buffer: no memo
     return _MatmulPlan((programs,), bool(use_tma), matmul_kernel.prepare(ints, kwargs),
-                       split_tiles, split_tiles * split * cfg["BLOCK_M"] * cfg["BLOCK_N"])
+                       split_tiles, split_tiles * split * cfg["BLOCK_M"] * cfg["BLOCK_N"],
+                       memo=None if use_tma else AddressMemo())
 
 
 def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
@@ -619,28 +622,34 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = 
                         a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0, sms, hopper_or_newer,
                         hopper, (bias is not None, activation, residual is not None, save_preact),
                         config_key(config) if config else (), out.data_ptr() % 16 == 0)
-    if plan.ws_plan is not None:
+    memo = plan.memo if MEMO_LAUNCHES else None
+    key = None
+    if memo is not None and not memo.off:
         # the plan fixes a's and b's dtypes and views, out's and preact's; bias and residual bring
         # their dtypes (a repeat at the same addresses: one call of the C launcher)
         key = (a.data_ptr(), b.data_ptr(), out.data_ptr(),
                None if bias is None else (bias.data_ptr(), bias.dtype),
                None if residual is None else (residual.data_ptr(), residual.dtype),
                None if preact is None else preact.data_ptr())
-        if not MEMO_LAUNCHES:
-            plan.ws_launch(plan.ws_plan, a, b, out, bias, residual, preact)
-        elif not plan.memo.launch(key):
-            plan.ws_launch(plan.ws_plan, a, b, out, bias, residual, preact, plan.memo, key)
+    if plan.ws_plan is not None:
+        if key is None or not memo.launch(key):
+            plan.ws_launch(plan.ws_plan, a, b, out, bias, residual, preact, memo if key else None, key)
         return out, preact
     if plan.uses_tma and a.device.type == "cuda":   # (forced under the interpreter: pointer loads)
         use_device_descriptors()        # per call: the allocator is a per-thread context value
     if plan.split_tiles:
         locks, workspace = split_k_buffers(a.device, plan.split_tiles, plan.workspace)
+        key = key and (*key, workspace.data_ptr(), locks.data_ptr())
     else:
         workspace = locks = out
+    if key is not None and memo.launch(key):
+        return out, preact
     # out stands in for an absent bias / residual / preact / split-K buffers
-    matmul_kernel.launch_prepared(plan.grid, (
-        a, b, out, bias if bias is not None else out, residual if residual is not None else out,
-        preact if preact is not None else out, workspace, locks), plan.prepared)
+    tensors = (a, b, out, bias if bias is not None else out, residual if residual is not None else out,
+               preact if preact is not None else out, workspace, locks)
+    matmul_kernel.launch_prepared(plan.grid, tensors, plan.prepared)
+    if key is not None:
+        memo.keep(key, matmul_kernel, plan.grid, tensors, plan.prepared)
     return out, preact
 
 
