@@ -243,7 +243,7 @@ class AddressMemo:
         entry = self._entries.get(key)
         if entry is None or hooks_active():
             return False
-        launch, g0, g1, g2, function, coop, pdl, meta, args, device = entry
+        launch, g0, g1, g2, function, coop, pdl, meta, args, device, _compiled = entry
         launch(g0, g1, g2, torch._C._cuda_getCurrentRawStream(device), function, coop, pdl, None, None, meta,
                None, None, None, *args)
         return True
@@ -270,8 +270,9 @@ class AddressMemo:
         if len(self._entries) >= self.limit:
             self._entries.clear()
         compiled = bound.compiled
+        # (the compiled kernel is kept too: its CUfunction handle lives as long as it does)
         self._entries[key] = (direct.launch, *bound.grid, compiled.function, direct.coop, direct.pdl,
-                              compiled.packed_metadata, (*args, *bound.rest), torch.cuda.current_device())
+                              compiled.packed_metadata, (*args, *bound.rest), torch.cuda.current_device(), compiled)
 
     def __len__(self) -> int:
         return len(self._entries)
