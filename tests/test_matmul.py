@@ -311,6 +311,40 @@ def test_fast_path_repeats_the_checked_launch(act, lead, checked_matmuls):
     assert rel_err(torch.autograd.grad(y, b_grad, dy)[0], db_ref) <= 1e-5
 
 
+@settings(max_examples=25, deadline=None)
+@given(lead=st.sampled_from([(7,), (2, 3), (1,)]), n=st.integers(1, 24), k=st.integers(1, 40),
+       act=st.sampled_from([None, "relu", "gelu_tanh", "silu"]), has_bias=st.booleans(), has_res=st.booleans(),
+       flags=st.tuples(st.booleans(), st.booleans(), st.booleans(), st.booleans()),
+       b_transposed=st.booleans(), checkpointed=st.booleans())
+def test_fast_path_training_calls_match_fp64(lead, n, k, act, has_bias, has_res, flags, b_transposed, checkpointed):
+    """Whatever a training call's layout, epilogue and requires_grad flags, its repeats (the fast
+    path once the first call was checked) give fp64's output and every gradient, on fresh values
+    each call, also inside a non-reentrant checkpoint (the recompute takes the fast path too)."""
+    from torch.utils.checkpoint import checkpoint
+    mm._FAST.clear()
+    dtype = torch.float32
+    for _ in range(3):
+        a = _rand((*lead, k), dtype, grad=flags[0])
+        b = _weight_t(n, k, dtype).requires_grad_(flags[1]) if b_transposed else _rand((k, n), dtype, grad=flags[1])
+        bias = _rand((n,), dtype, grad=flags[2]) if has_bias else None
+        res = _rand((*lead, n), dtype, grad=flags[3]) if has_res else None
+        leaves = [t for t in (a, b, bias, res) if t is not None and t.requires_grad]
+        fn = (lambda *xs: checkpoint(matmul, *xs, use_reentrant=False)) if checkpointed else matmul
+        y = fn(a, b, bias, act, res)
+        wide = [t.detach().double().requires_grad_(t.requires_grad) if t is not None else None for t in (a, b, bias, res)]
+        ref = matmul_reference(wide[0], wide[1], wide[2], act, wide[3])
+        assert rel_err(y, ref) <= 1e-5
+        if not leaves:
+            assert not y.requires_grad
+            continue
+        dy = torch.randn_like(y)
+        got = torch.autograd.grad(y, leaves, dy)
+        want = torch.autograd.grad(ref, [w for w in wide if w is not None and w.requires_grad], dy.double())
+        for g, r in zip(got, want):
+            assert rel_err(g, r) <= 1e-5
+    mm._FAST.clear()
+
+
 @pytest.mark.parametrize("act", [None, "silu"])
 def test_fast_path_with_grad_keys_on_requires_grad(act, checked_matmuls):
     """Training calls repeat through the fast path per set of requires_grad flags: each flag set
