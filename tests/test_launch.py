@@ -33,20 +33,28 @@ def test_address_memo_keeps_the_second_sighting_and_passes_addresses(monkeypatch
     """AddressMemo (on the CPU, with a stand-in kernel): a key is bound the second time it is seen,
     a hit calls the C launcher with the tensors as their addresses, descriptors in their encoded
     form, the prepared integers and the kernel's fixed parameters, on its device's current stream;
-    a profiler's launch hooks send it back to Triton's path; ``limit`` entries, then it starts over."""
-    calls = []
+    a kernel with a global scratch buffer gets one of programs × CTAs × its size for that stream;
+    a profiler's launch hooks send it back to Triton's path; ``limit`` entries, then it starts
+    over; a kernel it cannot call directly turns it off."""
+    calls, scratch_asks = [], []
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1000 + device, raising=False)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(_launch, "_tma_scratch", lambda size, align, stream: scratch_asks.append((size, align, stream))
+                        or "scratch")
+    launcher = lambda *args: calls.append(args)     # noqa: E731
+
+    class CudaLauncher:         # Triton's, for a kernel with device-side descriptors
+        launch, num_ctas, global_scratch_size, global_scratch_align = staticmethod(launcher), 1, 128, 64
+        profile_scratch_size, launch_cooperative_grid, launch_pdl = 0, False, False
 
     class Compiled:
-        function, packed_metadata = 77, ("meta",)
+        function, packed_metadata, run = 77, ("meta",), CudaLauncher()
 
-    direct = _launch._DirectLaunch(lambda *args: calls.append(args), False, True, ())
-    bound = _launch.BoundLaunch(direct, Compiled, ["rest"], (5, 1, 1), ())
+    entry = (Compiled, ["rest"], _launch._DirectLaunch(launcher, False, True, ()))
 
     class Kernel:
-        def bind_prepared(self, grid, tensors, prepared):
-            return bound
+        def prepared_entry(self, tensors, prepared):
+            return entry
 
     x, y = torch.empty(8), torch.empty(8)
     prepared = _launch.PreparedArgs((11, 12), {}, 0)
@@ -62,11 +70,14 @@ def test_address_memo_keeps_the_second_sighting_and_passes_addresses(monkeypatch
     monkeypatch.setattr(_launch, "hooks_active", lambda: True)
     assert not memo.launch(key) and len(calls) == 1
     monkeypatch.setattr(_launch, "hooks_active", lambda: False)
+    entry = (Compiled, ["rest"], None)                      # Triton's run with a global scratch buffer
     for other in [(1, 2), (3, 4)]:                           # a third key past the limit: start over
-        memo.keep(other, Kernel(), (5,), (x, y), prepared)
-        memo.keep(other, Kernel(), (5,), (x, y), prepared)
+        memo.keep(other, Kernel(), (5, 2), (x, y), prepared)
+        memo.keep(other, Kernel(), (5, 2), (x, y), prepared)
     assert len(memo) == 1 and not memo.launch(key)
-    bound = None                                             # a kernel that cannot be bound: off for good
+    assert memo.launch((3, 4)) and scratch_asks == [(5 * 2 * 1 * 128, 64, 1003)]
+    assert calls[-1][:9] == (5, 2, 1, 1003, 77, False, False, "scratch", None)
+    CudaLauncher.profile_scratch_size = 16                   # a launcher it cannot call: off for good
     memo.keep(key, Kernel(), (5,), (x, y), prepared)
     memo.keep(key, Kernel(), (5,), (x, y), prepared)
     assert memo.off and len(memo) == 1

@@ -181,16 +181,22 @@ class FastKernel:
                               else getattr(t, "launch_key", None) or _arg_key(t) for t in tensors]), prepared.key)
         return self._run_keyed(self._prepared_cache, key, device, grid, args, prepared.kwargs)
 
+    def prepared_entry(self, tensors: tuple, prepared: "PreparedArgs") -> tuple | None:
+        """The cache entry ``(compiled, rest, direct launcher or None)`` a :meth:`launch_prepared`
+        with these arguments hit (or compiled) on the current device; None when there is none yet
+        or fast launches are off (the interpreter)."""
+        if not (_ENABLED and isinstance(self.fn, JITFunction)):
+            return None
+        key = (torch.cuda.current_device(), tuple([(t.dtype, t.data_ptr() % 16 == 0) if type(t) is torch.Tensor
+                                                   else _arg_key(t) for t in tensors]), prepared.key)
+        return self._prepared_cache.get(key)
+
     def bind_prepared(self, grid, tensors: tuple, prepared: "PreparedArgs") -> "BoundLaunch | None":
         """The cache entry a :meth:`launch_prepared` with these arguments hit (or compiled), as a
         :class:`BoundLaunch` on the current device; None when there is none yet, when it launches
         through Triton's ``run`` (scratch buffers), or when fast launches are off (the interpreter).
         Valid for later tensors with the same dtypes and 16-byte alignment, which the caller checks."""
-        if not (_ENABLED and isinstance(self.fn, JITFunction)):
-            return None
-        key = (torch.cuda.current_device(), tuple([(t.dtype, t.data_ptr() % 16 == 0) if type(t) is torch.Tensor
-                                                   else _arg_key(t) for t in tensors]), prepared.key)
-        hit = self._prepared_cache.get(key)
+        hit = self.prepared_entry(tensors, prepared)
         if hit is None or hit[2] is None:
             return None
         compiled, rest, direct = hit
@@ -226,8 +232,10 @@ class AddressMemo:
 
     An address tuple is kept the second time it is seen (a stream of fresh addresses pays one set
     insertion per launch, not a binding); ``limit`` entries, then the memo starts over. A kernel
-    whose launches cannot be bound (Triton's ``run`` with scratch buffers: device-side
-    descriptors) turns the memo off for good."""
+    that builds descriptors in the kernel (Triton's ``run`` with a global scratch buffer) is kept
+    too: a hit takes the scratch from :func:`_tma_scratch` for the current stream, as Triton's
+    allocator hook would. One whose launches cannot be bound (profile scratch, an unknown
+    launcher) turns the memo off for good."""
 
     __slots__ = ("_entries", "_seen", "limit", "off")
 
@@ -243,9 +251,10 @@ class AddressMemo:
         entry = self._entries.get(key)
         if entry is None or hooks_active():
             return False
-        launch, g0, g1, g2, function, coop, pdl, meta, args, device, _compiled = entry
-        launch(g0, g1, g2, torch._C._cuda_getCurrentRawStream(device), function, coop, pdl, None, None, meta,
-               None, None, None, *args)
+        launch, g0, g1, g2, function, coop, pdl, meta, args, device, scratch, _compiled = entry
+        stream = torch._C._cuda_getCurrentRawStream(device)
+        launch(g0, g1, g2, stream, function, coop, pdl, scratch and _tma_scratch(scratch[0], scratch[1], stream),
+               None, meta, None, None, None, *args)
         return True
 
     def keep(self, key: tuple, kernel: "FastKernel", grid, tensors: tuple, prepared: "PreparedArgs") -> None:
@@ -258,24 +267,42 @@ class AddressMemo:
                 self._seen.clear()
             self._seen.add(key)
             return
-        bound = kernel.bind_prepared(grid, tensors, prepared)
-        if bound is None:       # (the launch just made is cached if it can be: this one never is)
+        hit = kernel.prepared_entry(tensors, prepared)
+        launcher = hit and _memo_launcher(hit, grid)
+        if not launcher:        # (the launch just made is cached if it can be: this one never is)
             self.off = True
             return
+        launch, coop, pdl, descs, scratch = launcher
+        compiled, rest, _ = hit
         # the launch's own arguments, tensors as their addresses (the launcher reads an int as is)
         args = (*[t.data_ptr() if type(t) is torch.Tensor else t for t in tensors], *prepared.ints)
-        direct = bound.direct
-        if direct.descs:
-            args = _expand_descriptors(args, direct.descs)
+        if descs:
+            args = _expand_descriptors(args, descs)
         if len(self._entries) >= self.limit:
             self._entries.clear()
-        compiled = bound.compiled
         # (the compiled kernel is kept too: its CUfunction handle lives as long as it does)
-        self._entries[key] = (direct.launch, *bound.grid, compiled.function, direct.coop, direct.pdl,
-                              compiled.packed_metadata, (*args, *bound.rest), torch.cuda.current_device(), compiled)
+        self._entries[key] = (launch, *(tuple(grid) + (1, 1))[:3], compiled.function, coop, pdl,
+                              compiled.packed_metadata, (*args, *rest), torch.cuda.current_device(), scratch, compiled)
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+def _memo_launcher(hit: tuple, grid) -> tuple | None:
+    """(C launcher, cooperative, pdl, host-descriptor positions, global scratch (bytes, alignment)
+    or None) of a prepared-cache entry, for :class:`AddressMemo`; None when it cannot be called
+    directly. A kernel with a global scratch buffer (descriptors built in the kernel) gets its
+    size as Triton's ``CudaLauncher.__call__`` computes it: programs × CTAs × bytes per CTA."""
+    compiled, _, direct = hit
+    if direct is not None:
+        return direct.launch, direct.coop, direct.pdl, direct.descs, None
+    run = getattr(compiled, "run", None)
+    if (type(run).__name__ != "CudaLauncher" or run.profile_scratch_size or not run.global_scratch_size
+            or getattr(run.launch, "__name__", "") == "inner"):     # (host descriptors with scratch: no)
+        return None
+    g0, g1, g2 = (tuple(grid) + (1, 1))[:3]
+    scratch = (g0 * g1 * g2 * run.num_ctas * run.global_scratch_size, run.global_scratch_align)
+    return run.launch, run.launch_cooperative_grid, run.launch_pdl, (), scratch
 
 
 class _DirectLaunch:

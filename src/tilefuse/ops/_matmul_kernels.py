@@ -511,9 +511,8 @@ def _ws_tile(m: int, n: int, k: int, dtype: torch.dtype, out_dtype: torch.dtype,
     return tuple(tile.items()) + (("B_K_MAJOR", layout.b_k_contiguous), ("A_M_MAJOR", a_m_major)) if tile else ()
 
 
-# GEMM launches repeated at the same addresses (Gluon, and tl without device-side descriptors) call
-# the C launcher with the arguments kept the first time (_launch.AddressMemo); False: every launch
-# builds them (an A/B switch for probes)
+# GEMM launches repeated at the same addresses (Gluon and tl) call the C launcher with the arguments
+# kept the first time (_launch.AddressMemo); False: every launch builds them (an A/B switch for probes)
 MEMO_LAUNCHES = True
 
 _SPLIT_K_BUFFERS: dict = {}     # (device, stream) -> (int32 arrival counters, fp32 partials)
@@ -586,10 +585,8 @@ def _matmul_plan(m: int, n: int, k: int, dtype: torch.dtype, out_dtype: torch.dt
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     split_tiles = tiles if split > 1 else 0
-    # device-side descriptors (USE_TMA) launch through Triton's run with a scratch buffer: no memo
     return _MatmulPlan((programs,), bool(use_tma), matmul_kernel.prepare(ints, kwargs),
-                       split_tiles, split_tiles * split * cfg["BLOCK_M"] * cfg["BLOCK_N"],
-                       memo=None if use_tma else AddressMemo())
+                       split_tiles, split_tiles * split * cfg["BLOCK_M"] * cfg["BLOCK_N"], memo=AddressMemo())
 
 
 def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
