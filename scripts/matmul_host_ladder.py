@@ -21,6 +21,7 @@ import pstats
 import time
 
 import torch
+from attn_host_probe import us_per_call
 
 import tilefuse
 from tilefuse.ops import _matmul_kernels as mk
@@ -28,17 +29,8 @@ from tilefuse.ops import matmul as mm
 
 
 def host_us(fn, calls: int) -> float:
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(3):       # the best of three loops: the host's noise is one-sided
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, time.perf_counter() - t0)
-        torch.cuda.synchronize()
-    return best / calls * 1e6
+    """Host µs per call: the best of three loops (the host's noise is one-sided)."""
+    return us_per_call(fn, calls, rounds=3)
 
 
 class BackwardTimer:
