@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from .._autocast import autocast_inputs, autocast_on
 from .._checks import check_same_device, check_same_dtype, check_tensor
 from .._dispatch import use_triton
-from .._op import custom_op
+from .._op import custom_op, direct_backward
 from ..registry import Inputs, OpSpec, register, tensor_bytes
 from ._activation_math import activation_reference
 from ._gate_up_kernels import launch_gate_up
@@ -105,11 +105,12 @@ def _backward(ctx, dy, _dgate_up):
     need_dx, need_dw = ctx.needs_input_grad[:2]
     if not (need_dx or need_dw):
         return None, None, None, None
+    direct = direct_backward(ctx, dy)       # an eager backward: the GEMMs launch without the op's dispatch
     if gate_up is None:     # not saved (grad enabled after the forward): recompute it
-        gate_up = _gemm(x, w.t(), x.dtype)
+        gate_up = _gemm(x, w.t(), x.dtype, direct)
     d_gate_up, _ = _glu_bwd_op(dy.to(x.dtype), gate_up, None, ctx.activation)    # packed [dg | du]
-    dx = _gemm(d_gate_up, w, x.dtype) if need_dx else None
-    dw = _gemm(d_gate_up.t(), x, w.dtype) if need_dw else None
+    dx = _gemm(d_gate_up, w, x.dtype, direct) if need_dx else None
+    dw = _gemm(d_gate_up.t(), x, w.dtype, direct) if need_dw else None
     return dx, dw, None, None
 
 

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from .._autocast import autocast_inputs, autocast_on
 from .._checks import check_same_device, check_same_dtype, check_shape, check_tensor
 from .._dispatch import cdiv, empty, use_triton
-from .._op import custom_op
+from .._op import custom_op, direct_backward
 from ..registry import Inputs, OpSpec, register, tensor_bytes
 from ._qkv_proj_kernels import launch_qkv_proj
 from .matmul import _gemm
@@ -153,8 +153,9 @@ def _backward(ctx, dq, dk, dv):
     if need_dx or need_dw or need_dbias:
         d = _pack_grads_op(dq.to(x.dtype), dk.to(x.dtype), dv.to(x.dtype), cos, sin, position_ids,
                            *ctx.rope_args)
-        dx = _gemm(d, w, x.dtype) if need_dx else None
-        dw = _gemm(d.t(), x, w.dtype) if need_dw else None        # straight into w's row-major layout
+        direct = direct_backward(ctx, dq, dk, dv)     # an eager backward: no op dispatch for the GEMMs
+        dx = _gemm(d, w, x.dtype, direct) if need_dx else None
+        dw = _gemm(d.t(), x, w.dtype, direct) if need_dw else None        # straight into w's row-major layout
         dbias = d.sum(0, dtype=torch.float32).to(ctx.bias_dtype) if need_dbias else None
     return dx, dw, dbias, None, None, None, None, None, None, None, None, None
 
