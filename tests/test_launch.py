@@ -77,10 +77,20 @@ def test_address_memo_keeps_the_second_sighting_and_passes_addresses(monkeypatch
     assert len(memo) == 1 and not memo.launch(key)
     assert memo.launch((3, 4)) and scratch_asks == [(5 * 2 * 1 * 128, 64, 1003)]
     assert calls[-1][:9] == (5, 2, 1, 1003, 77, False, False, "scratch", None)
+    monkeypatch.setattr(_launch, "MEMO_KEYS", 5)             # all memos together past their budget: start over
+    monkeypatch.setattr(_launch, "_MEMO_HELD", [0])
+    other = _launch.AddressMemo()
+    for k in [(7, 1), (7, 2)]:
+        other.keep(k, Kernel(), (5,), (x, y), prepared)
+        other.keep(k, Kernel(), (5,), (x, y), prepared)
+    assert len(other) == 2 and len(memo) == 1 and _launch._MEMO_HELD[0] == 4
+    other.keep((7, 3), Kernel(), (5,), (x, y), prepared)     # the fifth tuple held: within budget
+    other.keep((7, 4), Kernel(), (5,), (x, y), prepared)     # the sixth: every memo starts over
+    assert len(other) == 0 and len(memo) == 0 and not other.launch((7, 1)) and _launch._MEMO_HELD[0] == 1
     CudaLauncher.profile_scratch_size = 16                   # a launcher it cannot call: off for good
     memo.keep(key, Kernel(), (5,), (x, y), prepared)
     memo.keep(key, Kernel(), (5,), (x, y), prepared)
-    assert memo.off and len(memo) == 1
+    assert memo.off and len(memo) == 0
 
 
 @pytest.mark.gpu

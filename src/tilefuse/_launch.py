@@ -39,6 +39,7 @@ import ctypes
 import inspect
 import os
 import threading
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -218,6 +219,11 @@ class BoundLaunch(NamedTuple):
         self.direct(g0, g1, g2, stream, self.compiled, (*tensors, *self.ints), self.rest)
 
 
+MEMO_KEYS = 16384       # address tuples held by all AddressMemos together (a few KiB each at most)
+_MEMO_HELD = [0]        # how many they hold now (an upper bound: a memo's own clears are not subtracted)
+_MEMOS = weakref.WeakSet()
+
+
 class AddressMemo:
     """The launches of one cached op plan, kept by the addresses of their tensors.
 
@@ -231,19 +237,31 @@ class AddressMemo:
     does not fix.
 
     An address tuple is kept the second time it is seen (a stream of fresh addresses pays one set
-    insertion per launch, not a binding); ``limit`` entries, then the memo starts over. A kernel
+    insertion per launch, not a binding); ``limit`` entries, then the memo starts over, and every
+    memo starts over once all of them together hold :data:`MEMO_KEYS` addresses tuples (seen or
+    kept: bounded host memory however many plans there are). A kernel
     that builds descriptors in the kernel (Triton's ``run`` with a global scratch buffer) is kept
     too: a hit takes the scratch from :func:`_tma_scratch` for the current stream, as Triton's
     allocator hook would. One whose launches cannot be bound (profile scratch, an unknown
     launcher) turns the memo off for good."""
 
-    __slots__ = ("_entries", "_seen", "limit", "off")
+    __slots__ = ("_entries", "_seen", "limit", "off", "__weakref__")
 
     def __init__(self, limit: int = 1024):
         self._entries: dict = {}
         self._seen: set = set()
         self.limit = limit
         self.off = False
+        _MEMOS.add(self)
+
+    def _count(self) -> None:
+        """One more address tuple held here: past MEMO_KEYS in all memos, every memo starts over."""
+        _MEMO_HELD[0] += 1
+        if _MEMO_HELD[0] > MEMO_KEYS:
+            for memo in list(_MEMOS):
+                memo._entries.clear()
+                memo._seen.clear()
+            _MEMO_HELD[0] = 1
 
     def launch(self, key: tuple) -> bool:
         """Launch the launch kept for ``key`` on the current stream of its device; False when
@@ -265,6 +283,7 @@ class AddressMemo:
         if key not in self._seen:
             if len(self._seen) >= self.limit:
                 self._seen.clear()
+            self._count()
             self._seen.add(key)
             return
         hit = kernel.prepared_entry(tensors, prepared)
@@ -280,6 +299,9 @@ class AddressMemo:
             args = _expand_descriptors(args, descs)
         if len(self._entries) >= self.limit:
             self._entries.clear()
+        self._count()
+        if key not in self._seen:       # (every memo started over just now)
+            return
         # (the compiled kernel is kept too: its CUfunction handle lives as long as it does)
         self._entries[key] = (launch, *(tuple(grid) + (1, 1))[:3], compiled.function, coop, pdl,
                               compiled.packed_metadata, (*args, *rest), torch.cuda.current_device(), scratch, compiled)
