@@ -6,10 +6,11 @@ the CPU reference path; (GPU) bf16 / Llama-8B shapes / TMA vs pointer loads."""
 
 import pytest
 import torch
-from conftest import CPU_DTYPES, DEVICE, HAS_CUDA
+from conftest import CPU_DTYPES, DEVICE, HAS_CUDA, count_calls
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tilefuse._dispatch import interpreting
 from tilefuse.ops import _qkv_proj_kernels as qk
 from tilefuse.ops import qkv_proj as qp     # registers "qkv_proj" (not in ops/__init__ yet)
 from tilefuse.ops.matmul import matmul
@@ -224,6 +225,34 @@ def test_no_grad_and_partial_requires_grad():
 # ----------------------------------------------------------------------------------------------
 # empties, bad input, compile, registry, CPU reference path
 # ----------------------------------------------------------------------------------------------
+
+
+def test_fast_path_repeats_skip_the_checks(monkeypatch):
+    """A repeated eager call (no grad, and recording a graph: each its own key, with the
+    requires_grad flags) is checked once: outputs and every gradient against fp64 on fresh values
+    each call, with and without rope; another option on a cached layout is checked (and bad
+    values still raise)."""
+    checked = count_calls(monkeypatch, qp, "_check_inputs")
+    qp._FAST.clear()
+    for mode in ("none", "neox"):
+        for grad in (False, True):
+            for _ in range(3):
+                x, w, b = _inputs((2, 5), 32, 4, 2, 8, torch.float32, bias=True)
+                kw = _rope_kw(mode, 5, 8, torch.float32, table="ids", batch=2)
+                if grad:
+                    _check(x, w, b, 4, 2, **kw)
+                    continue
+                with torch.no_grad():
+                    outs = qkv_proj(x, w, 4, 2, bias=b, **kw)
+                refs = qkv_proj_reference(x.double(), w.double(), 4, 2, None, b.double(), **_wide_kw(kw))
+                assert all(rel_err(o, r) <= TOL[torch.float32] for o, r in zip(outs, refs))
+    on_triton = DEVICE == "cuda" or interpreting()      # (the CPU reference path keeps no fast path)
+    assert len(checked) == (4 if on_triton else 12) and len(qp._FAST) == (4 if on_triton else 0)
+    with pytest.raises(ValueError, match="multiple"):
+        qkv_proj(x, w, 3, 2, bias=b)                       # 3 query heads over 2 kv heads: checked, refused
+    with pytest.raises(ValueError, match="rows"):
+        qkv_proj(x, w, 4, 2, head_dim=7, bias=b)
+    qp._FAST.clear()
 
 
 @pytest.mark.parametrize("lead,hidden,mode", [((0,), 16, "none"), ((2, 0), 16, "neox"), ((3,), 0, "neox"),

@@ -31,7 +31,7 @@ FLOPs: 2·T·K·N forward, twice that backward (dx and dW).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from .._autocast import autocast_inputs, autocast_on
 from .._checks import check_same_device, check_same_dtype, check_shape, check_tensor
 from .._dispatch import cdiv, empty, use_triton
-from .._op import custom_op, direct_backward
+from .._op import CallCache, call_key, custom_op, direct_backward, eager_layout, plain_tensors
 from ..registry import Inputs, OpSpec, register, tensor_bytes
 from ._qkv_proj_kernels import launch_qkv_proj
 from .matmul import _gemm
@@ -246,17 +246,44 @@ def qkv_proj(x: torch.Tensor, w_qkv: torch.Tensor, num_heads: int, num_kv_heads:
     :func:`tilefuse.rope` takes them for q ``[B, S, H, D]`` (tables ``[S, r]``, ``[1 or B, S, r]``,
     or a ``[max_pos, r]`` table indexed by position_ids). Returns contiguous
     ``q [..., num_heads, head_dim]``, ``k`` and ``v [..., num_kv_heads, head_dim]`` in x's dtype.
-    Under ``torch.autocast`` x, w_qkv and bias are cast to its dtype first (the rope tables keep theirs)."""
+    Under ``torch.autocast`` x, w_qkv and bias are cast to its dtype first (the rope tables keep theirs).
+
+    Host path: a repeated eager call (with or without a graph to record) skips the checks its
+    layout, requires_grad flags and options passed the first time, and the op's argument scan
+    (:class:`_QkvCall`)."""
     if autocast_on():
         x, w_qkv, bias = autocast_inputs(x, w_qkv, bias)
-    head_dim, rotary_dim, seq_len = _check_inputs(x, w_qkv, num_heads, num_kv_heads, head_dim, bias, cos, sin,
-                                                  position_ids, interleaved, rotary_dim)
+    key = call_key(eager_layout(x, w_qkv, bias, cos, sin, position_ids),
+                   (num_heads, num_kv_heads, head_dim, interleaved, rotary_dim))
+    call = _FAST.get(key)
+    op = _qkv_fwd_op if call is None else call.entry
+    if call is None:
+        call = _QkvCall(*_check_inputs(x, w_qkv, num_heads, num_kv_heads, head_dim, bias, cos, sin, position_ids,
+                                       interleaved, rotary_dim))
+        if key is not None and key[-1] and x.numel() and plain_tensors(x, w_qkv, bias, cos, sin, position_ids):
+            flags = key[0][-1]          # eager_layout's requires_grad flags, when it appended them
+            graph = type(flags) is tuple and type(flags[0]) is bool
+            _FAST.put(key, call._replace(entry=_qkv_fwd_op.apply_eager if graph else _qkv_fwd_op.direct))
     lead, hidden = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, hidden) if hidden else x.reshape(lead.numel(), 0)
-    q, k, v = _qkv_fwd_op(x2, w_qkv, bias, cos, sin, position_ids, num_heads, num_kv_heads, head_dim,
-                          seq_len, interleaved, rotary_dim)
-    return q.view(*lead, num_heads, head_dim), k.view(*lead, num_kv_heads, head_dim), \
-        v.view(*lead, num_kv_heads, head_dim)
+    q, k, v = op(x2, w_qkv, bias, cos, sin, position_ids, num_heads, num_kv_heads, call.head_dim,
+                 call.seq_len, interleaved, call.rotary_dim)
+    return q.view(*lead, num_heads, call.head_dim), k.view(*lead, num_kv_heads, call.head_dim), \
+        v.view(*lead, num_kv_heads, call.head_dim)
+
+
+class _QkvCall(NamedTuple):
+    """What the checks of one eager call layout of :func:`qkv_proj` derived, and (kept in
+    ``_FAST``) the op's entry its repeats take: the eager autograd Function when the call records
+    a graph, else the implementation (both without the op's argument scan: the key holds what the
+    scan reads, :func:`eager_layout`)."""
+    head_dim: int
+    rotary_dim: int         # 0: no rope
+    seq_len: int
+    entry: object = None
+
+
+_FAST = CallCache()       # eager call layout, requires_grad flags and options -> _QkvCall
 
 
 # ----------------------------------------------------------------------------------------------
