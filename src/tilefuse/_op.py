@@ -208,6 +208,13 @@ def eager_layout(x, *others) -> tuple | None:
     return (*layout, grads) if True in grads else layout
 
 
+def records_graph(key: tuple) -> bool:
+    """Whether a :func:`call_key` built on :func:`eager_layout` is a call that records a graph
+    (its layout ends with the requires_grad flags rather than a tensor's entry)."""
+    flags = key[0][-1]
+    return type(flags) is tuple and type(flags[0]) is bool
+
+
 def call_key(layout: tuple | None, options: tuple) -> tuple | None:
     """An eager fast path's key: the tensors' ``layout`` (:func:`no_grad_layout` or
     :func:`layout_key`; the first tensor's device decides the path), each of ``options`` with its

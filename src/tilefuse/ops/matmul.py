@@ -30,7 +30,7 @@ import torch
 from .._autocast import autocast_inputs, autocast_on
 from .._checks import FLOAT_DTYPES, check_same_device, check_same_dtype, check_shape, check_tensor
 from .._dispatch import use_triton
-from .._op import CallCache, call_key, custom_op, direct_backward, eager_layout, plain_tensors
+from .._op import CallCache, call_key, custom_op, direct_backward, eager_layout, plain_tensors, records_graph
 from ..registry import Inputs, OpSpec, register, tensor_bytes
 from ._activation_math import ACTIVATIONS, activation_grad_reference, activation_reference
 from ._matmul_kernels import launch_act_grad, launch_matmul
@@ -251,8 +251,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     if (key is not None and key[-1] and out.numel() and a.shape[-1] and plain_tensors(a, b, bias, residual)
             and (bias is None or bias.stride(0) == 1)):
         act, out_dtype = _check_inputs(a, b, bias, activation, residual, out_dtype)
-        flags = key[0][-1]          # eager_layout's requires_grad flags, when it appended them
-        graph = type(flags) is tuple and type(flags[0]) is bool
+        graph = records_graph(key)
         _FAST.put(key, _MatmulCall(act, out_dtype, a.shape[-1], b.shape[1], graph,
                                    graph and _save_preact(act, a, b, bias)))
     return out

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from .._autocast import autocast_inputs, autocast_on
 from .._checks import check_same_device, check_same_dtype, check_shape, check_tensor
 from .._dispatch import cdiv, empty, use_triton
-from .._op import CallCache, call_key, custom_op, direct_backward, eager_layout, plain_tensors
+from .._op import CallCache, call_key, custom_op, direct_backward, eager_layout, plain_tensors, records_graph
 from ..registry import Inputs, OpSpec, register, tensor_bytes
 from ._qkv_proj_kernels import launch_qkv_proj
 from .matmul import _gemm
@@ -261,9 +261,7 @@ def qkv_proj(x: torch.Tensor, w_qkv: torch.Tensor, num_heads: int, num_kv_heads:
         call = _QkvCall(*_check_inputs(x, w_qkv, num_heads, num_kv_heads, head_dim, bias, cos, sin, position_ids,
                                        interleaved, rotary_dim))
         if key is not None and key[-1] and x.numel() and plain_tensors(x, w_qkv, bias, cos, sin, position_ids):
-            flags = key[0][-1]          # eager_layout's requires_grad flags, when it appended them
-            graph = type(flags) is tuple and type(flags[0]) is bool
-            _FAST.put(key, call._replace(entry=_qkv_fwd_op.apply_eager if graph else _qkv_fwd_op.direct))
+            _FAST.put(key, call._replace(entry=_qkv_fwd_op.apply_eager if records_graph(key) else _qkv_fwd_op.direct))
     lead, hidden = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, hidden) if hidden else x.reshape(lead.numel(), 0)
     q, k, v = op(x2, w_qkv, bias, cos, sin, position_ids, num_heads, num_kv_heads, call.head_dim,
