@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tilefuse import _launch
+from tilefuse import _address_memo, _launch
 from tilefuse.ops import softmax as sm
 from tilefuse.testing import rel_err
 
@@ -39,7 +39,7 @@ def test_address_memo_keeps_the_second_sighting_and_passes_addresses(monkeypatch
     calls, scratch_asks = [], []
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1000 + device, raising=False)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
-    monkeypatch.setattr(_launch, "_tma_scratch", lambda size, align, stream: scratch_asks.append((size, align, stream))
+    monkeypatch.setattr(_address_memo, "_tma_scratch", lambda size, align, stream: scratch_asks.append((size, align, stream))
                         or "scratch")
     launcher = lambda *args: calls.append(args)     # noqa: E731
 
@@ -58,7 +58,7 @@ def test_address_memo_keeps_the_second_sighting_and_passes_addresses(monkeypatch
 
     x, y = torch.empty(8), torch.empty(8)
     prepared = _launch.PreparedArgs((11, 12), {}, 0)
-    memo = _launch.AddressMemo(limit=2)
+    memo = _address_memo.AddressMemo(limit=2)
     key = (x.data_ptr(), y.data_ptr())
     assert not memo.launch(key)
     memo.keep(key, Kernel(), (5,), (x, y), prepared)
@@ -67,9 +67,9 @@ def test_address_memo_keeps_the_second_sighting_and_passes_addresses(monkeypatch
     assert len(memo) == 1 and memo.launch(key) and len(calls) == 1
     assert calls[0] == (5, 1, 1, 1003, 77, False, True, None, None, ("meta",), None, None, None,
                         x.data_ptr(), y.data_ptr(), 11, 12, "rest")
-    monkeypatch.setattr(_launch, "hooks_active", lambda: True)
+    monkeypatch.setattr(_address_memo, "hooks_active", lambda: True)
     assert not memo.launch(key) and len(calls) == 1
-    monkeypatch.setattr(_launch, "hooks_active", lambda: False)
+    monkeypatch.setattr(_address_memo, "hooks_active", lambda: False)
     entry = (Compiled, ["rest"], None)                      # Triton's run with a global scratch buffer
     for other in [(1, 2), (3, 4)]:                           # a third key past the limit: start over
         memo.keep(other, Kernel(), (5, 2), (x, y), prepared)
@@ -77,16 +77,16 @@ def test_address_memo_keeps_the_second_sighting_and_passes_addresses(monkeypatch
     assert len(memo) == 1 and not memo.launch(key)
     assert memo.launch((3, 4)) and scratch_asks == [(5 * 2 * 1 * 128, 64, 1003)]
     assert calls[-1][:9] == (5, 2, 1, 1003, 77, False, False, "scratch", None)
-    monkeypatch.setattr(_launch, "MEMO_KEYS", 5)             # all memos together past their budget: start over
-    monkeypatch.setattr(_launch, "_MEMO_HELD", [0])
-    other = _launch.AddressMemo()
+    monkeypatch.setattr(_address_memo, "MEMO_KEYS", 5)             # all memos together past their budget: start over
+    monkeypatch.setattr(_address_memo, "_MEMO_HELD", [0])
+    other = _address_memo.AddressMemo()
     for k in [(7, 1), (7, 2)]:
         other.keep(k, Kernel(), (5,), (x, y), prepared)
         other.keep(k, Kernel(), (5,), (x, y), prepared)
-    assert len(other) == 2 and len(memo) == 1 and _launch._MEMO_HELD[0] == 4
+    assert len(other) == 2 and len(memo) == 1 and _address_memo._MEMO_HELD[0] == 4
     other.keep((7, 3), Kernel(), (5,), (x, y), prepared)     # the fifth tuple held: within budget
     other.keep((7, 4), Kernel(), (5,), (x, y), prepared)     # the sixth: every memo starts over
-    assert len(other) == 0 and len(memo) == 0 and not other.launch((7, 1)) and _launch._MEMO_HELD[0] == 1
+    assert len(other) == 0 and len(memo) == 0 and not other.launch((7, 1)) and _address_memo._MEMO_HELD[0] == 1
     CudaLauncher.profile_scratch_size = 16                   # a launcher it cannot call: off for good
     memo.keep(key, Kernel(), (5,), (x, y), prepared)
     memo.keep(key, Kernel(), (5,), (x, y), prepared)

@@ -37,7 +37,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .._dispatch import cdiv, num_sms
-from .._launch import AddressMemo, fast_launch
+from .._address_memo import AddressMemo
+from .._launch import fast_launch
 from ._gluon_common import matrix_descriptor as _descriptor
 from ._gluon_common import transposed_matrix_descriptor as _descriptor_t
 from ._gluon_common import (LOADER_REGS_KERNEL, ROWS_PER_GROUP, SMEM_BYTES, WG_ROWS, accumulator_barriers,

@@ -32,7 +32,8 @@ import triton
 import triton.language as tl
 
 from .._dispatch import cdiv, device_traits, empty, is_hopper_or_newer, next_power_of_2, num_sms, rows_view
-from .._launch import AddressMemo, PreparedArgs, config_key, fast_launch, use_device_descriptors
+from .._address_memo import AddressMemo
+from .._launch import PreparedArgs, config_key, fast_launch, use_device_descriptors
 from ._activation_math import BWD_TILE_ELEMS, activation_fwd, activation_fwd_bwd, tile_config, tile_rows_cols
 from ._common import row_tile_mask_offsets
 
@@ -470,7 +471,7 @@ class _MatmulPlan(NamedTuple):
     ws_tile: tuple = ()         # the Gluon kernel's tile config instead (see _ws_tile)
     ws_plan: object = None      # its launch plan (_matmul_gluon._ws_plan)
     ws_launch: object = None    # and _matmul_gluon.launch_ws_plan (imported when the plan is made)
-    memo: object = None         # the launches kept by address (_launch.AddressMemo)
+    memo: object = None         # the launches kept by address (_address_memo.AddressMemo)
 
 
 def _ws_tile(m: int, n: int, k: int, dtype: torch.dtype, out_dtype: torch.dtype, a_strides: tuple,
@@ -512,7 +513,7 @@ def _ws_tile(m: int, n: int, k: int, dtype: torch.dtype, out_dtype: torch.dtype,
 
 
 # GEMM launches repeated at the same addresses (Gluon and tl) call the C launcher with the arguments
-# kept the first time (_launch.AddressMemo); False: every launch builds them (an A/B switch for probes)
+# kept the first time (_address_memo.AddressMemo); False: every launch builds them (an A/B switch for probes)
 MEMO_LAUNCHES = True
 
 _SPLIT_K_BUFFERS: dict = {}     # (device, stream) -> (int32 arrival counters, fp32 partials)
