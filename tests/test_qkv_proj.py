@@ -227,6 +227,35 @@ def test_no_grad_and_partial_requires_grad():
 # ----------------------------------------------------------------------------------------------
 
 
+@settings(max_examples=10, deadline=None)
+@given(flags=st.tuples(st.booleans(), st.booleans(), st.booleans()), mode=st.sampled_from(ROPES),
+       table=st.sampled_from(["S", "ids", "BS"]), bias=st.booleans())
+def test_fast_path_training_calls_match_fp64(flags, mode, table, bias):
+    """Repeats through the fast path (three calls of one layout, fresh values each) give fp64's
+    q, k, v and the gradient of every input that requires one, whichever do."""
+    qp._FAST.clear()
+    for _ in range(3):
+        x, w, b = _inputs((2, 5), 24, 4, 2, 8, torch.float32, bias=bias)
+        for t, f in zip((x, w, b), flags):
+            if t is not None:
+                t.requires_grad_(f)
+        kw = _rope_kw(mode, 5, 8, torch.float32, None, table, 2)
+        outs = qkv_proj(x, w, 4, 2, bias=b, **kw)
+        wide = [t.detach().double().requires_grad_(t.requires_grad) if t is not None else None for t in (x, w, b)]
+        refs = qkv_proj_reference(wide[0], wide[1], 4, 2, None, wide[2], **_wide_kw(kw))
+        assert all(rel_err(o, r) <= TOL[torch.float32] for o, r in zip(outs, refs))
+        leaves = [t for t in (x, w, b) if t is not None and t.requires_grad]
+        if not leaves:
+            assert not any(o.requires_grad for o in outs)
+            continue
+        gouts = [torch.randn_like(o) for o in outs]
+        got = torch.autograd.grad(outs, leaves, gouts)
+        want = torch.autograd.grad(refs, [t for t in wide if t is not None and t.requires_grad],
+                                   [g.double() for g in gouts])
+        assert all(rel_err(g, r) <= TOL[torch.float32] for g, r in zip(got, want))
+    qp._FAST.clear()
+
+
 def test_fast_path_repeats_skip_the_checks(monkeypatch):
     """A repeated eager call (no grad, and recording a graph: each its own key, with the
     requires_grad flags) is checked once: outputs and every gradient against fp64 on fresh values
