@@ -54,7 +54,11 @@ def _check(logits, target, dtype=None, inplace=False, grad_output=None, **kw):
         bound = 4 * torch.finfo(dtype).eps * float(go.abs().max())
         assert float(g.abs().max()) <= bound, (float(g.abs().max()), bound, kw)
     else:
-        assert rel_err(g, rg) <= TOL[dtype], (rel_err(g, rg), kw)
+        # the gradient is stored in `dtype`: with mean reduction and a small random scalar go it can
+        # sit in fp16's subnormals (CI drew |g| ~ 1e-7, where the step is 6e-8), and rounding the exact
+        # gradient to fp16 alone then moves it by several %; allow twice that storage error
+        stored = rel_err(rg.to(dtype), rg)
+        assert rel_err(g, rg) <= max(TOL[dtype], 2 * stored), (rel_err(g, rg), stored, kw)
     return out
 
 

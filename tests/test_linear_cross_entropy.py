@@ -57,7 +57,11 @@ def _check(hidden, weight, bias, target, grads=("hidden", "weight", "bias"), **k
         # larger: a gradient that sums terms of both signs (grad_weight over 2 tokens) can be ~0
         # while each term is O(1), and no summation order keeps ||err|| / ||ref|| small then
         err = (g.double() - r).norm().item()
-        assert err <= TOL[dtype] * max(r.norm().item(), scales[name]), (name, rel_err(g, r), scales[name], kw)
+        # and never below twice the error of storing the exact gradient in `dtype`: a small random
+        # scalar go puts fp16 gradients among the subnormals, where rounding alone moves them by several %
+        stored = (r.to(dtype).double() - r).norm().item()
+        bound = max(TOL[dtype] * max(r.norm().item(), scales[name]), 2 * stored)
+        assert err <= bound, (name, rel_err(g, r), scales[name], stored, kw)
     return out, got
 
 
