@@ -1,5 +1,7 @@
 """tilefuse._launch.fast_launch: the cached launch path computes what Triton's own path does."""
 
+import weakref
+
 import pytest
 import torch
 
@@ -67,8 +69,22 @@ def test_address_memo_keeps_the_second_sighting_and_passes_addresses(monkeypatch
     assert len(memo) == 1 and memo.launch(key) and len(calls) == 1
     assert calls[0] == (5, 1, 1, 1003, 77, False, True, None, None, ("meta",), None, None, None,
                         x.data_ptr(), y.data_ptr(), 11, 12, "rest")
+    # a Parameter operand is kept as its address too, not as the object: the launcher would read
+    # the Parameter's storage at launch time (after `p.data = ...`, another tensor) and keep it alive
+    p = torch.nn.Parameter(torch.empty(8))
+    pkey = (x.data_ptr(), p.data_ptr())
+    memo.keep(pkey, Kernel(), (5,), (x, p), prepared)
+    memo.keep(pkey, Kernel(), (5,), (x, p), prepared)
+    p_addr, p.data = p.data_ptr(), torch.empty(8)
+    assert memo.launch(pkey) and calls[-1][13:16] == (x.data_ptr(), p_addr, 11)
+    held = weakref.ref(p)
+    del p
+    assert held() is None
+    memo = _address_memo.AddressMemo(limit=2)
+    memo.keep(key, Kernel(), (5,), (x, y), prepared)
+    memo.keep(key, Kernel(), (5,), (x, y), prepared)
     monkeypatch.setattr(_address_memo, "hooks_active", lambda: True)
-    assert not memo.launch(key) and len(calls) == 1
+    assert not memo.launch(key) and len(calls) == 2
     monkeypatch.setattr(_address_memo, "hooks_active", lambda: False)
     entry = (Compiled, ["rest"], None)                      # Triton's run with a global scratch buffer
     for other in [(1, 2), (3, 4)]:                           # a third key past the limit: start over

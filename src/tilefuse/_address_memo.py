@@ -90,8 +90,10 @@ class AddressMemo:
             return
         launch, coop, pdl, descs, scratch = launcher
         compiled, rest, _ = hit
-        # the launch's own arguments, tensors as their addresses (the launcher reads an int as is)
-        args = (*[t.data_ptr() if type(t) is torch.Tensor else t for t in tensors], *prepared.ints)
+        # the launch's own arguments, tensors as their addresses (the launcher reads an int as is).
+        # Every tensor, Parameters too: a Parameter kept as the object is read at its storage's
+        # address *then* (its .data may be reassigned since: a swapped operand, s45 audit) and stays alive
+        args = (*[t.data_ptr() if isinstance(t, torch.Tensor) else t for t in tensors], *prepared.ints)
         if descs:
             args = _expand_descriptors(args, descs)
         if len(self._entries) >= self.limit:
