@@ -314,3 +314,63 @@ _LINEAR_IN_EVERY_INPUT = {"rope"}
 # the gradient written in the forward depends on logits the op keeps no tensor of: a
 # create_graph=True backward raises at once (cross_entropy.UNANCHORED_GRADIENT)
 _CREATE_GRAPH_RAISES = {"cross_entropy"}
+
+
+def _fresh(args):
+    return [a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args]
+
+
+@pytest.mark.parametrize("name", [s.name for s in registry.all_ops()])
+def test_negative_views_read_as_their_values(name):
+    """A tensor with the negative bit set (``torch._neg_view``, ``z.conj().imag``) keeps its values
+    negated in memory, so a kernel reading its storage raw gets their sign wrong (matmul returned
+    -ref, first call and repeats; s45 audit). Each floating input passed as such a view of the
+    same values gives what the plain tensor gives -- outputs and inputs the op writes in place --
+    on the first call and on a repeat (the fast paths); or, where the op writes into such a view
+    (the optimizer step), a TypeError that says so."""
+    spec = registry.get(name)
+    shape, dtype = _smallest_cpu_case(spec)
+    if dtype == torch.bfloat16 and DEVICE == "cpu":
+        pytest.skip("bf16 only: GPU")
+    inp = spec.make_inputs(shape, dtype, DEVICE)
+    args, kwargs = inp.detached().args, inp.kwargs
+    plain = _fresh(args)
+    want = as_tuple(spec.fn(*plain, **kwargs))
+    for i, a in enumerate(args):
+        if not (isinstance(a, torch.Tensor) and a.dtype in (torch.float32, torch.float16) and a.numel()):
+            continue
+        for _ in range(2):
+            got_args = _fresh(args)
+            got_args[i] = torch._neg_view(-got_args[i])      # the same values, stored negated
+            if name == "adamw":
+                with pytest.raises(TypeError, match="negative view"):
+                    spec.fn(*got_args, **kwargs)
+                continue
+            got = as_tuple(spec.fn(*got_args, **kwargs))
+            for j, (g, w) in enumerate(zip((*got, *got_args), (*want, *plain))):
+                if isinstance(w, torch.Tensor):
+                    assert torch.equal(g.float().nan_to_num(), w.float().nan_to_num()), \
+                        f"{name}: input {i} as a negative view, tensor {j}"
+
+
+@pytest.mark.parametrize("name", [s.name for s in registry.all_ops() if s.has_backward])
+def test_negative_view_grad_outputs_read_as_their_values(name):
+    """The backward with each grad_output passed as a negative view of the same values gives the
+    same gradients (first and repeated backward: the direct backward paths)."""
+    spec = registry.get(name)
+    shape, dtype = _smallest_cpu_case(spec)
+    if dtype == torch.bfloat16 and DEVICE == "cpu":
+        pytest.skip("bf16 only: GPU")
+    inp = spec.make_inputs(shape, dtype, DEVICE)
+    leaves = [inp.args[k] for k in inp.grad_args]
+
+    def grads(negative: bool):
+        outs = [o for o in as_tuple(spec.fn(*inp.args, **inp.kwargs)) if isinstance(o, torch.Tensor) and o.requires_grad]
+        gos = make_grad_outputs(outs)
+        gos = [torch._neg_view(-g) if negative and g.dtype in (torch.float32, torch.float16) else g for g in gos]
+        return torch.autograd.grad(outs, leaves, gos, allow_unused=True)
+
+    want = grads(False)
+    for _ in range(2):
+        for k, (g, w) in enumerate(zip(grads(True), want)):
+            assert (g is None) == (w is None) and (w is None or torch.equal(g, w)), f"{name}: gradient {k}"

@@ -47,8 +47,8 @@ def _eager_grad_state(args) -> bool | None:
     for a in args:
         t = type(a)
         if t is torch.Tensor or t is torch.nn.Parameter:
-            if _is_functorch_wrapped is not None and _is_functorch_wrapped(a):
-                return None
+            if _is_functorch_wrapped is not None and _is_functorch_wrapped(a) or a.is_neg():
+                return None     # (a negative view: the dispatcher's fallback resolves its sign bit)
             needs_grad = needs_grad or a.requires_grad
         elif t is list or t is tuple:
             inner = _eager_grad_state([x for x in a if isinstance(x, torch.Tensor)])
@@ -177,7 +177,7 @@ def layout_key(*tensors) -> tuple | None:
     that passed for it: the fast path skips the checks, not their outcome. None when an argument
     is neither a tensor nor None (bad input: the checks say what is wrong)."""
     for t in tensors:
-        if t is not None and not isinstance(t, torch.Tensor):
+        if t is not None and (not isinstance(t, torch.Tensor) or t.is_neg()):
             return None
     return tuple([None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device) for t in tensors])
 
@@ -365,13 +365,14 @@ class FastOp:
 def direct_backward(ctx, *grads) -> bool:
     """Whether a registered ``backward`` may call its backward op through :meth:`FastOp.direct`:
     its forward ran on the eager path (the eager Function's ``ctx``, never the dispatcher's while
-    tracing), and every incoming gradient is None or a plain tensor (not a tensor subclass nor a
-    functorch wrapper, which compiled autograd or a caller's ``grad_outputs`` may hand in). A
+    tracing), and every incoming gradient is None or a plain tensor (not a tensor subclass, a
+    functorch wrapper, which compiled autograd or a caller's ``grad_outputs`` may hand in, nor a
+    negative view, whose sign bit the dispatcher resolves). A
     backward runs with grad mode off (:func:`once_differentiable`), so there is no graph to build."""
     if not getattr(ctx, "eager_call", False):
         return False
     for g in grads:
-        if g is not None and (type(g) is not torch.Tensor
+        if g is not None and (type(g) is not torch.Tensor or g.is_neg()
                               or _is_functorch_wrapped is not None and _is_functorch_wrapped(g)):
             return False
     return True

@@ -153,6 +153,7 @@ def _check_like(name: str, t, ref: torch.Tensor, dtype: torch.dtype) -> None:
     """``t`` is a dense tensor of ``dtype`` with ref's shape, strides and device (one flat
     memory walk updates both)."""
     check_tensor(name, t, (dtype,))
+    _check_not_negative_view(name, t)
     if t.layout != torch.strided:
         raise ValueError(f"{name} has layout {t.layout}; only dense (strided) tensors are supported")
     if t.device != ref.device:
@@ -162,6 +163,14 @@ def _check_like(name: str, t, ref: torch.Tensor, dtype: torch.dtype) -> None:
                          f"{tuple(ref.shape)} / {ref.stride()}")
 
 
+def _check_not_negative_view(name: str, t: torch.Tensor) -> None:
+    """The step reads and writes each tensor's storage: one with the negative bit set keeps its
+    values negated there (s45 audit: a param updated as if its sign were flipped)."""
+    if t.is_neg():
+        raise TypeError(f"{name} is a negative view (torch._neg_view, z.conj().imag: its values are "
+                        f"stored negated); pass t.resolve_neg()")
+
+
 def _check_hyperparameters(lr, beta1, beta2, eps, weight_decay, device) -> None:
     if isinstance(lr, torch.Tensor):
         if lr.numel() != 1 or not lr.is_floating_point():
@@ -169,6 +178,7 @@ def _check_hyperparameters(lr, beta1, beta2, eps, weight_decay, device) -> None:
                              f"{tuple(lr.shape)} {lr.dtype}")
         if lr.device != device:
             raise ValueError(f"lr is a tensor on {lr.device} but the params are on {device}")
+        _check_not_negative_view("lr", lr)
     elif not lr >= 0.0:
         raise ValueError(f"lr must be >= 0, got {lr}")
     for name, beta in (("beta1", beta1), ("beta2", beta2)):
@@ -199,6 +209,7 @@ def check_step_inputs(params, grads, exp_avgs, exp_avg_sqs, state_steps, lr, bet
                         f"dtype {p0.dtype}")
     for i, p in enumerate(lists["params"]):
         check_tensor(f"params[{i}]", p, FLOAT_DTYPES)
+        _check_not_negative_view(f"params[{i}]", p)
         if p.dtype != p0.dtype or p.device != p0.device:
             raise TypeError(f"params[{i}] is {p.dtype} on {p.device} but params[0] is {p0.dtype} "
                             f"on {p0.device}; one step takes one dtype and device (group them)")
@@ -213,6 +224,7 @@ def check_step_inputs(params, grads, exp_avgs, exp_avg_sqs, state_steps, lr, bet
         if "master_params" in lists:
             _check_like(f"master_params[{i}]", lists["master_params"][i], p, torch.float32)
     check_tensor("state_steps", state_steps, (torch.float32,))
+    _check_not_negative_view("state_steps", state_steps)
     if state_steps.dim() != 1 or state_steps.shape[0] != n or not state_steps.is_contiguous():
         raise ValueError(f"state_steps must be a contiguous 1-D tensor with one step per param "
                          f"({n}), got shape {tuple(state_steps.shape)}")
