@@ -14,6 +14,7 @@ import torch
 import triton.testing
 
 import tilefuse.ops.cross_entropy as ce
+from tilefuse.ops._cross_entropy_shared import check_targets_in_range
 
 
 def main() -> None:
@@ -29,7 +30,7 @@ def main() -> None:
 
     def sync_check(tgt, n_classes, ignore_index, reduction, check):
         if check:
-            ce.check_targets_in_range(tgt, n_classes, ignore_index)
+            check_targets_in_range(tgt, n_classes, ignore_index)
         return deferred_check(tgt, n_classes, ignore_index, reduction, False)
 
     times: dict[str, list[float]] = {}

@@ -27,7 +27,8 @@ import triton.testing
 
 from tilefuse.ops._matmul_kernels import launch_matmul
 from tilefuse.ops._cross_entropy_kernels import CEOptions
-from tilefuse.ops.cross_entropy import cross_entropy_rows, random_targets
+from tilefuse.ops._cross_entropy_shared import cross_entropy_rows
+from tilefuse.ops.cross_entropy import random_targets
 from tilefuse.testing import rel_err
 
 

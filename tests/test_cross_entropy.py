@@ -12,9 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tilefuse.ops._cross_entropy_kernels as kernels
-import tilefuse.ops.cross_entropy as ce_mod  # registers the op before test_ops runs
+from tilefuse._dispatch import use_triton
 from tilefuse.nn.losses import CrossEntropyLoss
-from tilefuse.ops.cross_entropy import cross_entropy, cross_entropy_reference
+from tilefuse.ops._cross_entropy_shared import _cross_entropy_rows_torch
+from tilefuse.ops.cross_entropy import cross_entropy, cross_entropy_reference  # (registers the op before test_ops)
 from tilefuse.testing import rel_err
 
 
@@ -133,7 +134,7 @@ def test_launch_configs(config):
     loss, grad = torch.empty(13, device=DEVICE), torch.empty_like(logits)
     kernels.launch_cross_entropy_rows(logits, target, scale, loss, grad, opts, config)
     ref_loss, ref_grad = torch.empty_like(loss), torch.empty_like(grad)
-    ce_mod._cross_entropy_rows_torch(logits, target, scale, ref_loss, ref_grad, opts)
+    _cross_entropy_rows_torch(logits, target, scale, ref_loss, ref_grad, opts)
     assert rel_err(loss, ref_loss) <= 1e-5 and rel_err(grad, ref_grad) <= 1e-5
 
 
@@ -489,7 +490,7 @@ def test_bad_inputs():
 def test_kernel_skip_flag_writes_nothing(n_cols, skip):
     """The in-place mode launches before the target test's result is known: with the test's
     device flag set, the kernel must leave the logits and the loss rows exactly as they were."""
-    if not ce_mod.use_triton(torch.empty(0, device=DEVICE)):
+    if not use_triton(torch.empty(0, device=DEVICE)):
         pytest.skip("kernel path only (CUDA or TRITON_INTERPRET=1)")
     x = torch.randn(3, n_cols, device=DEVICE)
     before = x.clone()
@@ -509,7 +510,7 @@ def test_kernel_skip_flag_writes_nothing(n_cols, skip):
 def test_target_scan_kernel(n, dtype):
     """One launch gives the range test's flag and 1 / n_valid: against torch on the same targets,
     with the bad target last (the final step) and with every target ignored."""
-    if not ce_mod.use_triton(torch.empty(0, device=DEVICE)):
+    if not use_triton(torch.empty(0, device=DEVICE)):
         pytest.skip("kernel path only (CUDA or TRITON_INTERPRET=1)")
     t = _targets(n, 50, dtype=dtype)
     for case in ("good", "bad-last", "bad-negative", "all-ignored"):

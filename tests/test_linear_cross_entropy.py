@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import tilefuse.ops.linear_cross_entropy as lce_mod  # noqa: F401  (registers the op before test_ops)
 from tilefuse.nn.losses import LinearCrossEntropyLoss
-from tilefuse.ops.cross_entropy import softcap_reference, torch_cross_entropy
+from tilefuse.ops._cross_entropy_shared import softcap_reference, torch_cross_entropy
 from tilefuse.ops.linear_cross_entropy import _chunk_tokens, linear_cross_entropy, linear_cross_entropy_reference
 from tilefuse.testing import rel_err
 

@@ -50,22 +50,22 @@ from .._dispatch import empty, is_hopper
 from .._op import custom_op
 from ..registry import Inputs, OpSpec, register, tensor_bytes
 from ._attention_bwd import tma_eligible
+from ._cross_entropy_kernels import CEOptions
 from ._matmul_kernels import launch_matmul
-from .cross_entropy import (
-    CEOptions,
+from ._cross_entropy_shared import (
     check_ce_options,
     check_target,
-    loss_dtype,
     cross_entropy_rows,
-    random_targets,
+    loss_dtype,
     reduce_loss_rows,
     reference_cross_entropy,
     rescale_,
-    scan_targets,
     saved_grads_for_backward,
+    scan_targets,
     softcap_reference,
     torch_cross_entropy,
 )
+from .cross_entropy import random_targets
 
 # the [C, V] logits buffer, the op's only large extra allocation. Smaller chunks re-read and
 # re-write the [V, H] grad_weight accumulator more often (one pass over it per chunk). H100,
