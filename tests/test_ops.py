@@ -374,3 +374,115 @@ def test_negative_view_grad_outputs_read_as_their_values(name):
     for _ in range(2):
         for k, (g, w) in enumerate(zip(grads(True), want)):
             assert (g is None) == (w is None) and (w is None or torch.equal(g, w)), f"{name}: gradient {k}"
+
+
+@pytest.mark.parametrize("name", [s.name for s in registry.all_ops() if s.has_backward])
+def test_torch_func_vjp_matches_autograd(name):
+    """torch.func.vjp (and so torch.func.grad / jacrev) through the op gives autograd's gradients;
+    it used to raise for every op: torch's custom-op autograd has no setup_context form."""
+    spec = registry.get(name)
+    shape, dtype = _smallest_cpu_case(spec)
+    if dtype == torch.bfloat16 and DEVICE == "cpu":
+        pytest.skip("bf16 only: GPU")
+    inp = spec.make_inputs(shape, dtype, DEVICE)
+    plain = _fresh(inp.args)        # (before the call: an in-place mode turns the logits into their gradient)
+    leaves = [inp.args[k] for k in inp.grad_args]
+    outs = as_tuple(spec.fn(*inp.args, **inp.kwargs))
+    picked = [i for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.requires_grad]
+    gos = make_grad_outputs([outs[i] for i in picked])
+    want = torch.autograd.grad([outs[i] for i in picked], leaves, gos, allow_unused=True)
+
+    def f(*diff):
+        args = list(plain)
+        for k, d in zip(inp.grad_args, diff):
+            args[k] = d
+        got = as_tuple(spec.fn(*args, **inp.kwargs))
+        return tuple(got[i] for i in picked)
+
+    for _ in range(2):
+        value, vjp_fn = torch.func.vjp(f, *[plain[k].clone() for k in inp.grad_args])
+        for v, i in zip(value, picked):
+            assert torch.equal(v.detach(), outs[i].detach()), f"{name}: output {i}"
+        for k, (g, w) in enumerate(zip(vjp_fn(tuple(gos)), want)):
+            assert torch.allclose(g, torch.zeros_like(g) if w is None else w, rtol=1e-5, atol=1e-6), f"{name}: gradient {k}"
+
+
+@pytest.mark.parametrize("name", [s.name for s in registry.all_ops() if s.has_backward])
+def test_torch_func_per_sample_gradients(name):
+    """vmap(grad(...)): per-sample gradients through the op (the forward once per sample, the
+    backward through the dispatcher's per-sample fallback) equal each sample's autograd gradients."""
+    spec = registry.get(name)
+    shape, dtype = _smallest_cpu_case(spec)
+    if dtype == torch.bfloat16 and DEVICE == "cpu":
+        pytest.skip("bf16 only: GPU")
+    samples = [spec.make_inputs(shape, dtype, DEVICE) for _ in range(3)]
+    first = samples[0]
+    for s in samples[1:]:        # same options per sample; only the tensors' values differ
+        for a, b in zip(first.args, s.args):
+            if isinstance(a, torch.Tensor) != isinstance(b, torch.Tensor) or (
+                    isinstance(a, torch.Tensor) and a.shape != b.shape) or (not isinstance(a, torch.Tensor) and a != b):
+                pytest.skip("samples differ in more than their values")
+    tensor_pos = [k for k, a in enumerate(first.args) if isinstance(a, torch.Tensor)]
+    diff_pos = list(first.grad_args)
+    plains = [_fresh(s.args) for s in samples]
+
+    def sample_loss(*tensors_and_gos):
+        tensors, gos = tensors_and_gos[:len(tensor_pos)], tensors_and_gos[len(tensor_pos):]
+        args = list(first.args)
+        for k, t in zip(tensor_pos, tensors):
+            args[k] = t
+        outs = [o for o in as_tuple(spec.fn(*args, **first.kwargs)) if isinstance(o, torch.Tensor) and o.is_floating_point()]
+        return sum((o.float() * g.float()).sum() for o, g in zip(outs[:len(gos)], gos))
+
+    # each sample's gradients by plain autograd, with grad_outputs for the outputs that have one
+    want, gos_all = [], []
+    for plain in plains:
+        leaves = [plain[k].clone().requires_grad_(True) for k in diff_pos]
+        args = list(plain)
+        for k, leaf in zip(diff_pos, leaves):
+            args[k] = leaf
+        outs = [o for o in as_tuple(spec.fn(*args, **first.kwargs)) if isinstance(o, torch.Tensor) and o.requires_grad]
+        gos = make_grad_outputs(outs)
+        gos_all.append(gos)
+        want.append(torch.autograd.grad(outs, leaves, gos, allow_unused=True))
+    stacked = [torch.stack([p[k] for p in plains]) for k in tensor_pos]
+    stacked_gos = [torch.stack([g[j] for g in gos_all]) for j in range(len(gos_all[0]))]
+    argnums = tuple(tensor_pos.index(k) for k in diff_pos)
+    got = torch.func.vmap(torch.func.grad(sample_loss, argnums=argnums))(*stacked, *stacked_gos)
+    for i in range(len(samples)):
+        for k, (g, w) in enumerate(zip(got, want[i])):
+            w = torch.zeros_like(g[i]) if w is None else w
+            assert torch.allclose(g[i], w, rtol=1e-5, atol=1e-6), f"{name}: sample {i}, gradient {k}"
+
+
+@pytest.mark.parametrize("name", [s.name for s in registry.all_ops() if s.has_backward])
+def test_torch_func_second_derivative_raises(name):
+    """grad of grad through the op raises (the kernels' backward is not differentiable; run
+    without a graph it gave a second derivative of 0, silently), and so does torch.func.grad
+    with grad mode on and a tensor the op reads that requires grad outside it (plain autograd
+    could differentiate the result again); under torch.no_grad() that call runs."""
+    spec = registry.get(name)
+    shape, dtype = _smallest_cpu_case(spec)
+    if dtype == torch.bfloat16 and DEVICE == "cpu":
+        pytest.skip("bf16 only: GPU")
+    inp = spec.make_inputs(shape, dtype, DEVICE)
+    plain = _fresh(inp.args)
+    k0 = inp.grad_args[0]
+
+    def loss(t, args=plain):
+        args = list(args)
+        args[k0] = t
+        outs = [o for o in as_tuple(spec.fn(*args, **inp.kwargs)) if isinstance(o, torch.Tensor) and o.is_floating_point()]
+        return sum((o.float() * torch.linspace(-1, 1, o.numel(), device=o.device).view(o.shape)).sum() for o in outs)
+
+    with pytest.raises(RuntimeError, match="not differentiable"):
+        torch.func.grad(lambda t: torch.func.grad(loss)(t).float().pow(2).sum())(plain[k0].clone())
+    tracked = [a.clone().requires_grad_(True) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+               for a in plain]
+    if not any(isinstance(a, torch.Tensor) and a.requires_grad for k, a in enumerate(tracked) if k != k0):
+        return              # (no other floating input)
+    with pytest.raises(RuntimeError, match="requires grad outside the transform"):
+        torch.func.grad(lambda t: loss(t, tracked))(plain[k0].clone())
+    with torch.no_grad():
+        got = torch.func.grad(lambda t: loss(t, tracked))(plain[k0].clone())
+    assert torch.allclose(got, torch.func.grad(loss)(plain[k0].clone()), rtol=1e-5, atol=1e-6)

@@ -286,6 +286,7 @@ class FastOp:
         self._signature = inspect.signature(op._init_fn)
         self._function: type[torch.autograd.Function] | None = None
         self._apply: Callable | None = None
+        self._transform: type[torch.autograd.Function] | None = None
         # positions of the arguments the op writes in place: the direct path bumps their version
         # counters as the dispatcher would, so autograd still catches a use of stale saved tensors
         names = list(self._signature.parameters)
@@ -324,6 +325,34 @@ class FastOp:
                 return backward(ctx, *grads)
 
         self._function = _Eager
+
+        fast_op = self
+
+        # setup_context form: what functorch's transforms (torch.func.grad / vjp / jacrev, and
+        # vmap of them) accept; they call forward with the tensors they unwrapped, so the kernels
+        # see plain ones, and vmap with each sample's (the op once per sample)
+        class _Transform(torch.autograd.Function):
+            @staticmethod
+            def forward(*args):
+                return impl(*args)
+
+            @staticmethod
+            def setup_context(ctx, inputs, output):
+                ctx.set_materialize_grads(materialize_grads)
+                if setup_context is not None:
+                    setup_context(ctx, inputs, output)
+
+            @staticmethod
+            def vmap(info, in_dims, *args):
+                return _per_sample(fast_op, info.batch_size, in_dims, args)
+
+            @staticmethod
+            def backward(ctx, *grads):
+                _check_not_differentiated_again(ctx, grads)
+                with torch.no_grad():
+                    return backward(ctx, *grads)
+
+        self._transform = _Transform
         # Function.apply is a Python classmethod that binds arguments and unwraps functorch's
         # dead wrappers (~3 µs per call); the eager path has already sent every functorch
         # tensor to the dispatcher, so it calls the C implementation underneath directly.
@@ -352,6 +381,8 @@ class FastOp:
             args = bound.args
         needs_grad = None if _tracing() else _eager_grad_state(args)
         if needs_grad is None:
+            if self._transform is not None and _under_grad_transform(args):
+                return self._transform.apply(*args)
             return self.op(*args)
         if needs_grad and self._function is not None and torch.is_grad_enabled():
             return self._apply(*args)
@@ -360,6 +391,55 @@ class FastOp:
             for t in _tensors((args[i],)):
                 torch.autograd.graph.increment_version(t)
         return out
+
+
+_is_grad_tracking = getattr(getattr(torch._C, "_functorch", None), "is_gradtrackingtensor", None)
+
+
+def _per_sample(op: "FastOp", batch: int, in_dims: tuple, args: tuple):
+    """A functorch vmap rule: ``op`` on each sample's slice of ``args``, outputs stacked along
+    dim 0 (as the dispatcher's fallback does for a plain vmap of the op)."""
+    outs = [op(*[a if d is None else a.select(d, i) for a, d in zip(args, in_dims)]) for i in range(batch)]
+    if isinstance(outs[0], torch.Tensor):
+        return torch.stack(outs), 0
+    return tuple(torch.stack(list(o)) for o in zip(*outs)), (0,) * len(outs[0])
+
+
+_NOT_TWICE_FUNC = (
+    "tilefuse's backward kernels are not differentiable: inside torch.func.grad / vjp / jacrev the "
+    "gradient through this op could be differentiated again ({}), which is not supported; use "
+    "torch's op there{}")
+
+
+def _check_not_differentiated_again(ctx, grads) -> None:
+    """Raise when the gradients a functorch transform's backward returns could be differentiated
+    again: by an outer grad / jvp transform, or by plain autograd outside the transforms (grad
+    mode on there and a tensor the backward reads requires grad: a model's Parameters, say). The
+    kernels' backward is not differentiable, and running it without a graph hands such a
+    derivative a constant: 0, silently (grad of grad gave zeros; s45)."""
+    from torch._functorch.pyfunctorch import TransformType, retrieve_all_functorch_interpreters
+
+    levels = retrieve_all_functorch_interpreters()
+    if any(i.key() in (TransformType.Grad, TransformType.Jvp) for i in levels[:-1]):
+        raise RuntimeError(_NOT_TWICE_FUNC.format("a transform nested around it", ""))
+    outer = next((i for i in levels if i.key() == TransformType.Grad), None)
+    if outer is None or not outer.prev_grad_mode():
+        return
+    for t in (*_saved_tensors(ctx), *grads):
+        while isinstance(t, torch.Tensor) and _is_functorch_wrapped(t):
+            t = torch._C._functorch.get_unwrapped(t)
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            raise RuntimeError(_NOT_TWICE_FUNC.format(
+                "a tensor it reads requires grad outside the transform, with grad mode on",
+                ", or call the transform under torch.no_grad() or with those tensors detached"))
+
+
+def _under_grad_transform(args) -> bool:
+    """A call inside torch.func.grad / vjp / jacrev (a tensor argument wrapped for gradient
+    tracking), not while tracing."""
+    if _is_grad_tracking is None or _tracing():
+        return False
+    return any(_is_grad_tracking(t) for t in _tensors(args))
 
 
 def direct_backward(ctx, *grads) -> bool:

@@ -253,6 +253,15 @@ def rescale_(g: torch.Tensor, applied: torch.Tensor, go: torch.Tensor) -> None:
         g2.copy_((_wide(g2) * (factor[:, None] if factor.numel() > 1 else factor)).to(g.dtype))
 
 
+def _scaled(g: torch.Tensor, applied: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
+    """g * grad_output / applied out of place, in torch ops (functorch transforms: rescale_'s math)."""
+    if g.numel() == 0:
+        return g
+    factor = grad_output.reshape(-1).to(torch.float32) / applied
+    g2 = g.reshape(-1, g.shape[-1]) if g.dim() else g.reshape(1, 1)
+    return (_wide(g2) * (factor[:, None] if factor.numel() > 1 else factor)).to(g.dtype).reshape(g.shape)
+
+
 @_scale_saved_grads_op.register_fake
 def _(grads, applied, grad_output):
     return None
@@ -305,6 +314,8 @@ def saved_grads_for_backward(ctx, grads: list, applied: torch.Tensor, grad_outpu
     if torch.compiler.is_compiling():
         _scale_saved_grads_op(grads, applied, grad_output)
         return grads
+    if torch._C._are_functorch_transforms_active():     # (vmap has no rule for an op that mutates)
+        return [_scaled(g, applied, grad_output) for g in grads]
     if not getattr(ctx, "grads_handed_out", False):
         scale_saved_grads_(grads, applied, grad_output)
         ctx.grads_handed_out = True

@@ -284,9 +284,10 @@ _is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
 def _inplace_allowed() -> bool:
     """The in-place modes run eagerly and under torch.compile; under another dispatch mode
     (selective activation checkpointing caches op results: the cached in-place op never re-ran,
-    and the saved "gradient" was the recomputed logits, s38 audit) and under torch.export the
-    buffered modes run instead (same values)."""
-    if _is_exporting():
+    and the saved "gradient" was the recomputed logits, s38 audit), under torch.export and under
+    a functorch transform (torch.func.grad / vmap: the logits are its wrappers) the buffered
+    modes run instead (same values)."""
+    if _is_exporting() or torch._C._are_functorch_transforms_active():
         return False
     return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() == 0
 
