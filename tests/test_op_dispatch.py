@@ -231,3 +231,15 @@ def test_gradient_penalty_through_an_op_raises(case, how):
             gx.pow(2).sum().backward()
         else:
             torch.autograd.grad(gx.pow(2).sum(), W)
+
+
+def test_jacrev_matches_torch():
+    """torch.func.jacrev (vmap over vjp: batched cotangents into the backward) through ops with
+    one and with several differentiable inputs."""
+    x, w = torch.randn(3, 6, device=DEVICE), torch.randn(6, 4, device=DEVICE)
+    got = torch.func.jacrev(tilefuse.softmax)(x)
+    want = torch.func.jacrev(lambda t: torch.softmax(t, -1))(x)
+    assert rel_err(got, want) <= 1e-5
+    got = torch.func.jacrev(tilefuse.matmul, argnums=(0, 1))(x, w)
+    want = torch.func.jacrev(torch.matmul, argnums=(0, 1))(x, w)
+    assert all(rel_err(g, r) <= 1e-5 for g, r in zip(got, want))
