@@ -271,16 +271,22 @@ def _smallest_cpu_case(spec):
     return tuple(shape), dtype
 
 
+def _smallest_case(name):
+    """(spec, shape, dtype) of the op's smallest test shape, fp32 where it runs (bf16-only: GPU)."""
+    spec = registry.get(name)
+    shape, dtype = _smallest_cpu_case(spec)
+    if dtype == torch.bfloat16 and DEVICE == "cpu":
+        pytest.skip("bf16 only: GPU")
+    return spec, shape, dtype
+
+
 @pytest.mark.parametrize("name", [s.name for s in registry.all_ops() if s.has_backward])
 def test_second_derivative_raises(name):
     """create_graph=True gives the right first derivative, and differentiating it again raises
     (the kernels' backward is not differentiable). It used to come back detached, so a gradient
     penalty's term dropped silently (layer_norm: x.grad 1.0 off; matmul + gelu: a.grad None, b.grad
     0.6 off; a helper's audit, s36)."""
-    spec = registry.get(name)
-    shape, dtype = _smallest_cpu_case(spec)
-    if dtype == torch.bfloat16 and DEVICE == "cpu":
-        pytest.skip("bf16 only: GPU")
+    spec, shape, dtype = _smallest_case(name)
     inp = spec.make_inputs(shape, dtype, DEVICE)
     leaves = [inp.args[i] for i in inp.grad_args]
     outs = [o for o in as_tuple(spec.fn(*inp.args, **inp.kwargs)) if o.requires_grad]
@@ -328,10 +334,7 @@ def test_negative_views_read_as_their_values(name):
     same values gives what the plain tensor gives -- outputs and inputs the op writes in place --
     on the first call and on a repeat (the fast paths); or, where the op writes into such a view
     (the optimizer step), a TypeError that says so."""
-    spec = registry.get(name)
-    shape, dtype = _smallest_cpu_case(spec)
-    if dtype == torch.bfloat16 and DEVICE == "cpu":
-        pytest.skip("bf16 only: GPU")
+    spec, shape, dtype = _smallest_case(name)
     inp = spec.make_inputs(shape, dtype, DEVICE)
     args, kwargs = inp.detached().args, inp.kwargs
     plain = _fresh(args)
@@ -357,10 +360,7 @@ def test_negative_views_read_as_their_values(name):
 def test_negative_view_grad_outputs_read_as_their_values(name):
     """The backward with each grad_output passed as a negative view of the same values gives the
     same gradients (first and repeated backward: the direct backward paths)."""
-    spec = registry.get(name)
-    shape, dtype = _smallest_cpu_case(spec)
-    if dtype == torch.bfloat16 and DEVICE == "cpu":
-        pytest.skip("bf16 only: GPU")
+    spec, shape, dtype = _smallest_case(name)
     inp = spec.make_inputs(shape, dtype, DEVICE)
     leaves = [inp.args[k] for k in inp.grad_args]
 
@@ -380,10 +380,7 @@ def test_negative_view_grad_outputs_read_as_their_values(name):
 def test_torch_func_vjp_matches_autograd(name):
     """torch.func.vjp (and so torch.func.grad / jacrev) through the op gives autograd's gradients;
     it used to raise for every op: torch's custom-op autograd has no setup_context form."""
-    spec = registry.get(name)
-    shape, dtype = _smallest_cpu_case(spec)
-    if dtype == torch.bfloat16 and DEVICE == "cpu":
-        pytest.skip("bf16 only: GPU")
+    spec, shape, dtype = _smallest_case(name)
     inp = spec.make_inputs(shape, dtype, DEVICE)
     plain = _fresh(inp.args)        # (before the call: an in-place mode turns the logits into their gradient)
     leaves = [inp.args[k] for k in inp.grad_args]
@@ -411,10 +408,7 @@ def test_torch_func_vjp_matches_autograd(name):
 def test_torch_func_per_sample_gradients(name):
     """vmap(grad(...)): per-sample gradients through the op (the forward once per sample, the
     backward through the dispatcher's per-sample fallback) equal each sample's autograd gradients."""
-    spec = registry.get(name)
-    shape, dtype = _smallest_cpu_case(spec)
-    if dtype == torch.bfloat16 and DEVICE == "cpu":
-        pytest.skip("bf16 only: GPU")
+    spec, shape, dtype = _smallest_case(name)
     samples = [spec.make_inputs(shape, dtype, DEVICE) for _ in range(3)]
     first = samples[0]
     for s in samples[1:]:        # same options per sample; only the tensors' values differ
@@ -461,10 +455,7 @@ def test_torch_func_second_derivative_raises(name):
     without a graph it gave a second derivative of 0, silently), and so does torch.func.grad
     with grad mode on and a tensor the op reads that requires grad outside it (plain autograd
     could differentiate the result again); under torch.no_grad() that call runs."""
-    spec = registry.get(name)
-    shape, dtype = _smallest_cpu_case(spec)
-    if dtype == torch.bfloat16 and DEVICE == "cpu":
-        pytest.skip("bf16 only: GPU")
+    spec, shape, dtype = _smallest_case(name)
     inp = spec.make_inputs(shape, dtype, DEVICE)
     plain = _fresh(inp.args)
     k0 = inp.grad_args[0]
