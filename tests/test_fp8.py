@@ -347,7 +347,13 @@ def _check_matmul(a, b, bias, scaling, out_dtype=torch.float32, grad_dtype=E5M2)
     _assert_within(db, *_scaled_gemm_bound(qdy.t(), sdy, qat.t(), sat, None, b.dtype), "grad b vs the recipe")
     if bias is not None:
         assert grads[2].dtype == bias.dtype         # an fp32 sum, rounded once to the bias dtype
-        assert rel_err(grads[2], dy2.double().sum(0)) <= OUT_U[bias.dtype] + 1e-6
+        # elementwise: with N = 1 the whole gradient is one sum of M terms that may cancel (a
+        # relative norm failed ~2e-3 of runs, s45); fp32 summation ((M - 1)·u·Σ|dy|), then one
+        # rounding to the bias dtype (and half a subnormal step of fp16 where it lands there)
+        exact = dy2.double().sum(0)
+        summed = max(dy2.shape[0] - 1, 1) * 2**-24 * dy2.double().abs().sum(0)
+        bound = OUT_U[bias.dtype] * (exact.abs() + summed) + summed + (2**-25 if bias.dtype == torch.float16 else 0)
+        _assert_within(grads[2], exact, bound, "grad bias")
     return y
 
 

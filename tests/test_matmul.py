@@ -330,18 +330,11 @@ def test_fast_path_training_calls_match_fp64(lead, n, k, act, has_bias, has_res,
         res = _rand((*lead, n), dtype, grad=flags[3]) if has_res else None
         leaves = [t for t in (a, b, bias, res) if t is not None and t.requires_grad]
         fn = (lambda *xs: checkpoint(matmul, *xs, use_reentrant=False)) if checkpointed else matmul
-        y = fn(a, b, bias, act, res)
-        wide = [t.detach().double().requires_grad_(t.requires_grad) if t is not None else None for t in (a, b, bias, res)]
-        ref = matmul_reference(wide[0], wide[1], wide[2], act, wide[3])
-        assert rel_err(y, ref) <= 1e-5
-        if not leaves:
-            assert not y.requires_grad
-            continue
-        dy = torch.randn_like(y)
-        got = torch.autograd.grad(y, leaves, dy)
-        want = torch.autograd.grad(ref, [w for w in wide if w is not None and w.requires_grad], dy.double())
-        for g, r in zip(got, want):
-            assert rel_err(g, r) <= 1e-5
+        # _check's bound (max(TOL, 2 x PyTorch's fp32 error)): one output column makes the bias and
+        # weight gradients short sums that cancel, and gelu_tanh' underflows far in the lower tail
+        # (a bare 1e-5 failed ~5 % of runs: 1.55e-4 on a cancelling sum, 1.0 on an underflow; s45)
+        y = _check(a, b, bias, act, res, fn=fn)
+        assert y.requires_grad == bool(leaves)
     mm._FAST.clear()
 
 

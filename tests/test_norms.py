@@ -204,7 +204,10 @@ def test_rows_of_length_one():
     g = torch.randn_like(y)
     gx, gw = torch.autograd.grad(y, (x, w), g)
     gxr, gwr = torch.autograd.grad(yr, (xr, wr), g.double())
-    assert rel_err(gw, gwr) <= 1e-5
+    # gw = Σ g·x̂ over the 9 rows (x̂ = x·rstd ≈ ±1) may cancel: bound it by the sum of the terms'
+    # sizes (a relative 1e-5 failed 13 of 3,000 draws, worst 12x, at a sum cancelled to ~1e-3; s45)
+    x_hat = xr.detach() / torch.sqrt(xr.detach() ** 2 + 1e-5)
+    assert (gw.double() - gwr).abs().item() <= 1e-5 * (g.double() * x_hat).abs().sum().item()
     assert (gx.double() - gxr).abs().max() <= 1e-6 * (g.abs() / x.detach().abs()).max()
 
 

@@ -20,6 +20,8 @@ FP32_TOL = 1e-5
 # The moments are averages of unit-scale random gradients; where one cancels to near 0 (a 1-element
 # param, a few % of runs) its few ulps of rounding per step (~1e-7 each) are not small relative
 # to it, so they are compared elementwise with this absolute floor (~16 ulps of 1.0) beside FP32_TOL.
+# The params too: a 1-element param that ends a trajectory near 0 (|p| ~ 1e-3, ~3e-3 of runs) failed
+# a relative norm at 2.7x with our steps and torch's 1.2e-7 apart (s45).
 STATE_ATOL = 1e-6
 SMALL = {"BLOCK": 128, "CHUNK": 512, "num_warps": 4}   # several chunks per tensor on tiny shapes
 SHAPES = [(7,), (33, 17), (1,), (1500,), (3, 4, 5)]    # 1500: two whole chunks and a tail
@@ -53,7 +55,7 @@ def _set_grads(ours, theirs, step, skip=None):
 
 def _assert_close(ours, theirs, opt, ref, tol=FP32_TOL):
     for i, (p, q) in enumerate(zip(ours, theirs)):
-        assert rel_err(p, q) <= tol, f"param {i}: {rel_err(p, q):.3g}"
+        torch.testing.assert_close(p, q, rtol=tol, atol=STATE_ATOL, msg=lambda m, i=i: f"param {i}: {m}")
         if q in ref.state:
             for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
                 if k in ref.state[q]:
@@ -184,7 +186,7 @@ def test_master_weights_follow_fp32_trajectory(dtype):
     for p, q in zip(ours, theirs):
         master = opt.state[p]["master_param"]
         assert master.dtype == torch.float32 and opt.state[p]["exp_avg"].dtype == torch.float32
-        assert rel_err(master, q) <= FP32_TOL
+        torch.testing.assert_close(master, q.detach(), rtol=FP32_TOL, atol=STATE_ATOL)
         assert torch.equal(p.detach(), master.to(dtype))
 
 
@@ -348,7 +350,9 @@ def test_functional_options_match_reference(sizes, maximize, amsgrad, decoupled,
         pairs += [(masters[i], ref["params"][i])] if master else []
         pairs += [(vmax[i], ref["vmax"][i])] if amsgrad else []
         for j, (out, expect) in enumerate(pairs):
-            assert rel_err(out, expect) <= (FP32_TOL if out.dtype == torch.float32 else 2e-3), (i, j)
+            # elementwise with STATE_ATOL: a 1-element m' = 0.9·m + 0.1·g can land near 0 (s45)
+            torch.testing.assert_close(out.double(), expect, rtol=FP32_TOL if out.dtype == torch.float32 else 2e-3,
+                                       atol=STATE_ATOL, msg=lambda m, i=i, j=j: f"tensor {i}, state {j}: {m}")
 
 
 def test_stacked_rows_and_lists_agree():

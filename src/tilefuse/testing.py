@@ -400,16 +400,43 @@ ROUNDING_FLOOR_DRAWS = 2
 
 def rounding_floors(spec: OpSpec, ref: ReferenceCache, grad_outputs: tuple, backward: bool,
                     dtype: torch.dtype, seed: int = 0) -> tuple[tuple, tuple | None]:
-    """Per output and per gradient: ``ROUNDING_FLOOR_FACTOR`` times the largest relative change of
-    the fp64 reference over ``ROUNDING_FLOOR_DRAWS`` draws in which every floating input and output
-    gradient is multiplied by (1 ± u), u the unit roundoff of fp32 (of ``dtype`` if finer), signs
-    random.
+    """Per output and per gradient, the larger of two movements of the fp64 reference, each the
+    largest relative change over ``ROUNDING_FLOOR_DRAWS`` draws in which every floating input and
+    output gradient is multiplied by (1 ± u), signs random:
 
-    This is the accuracy a kernel that accumulates in fp32 cannot beat on these very inputs: a
-    sum of terms ~1 that cancels to 8e-4 moves by ~u·‖terms‖ / 8e-4 ≈ 2e-4 relative, a well
-    conditioned result by ~u ≈ 6e-8. Non-finite values (a reference that is exactly 0) give 0."""
-    u = 2.0 ** -24 if torch.finfo(dtype).bits <= 32 else torch.finfo(dtype).eps / 2
-    gen = torch.Generator().manual_seed(seed)
+    * ``ROUNDING_FLOOR_FACTOR`` times the movement at u = fp32's unit roundoff (``dtype``'s if
+      finer): the accuracy a kernel that accumulates in fp32 cannot beat on these very inputs. A
+      sum of terms ~1 that cancels to 8e-4 moves by ~u·‖terms‖ / 8e-4 ≈ 2e-4 relative, a well
+      conditioned result by ~u ≈ 6e-8.
+    * for 16-bit dtypes, the movement at u = ``dtype``'s own unit roundoff: the backward error a
+      16-bit input carries anyway. A well conditioned result moves by ~u (below the dtype's
+      tolerance); one that cancels, by what one rounding of its inputs costs it. (bias_act's
+      fp16 gradient at 1 x 1: gelu'(z) crosses 0 at z = -0.7518, where the 16-bit path's short erf
+      fit, 2.4e-5 relative on Φ, left 6.9 % of a tiny result, and PyTorch's own error was 2.6e-4
+      only when x + b happened to be exact in fp16: ~1e-3 of CI runs failed; s45.)
+
+    Non-finite values (a reference that is exactly 0) give 0."""
+    u32 = 2.0 ** -24 if torch.finfo(dtype).bits <= 32 else torch.finfo(dtype).eps / 2
+    fwd, bwd = _reference_movement(spec, ref, grad_outputs, backward, u32, seed, draws=seed)
+    fwd, bwd = [ROUNDING_FLOOR_FACTOR * e for e in fwd], bwd and [ROUNDING_FLOOR_FACTOR * e for e in bwd]
+    if torch.finfo(dtype).bits == 16:
+        fwd16, bwd16 = _reference_movement(spec, ref, grad_outputs, backward, torch.finfo(dtype).eps / 2, seed,
+                                           draws=seed + 1)
+        fwd = [max(a, b) for a, b in zip(fwd, fwd16)]
+        bwd = bwd and [max(a, b) for a, b in zip(bwd, bwd16)]
+
+    def finite(errs):
+        return tuple(e if math.isfinite(e) else 0.0 for e in errs)
+
+    return finite(fwd), None if bwd is None else finite(bwd)
+
+
+def _reference_movement(spec: OpSpec, ref: ReferenceCache, grad_outputs: tuple, backward: bool, u: float,
+                        seed: int, draws: int) -> tuple[list, list | None]:
+    """The largest relative change of each reference output (and gradient) over the draws of
+    :func:`rounding_floors` at unit roundoff ``u``; ``seed``: the grad_outputs' (the reference's
+    cached gradients), ``draws``: the signs'."""
+    gen = torch.Generator().manual_seed(draws)
 
     def nudge(t):
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
@@ -434,11 +461,7 @@ def rounding_floors(spec: OpSpec, ref: ReferenceCache, grad_outputs: tuple, back
                            for g in grad_outputs)
                 errs = _per_tensor_errs(backward_grads(outs, moved, gs), base_grads)
                 bwd = [max(f, e) for f, e in zip(bwd, errs)]
-
-    def scale(errs):
-        return tuple(ROUNDING_FLOOR_FACTOR * e if math.isfinite(e) else 0.0 for e in errs)
-
-    return scale(fwd), None if bwd is None else scale(bwd)
+    return fwd, bwd
 
 
 # ----------------------------------------------------------------------------------------------
