@@ -46,7 +46,7 @@ def upcast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``t.to(dtype)``, through :func:`upcast_kernel` for a 16-bit tensor in one block of memory
     going to fp32 on the Triton path (exact: every fp16 / bf16 value is an fp32 value)."""
     if (dtype != torch.float32 or t.dtype not in (torch.float16, torch.bfloat16) or not t.numel()
-            or not use_triton(t) or not _one_block(t)):
+            or not use_triton(t) or not _one_block(t) or t.is_neg()):     # (a negative view: .to resolves it)
         return t.to(dtype)
     y = torch.empty_like(t, dtype=torch.float32)       # t's strides: the same order in memory
     n = t.numel()
