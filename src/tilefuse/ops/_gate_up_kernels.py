@@ -23,7 +23,8 @@ import triton.language as tl
 from .._dispatch import cdiv, empty, num_sms
 from .._launch import fast_launch, use_device_descriptors
 from ._activation_math import activation_fwd
-from ._matmul_kernels import DEFAULT_FLATTEN, _fit, _tile_coords, choose_config, tma_layout, use_tma_default
+from ._matmul_configs import DEFAULT_FLATTEN, _fit, choose_config, tma_layout, use_tma_default
+from ._matmul_kernels import _tile_coords
 
 # ----------------------------------------------------------------------------------------------
 # kernel

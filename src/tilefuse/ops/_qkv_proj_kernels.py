@@ -39,7 +39,8 @@ import triton.language as tl
 
 from .._dispatch import cdiv, empty, next_power_of_2, num_sms
 from .._launch import fast_launch, use_device_descriptors
-from ._matmul_kernels import DEFAULT_FLATTEN, _tile_coords, choose_config, launch_matmul, tma_layout, use_tma_default
+from ._matmul_configs import DEFAULT_FLATTEN, choose_config, tma_layout, use_tma_default
+from ._matmul_kernels import _tile_coords, launch_matmul
 from ._rope_kernels import _rotate_pair
 from .rope import _rope_into, _table_view
 
