@@ -218,12 +218,32 @@ _HAND_COUNTED_FLOPS = [
     ("rope", (1, 2, 3, 1, 8), "fwd", 2 * 4 * 4 * 6),                # 4 pairs per head, 6 per pair
     ("attention_decode", (1, 2, 4, 1, 10, 8), "fwd", 4 * 4 * 8 * (9 + 10)),   # causal: 9 and 10 keys
     ("adamw", (3, 5), "fwd", 3 * 5 * 14),
+    ("fp8_linear", (3, 4, 5), "fwd", 2 * 3 * 4 * 5 + 3 * 4),        # the GEMM, the bias add
+    ("fp8_linear", (3, 4, 5), "bwd", 4 * 3 * 4 * 5 + 2 * 4),        # two GEMMs, dbias: 3 rows summed
+]
+
+# (op, shape, dtype, pass, bytes counted by hand: each input read once, each output written once)
+_HAND_COUNTED_BYTES = [
+    # x [3, 4], w [2·5, 4] read; out [3, 5] and the saved g | u [3, 10] written (a training forward)
+    ("swiglu_linear", (3, 4, 5), torch.bfloat16, "fwd", 2 * (12 + 40 + 15 + 30)),
+    # x [3, 5], w [4, 5], bias [4] read, out [3, 4] written; bwd: dy, x, w read, dx, dw, dbias written
+    ("fp8_linear", (3, 4, 5), torch.bfloat16, "fwd", 2 * (15 + 20 + 4 + 12)),
+    ("fp8_linear", (3, 4, 5), torch.bfloat16, "bwd", 2 * (12 + 2 * 15 + 2 * 20 + 4)),
+    # e4m3 operands, two fp32 per-tensor scales, bf16 out
+    ("fp8_scaled_matmul", (3, 4, 5), torch.bfloat16, "fwd", 15 + 20 + 2 * 4 + 2 * 12),
+    # q [2, 1, 4, 8] read, out written, K and V caches [2, 10, 1, 8] read, cache_seqlens [2] int32
+    ("attention_decode", (2, 1, 4, 1, 10, 8), torch.bfloat16, "fwd", 2 * (2 * 64 + 2 * 160) + 8),
 ]
 
 
 @pytest.mark.parametrize("name,shape,pass_,flops", _HAND_COUNTED_FLOPS)
 def test_flop_counts(name, shape, pass_, flops):
     assert registry.get(name).flops_fn(shape, pass_) == flops
+
+
+@pytest.mark.parametrize("name,shape,dtype,pass_,nbytes", _HAND_COUNTED_BYTES)
+def test_byte_counts(name, shape, dtype, pass_, nbytes):
+    assert registry.get(name).bytes_fn(shape, dtype, pass_) == nbytes
 
 
 def test_roofline_places_each_bench_pass():

@@ -419,7 +419,8 @@ def _dense_traffic(shape, dtype, pass_):
 def _varlen_traffic(shape, dtype, pass_):
     b, s, h_q, h_kv, d, ragged = shape
     lens_q, lens_k = varlen_lengths(b, s, ragged)
-    return _dense_traffic((1, sum(lens_q), sum(lens_k), h_q, h_kv, d), dtype, pass_)
+    offsets = 2 * tensor_bytes((b + 1,), torch.int32)         # cu_seqlens_q and _k
+    return _dense_traffic((1, sum(lens_q), sum(lens_k), h_q, h_kv, d), dtype, pass_) + offsets
 
 
 def _pass_flops(fwd: int, pass_: str) -> int:

@@ -557,8 +557,10 @@ def _make_inputs(shape, dtype, device):
 
 def _bytes(shape, dtype, pass_):
     batch, s_q, h_q, h_kv, length, d = shape
-    # K and V cache read once (GQA packing: once per kv head, not per query head) + q read + out written
-    return tensor_bytes((2, batch, length, h_kv, d), dtype) + 2 * tensor_bytes((batch, s_q, h_q, d), dtype)
+    # K and V cache read once (GQA packing: once per kv head, not per query head) + q read + out
+    # written + the int32 cache_seqlens read
+    return (tensor_bytes((2, batch, length, h_kv, d), dtype) + 2 * tensor_bytes((batch, s_q, h_q, d), dtype)
+            + tensor_bytes((batch,), torch.int32))
 
 
 def _flops(shape, pass_):

@@ -405,20 +405,29 @@ def _make_linear_inputs(shape, dtype, device):
     return Inputs((x, w, bias), {}, grad_args=(0, 1, 2))
 
 
-def _bytes(operand_bytes: int | None):
+def _bytes(operand_bytes: int | None, bias: bool = False, scales: int = 0):
+    """Operands in ``operand_bytes`` (None: the spec's dtype), the output in the spec's dtype; a
+    bias [N] read forward and its gradient written backward; ``scales`` fp32 scale values read."""
     def count(shape, dtype, pass_):
         m, n, k = shape
         size = operand_bytes or tensor_bytes((1,), dtype)
         out = tensor_bytes((m, n), dtype)
+        vec = tensor_bytes((n,), dtype) if bias else 0
         if pass_ == "fwd":
-            return (m * k + n * k) * size + out
-        return out + 2 * (m * k + n * k) * size         # bwd: dy, a, b read; da, db written
+            return (m * k + n * k) * size + out + vec + 4 * scales
+        return out + 2 * (m * k + n * k) * size + vec    # bwd: dy, a, b read; da, db (, dbias) written
     return count
 
 
-def _flops(shape, pass_):
+def _flops(shape, pass_, bias: bool = False):
+    """2·M·N·K per GEMM (one forward, two backward), plus the bias add and its gradient's sum."""
     m, n, k = shape
-    return (2 if pass_ == "fwd" else 4) * m * n * k
+    extra = (m * n if pass_ == "fwd" else (m - 1) * n) if bias else 0
+    return (2 if pass_ == "fwd" else 4) * m * n * k + extra
+
+
+def _linear_flops(shape, pass_):
+    return _flops(shape, pass_, bias=True)
 
 
 def _scaled_mm_peer(fast_accum: bool):
@@ -495,7 +504,7 @@ register(OpSpec(
     fn=scaled_matmul,
     reference=scaled_matmul_reference,
     make_inputs=_make_scaled_inputs,
-    bytes_fn=_bytes(1),
+    bytes_fn=_bytes(1, scales=2),
     flops_fn=_flops,
     test_shapes=_SCALED_TEST_SHAPES,
     gpu_test_shapes=[(1, 4096, 4096), (130, 4097, 1008), (2048, 14336, 4096)],
@@ -513,8 +522,8 @@ register(OpSpec(
     fn=fp8_linear,
     reference=_fp8_linear_reference,
     make_inputs=_make_linear_inputs,
-    bytes_fn=_bytes(None),
-    flops_fn=_flops,
+    bytes_fn=_bytes(None, bias=True),
+    flops_fn=_linear_flops,
     test_shapes=_LINEAR_TEST_SHAPES,
     gpu_test_shapes=[(130, 4097, 1008), (2048, 4096, 4096)],
     bench_shapes=[(8192, 4096, 4096), (8192, 14336, 4096), (8192, 4096, 14336)],

@@ -20,8 +20,10 @@ H100). Under no_grad / inference nothing is saved. If g | u was not saved (grad 
 after the forward) the backward recomputes it with ``tilefuse.matmul``. The backward holds one
 more [T, 2I] temporary, d (in x's dtype), the operand of the two backward GEMMs.
 
-Bytes counted (ideal, per pass): forward reads x and w, writes out: T·H + 2I·H + T·I elements.
-Backward reads dy, the saved g | u, x and w and writes dx and dw: T·I + 2·T·I + 2·T·H + 2·2I·H.
+Bytes counted (ideal, per pass; the bench's forward is a training one): forward reads x and w,
+writes out and the saved g | u: T·H + 2I·H + T·I + 2·T·I elements (without the saved g | u, as
+under no_grad, T·H + 2I·H + T·I). Backward reads dy, the saved g | u, x and w and writes dx and
+dw: T·I + 2·T·I + 2·T·H + 2·2I·H.
 FLOPs: 2·T·H·2I forward, twice that backward (dx and dw).
 """
 
@@ -174,7 +176,8 @@ def _make_inputs(shape, dtype, device):
 def _bytes(shape, dtype, pass_):
     t, h, i = shape
     x, w, out = tensor_bytes((t, h), dtype), tensor_bytes((2 * i, h), dtype), tensor_bytes((t, i), dtype)
-    return x + w + out if pass_ == "fwd" else 3 * out + 2 * x + 2 * w   # bwd: dy + saved g|u (2 out)
+    # fwd (training): out and the saved g|u (2 out) written; bwd: dy and that g|u read
+    return x + w + 3 * out if pass_ == "fwd" else 3 * out + 2 * x + 2 * w
 
 
 def _flops(shape, pass_):
