@@ -575,7 +575,8 @@ def test_registry_specs(name, dtype):
         chk = check_impl(spec, spec.fn, spec.make_inputs(shape, dtype, DEVICE), dtype)
         assert chk.error is None and chk.ok, (shape, chk)
     m, n, k = spec.bench_shapes[0]
-    assert spec.flops_fn((m, n, k), "fwd") == 2 * m * n * k
+    bias_add = m * n if name == "fp8_linear" else 0          # (its bias [N], added to each row)
+    assert spec.flops_fn((m, n, k), "fwd") == 2 * m * n * k + bias_add
     assert spec.bytes_fn((m, n, k), torch.bfloat16, "fwd") > 0
 
 
