@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tilefuse.ops import _gate_up_kernels as gk
+from tilefuse.ops._activation_math import activation_reference
 from tilefuse.ops import gate_up as gu     # registers "swiglu_linear" (not in ops/__init__ yet)
 from tilefuse.ops.gate_up import swiglu_linear, swiglu_linear_reference
 from tilefuse.registry import get
@@ -45,9 +46,24 @@ def _check(x, w, act, fn=swiglu_linear):
     t_grads = torch.autograd.grad(y_t, (xt, wt), dy)
     tol = max([TOL[x.dtype], 2 * rel_err(y_t, y_ref)] + [2 * rel_err(g, r) for g, r in zip(t_grads, ref_grads)])
     assert rel_err(y, y_ref) <= tol, f"forward {rel_err(y, y_ref):.3g} > {tol:.3g}"
-    for name, g, r in zip(("x", "w_gate_up"), grads, ref_grads):
+    for name, g, r, terms in zip(("x", "w_gate_up"), grads, ref_grads, _uncancelled_norms(x, w, act, dy)):
         assert g.shape == r.shape and g.dtype == x.dtype
-        assert rel_err(g, r) <= tol, f"d{name} {rel_err(g, r):.3g} > {tol:.3g}"
+        # or within TOL of the same sums taken over the terms' sizes: at T = H = I = 1, dx is two
+        # terms that can cancel, and PyTorch's error there is one sample that can land lucky (ours
+        # 3.6e-5 against its 1.2e-5 at dx = -1.3e-4; ~3e-4 of CI runs failed, s45)
+        err = (g.double() - r).norm().item()
+        assert err <= max(tol * r.norm().item(), TOL[x.dtype] * terms), f"d{name} {rel_err(g, r):.3g} > {tol:.3g}"
+
+
+def _uncancelled_norms(x, w, act, dy):
+    """‖|d| @ |w|‖ and ‖|d|ᵀ @ |x|‖: dx = d @ w and dw = dᵀ @ x with every term's size, where
+    d = ∂out/∂[g | u] (fp64)."""
+    x64, w64 = x.detach().double().reshape(-1, x.shape[-1]), w.detach().double()
+    i = w.shape[0] // 2
+    gu = (x64 @ w64.t()).requires_grad_(True)
+    out = activation_reference(gu[:, :i], act) * gu[:, i:]
+    (d,) = torch.autograd.grad(out, gu, dy.double().reshape(out.shape))
+    return (d.abs() @ w64.abs()).norm().item(), (d.abs().t() @ x64.abs()).norm().item()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -79,10 +79,29 @@ def _check(x, w, b, n_q, n_kv, fn=qkv_proj, **kw):
         tol = max([tol] + [2 * rel_err(o, r) for o, r in zip(t_outs + t_grads, refs + ref_grads)])
     for name, o, r in zip(("q", "k", "v"), outs, refs):
         assert rel_err(o, r) <= tol, f"{name} {rel_err(o, r):.3g} > {tol:.3g}"
-    for name, g, r in zip(("x", "w_qkv", "bias"), grads, ref_grads):
+    terms = _uncancelled_norms(x, w, b, n_q, n_kv, gouts, kw)
+    for name, g, r, size in zip(("x", "w_qkv", "bias"), grads, ref_grads, terms):
         assert g.shape == r.shape and g.dtype == x.dtype
-        assert rel_err(g, r) <= tol, f"d{name} {rel_err(g, r):.3g} > {tol:.3g}"
+        # or within TOL of the same sums over the terms' sizes: with hidden = 1 and one token, dx
+        # is one sum of (n_q + 2 n_kv)·D products that can cancel (~5e-4 of CI runs failed, s45)
+        err = (g.double() - r).norm().item()
+        assert err <= max(tol * r.norm().item(), TOL[x.dtype] * size), f"d{name} {rel_err(g, r):.3g} > {tol:.3g}"
     return outs
+
+
+def _uncancelled_norms(x, w, b, n_q, n_kv, gouts, kw):
+    """‖|G| @ |w|‖, ‖|G|ᵀ @ |x|‖ and ‖Σ_t |G|‖: dx, dw and dbias with every term's size, where G is
+    the fp64 gradient at the projection's output (the outputs' gradients through the inverse
+    rotation: the reference on that output itself, x' = x @ wᵀ + b and w' = I)."""
+    x64 = x.detach().double().reshape(-1, x.shape[-1])
+    w64 = w.detach().double()
+    y = x64 @ w64.t() + (0 if b is None else b.detach().double())
+    y = y.reshape(*x.shape[:-1], -1).requires_grad_(True)
+    eye = torch.eye(w.shape[0], dtype=torch.float64, device=x.device)
+    outs = qkv_proj_reference(y, eye, n_q, n_kv, None, None, **_wide_kw(kw))
+    (g,) = torch.autograd.grad(outs, y, [o.double() for o in gouts])
+    g = g.reshape(-1, w.shape[0]).abs()
+    return (g @ w64.abs()).norm().item(), (g.t() @ x64.abs()).norm().item(), g.sum(0).norm().item()
 
 
 # ----------------------------------------------------------------------------------------------

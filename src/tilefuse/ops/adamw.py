@@ -166,7 +166,7 @@ def _check_like(name: str, t, ref: torch.Tensor, dtype: torch.dtype) -> None:
 def _check_not_negative_view(name: str, t: torch.Tensor) -> None:
     """The step reads and writes each tensor's storage: one with the negative bit set keeps its
     values negated there (s45 audit: a param updated as if its sign were flipped)."""
-    if t.is_neg():
+    if not torch.compiler.is_compiling() and t.is_neg():     # (traced: functionalization resolves it)
         raise TypeError(f"{name} is a negative view (torch._neg_view, z.conj().imag: its values are "
                         f"stored negated); pass t.resolve_neg()")
 
