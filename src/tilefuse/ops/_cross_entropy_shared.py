@@ -249,12 +249,12 @@ def rescale_(g: torch.Tensor, applied: torch.Tensor, go: torch.Tensor) -> None:
     if use_triton(g):
         launch_scale_rows(g2, applied, go)
     else:
-        factor = go / applied
-        g2.copy_((_wide(g2) * (factor[:, None] if factor.numel() > 1 else factor)).to(g.dtype))
+        g.copy_(_scaled(g, applied, go))
 
 
 def _scaled(g: torch.Tensor, applied: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
-    """g * grad_output / applied out of place, in torch ops (functorch transforms: rescale_'s math)."""
+    """g * grad_output / applied out of place, in torch ops: rescale_'s CPU path, and its form under
+    functorch transforms (vmap has no rule for an op that mutates)."""
     if g.numel() == 0:
         return g
     factor = grad_output.reshape(-1).to(torch.float32) / applied
