@@ -9,8 +9,10 @@ and timed as CUDA-graph replays after an L2 flush, interleaved with cuBLAS (``ma
 helpers): the default launch; ``split-r``: rows [0, M - 128·r) then the last r row blocks as a
 second GEMM (its own plan: a mid-M tile) into views of one output; ``split-r-2s``: the second
 GEMM on a side stream forked and joined inside the graph, so it may fill SMs the first leaves
-idle (the block scheduler's order between the two kernels is not fixed: measure). b = w.t().
-Prints the default's wave count and each candidate's ms and ratio to cuBLAS.
+idle (the block scheduler's order between the two kernels is not fixed: measure); ``one-launch``:
+the default plan with ``_matmul_gluon.TAIL_SPLIT`` off (since s46 the default splits where
+``tail_split_rows`` says so). b = w.t(). Prints the default's wave count and each candidate's ms
+and ratio to cuBLAS.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import argparse
 import torch
 
 from matmul_sweep import SHAPES, interleaved_ms, valid_fns
+from tilefuse.ops import _matmul_gluon as g
 from tilefuse.ops import _matmul_kernels as mk
 
 
@@ -41,11 +44,25 @@ def split_fn(a, b, out, rows: int, side: torch.cuda.Stream | None):
     return fn
 
 
+def one_launch(fns: dict, a, b, out) -> None:
+    """Adds the default plan without the tail split, captured as a graph while TAIL_SPLIT is off."""
+    g.TAIL_SPLIT = False
+    mk._matmul_plan.cache_clear()
+    try:
+        fns.update(valid_fns({"one-launch": lambda: mk.launch_matmul(a, b, out=out)[0]}, a.float() @ b.float(),
+                             graph=True))
+    finally:
+        g.TAIL_SPLIT = True
+        mk._matmul_plan.cache_clear()
+
+
 def waves(m: int, n: int, k: int, a: torch.Tensor, b: torch.Tensor) -> str:
     """The default plan's tile and its wave count on this GPU."""
     sms = mk.num_sms(a)
     plan = mk._matmul_plan(m, n, k, a.dtype, a.dtype, a.stride(), b.stride(), (n, 1), True, sms, True, True,
                            (False, "none", False, False), (), True)
+    if plan.tail_rows:
+        return f"split: the last {plan.tail_rows} rows on their own plan"
     if plan.ws_plan is None:
         return "tl kernel"
     tile = dict(plan.ws_tile)
@@ -73,6 +90,7 @@ def main() -> None:
             candidates[f"split-{r}"] = split_fn(a, b, torch.empty_like(out), 128 * r, None)
             candidates[f"split-{r}-2s"] = split_fn(a, b, torch.empty_like(out), 128 * r, side)
         fns = valid_fns(candidates, ref, graph=True)
+        one_launch(fns, a, b, torch.empty_like(out))
         ms = interleaved_ms(fns, args.rounds)
         print(f"{m}x{n}x{k}  ({waves(m, n, k, a, b)})")
         for name, t in ms.items():

@@ -319,6 +319,34 @@ def choose_ws_tile(m: int, n: int, sms: int) -> dict | None:
     return dict(cfg) if min(tiles, sms) >= MIN_FILL * sms else None
 
 
+# A persistent 128x256 GEMM whose last wave is short leaves most SMs idle for a tile-time;
+# splitting off its last row blocks as a second GEMM (a mid-M problem on 128-column tiles, one wave)
+# shortens the first launch by a wave for about 0.75 of a tile-time at K = 4096. H200 2026-12-01,
+# 8192x14336x4096 (27.15 waves), CUDA-graph replays after an L2 flush, interleaved with cuBLAS:
+# 1.3908 -> 1.3777 ms, 1.009 -> 1.019x cuBLAS (-s46-tail-split-probe.log). False: one launch (A/B).
+TAIL_SPLIT = True
+# at shorter K the second launch's fixed cost (~12 µs there) is a larger part of the half tile it saves
+TAIL_SPLIT_MIN_K = 4096
+
+
+def tail_split_rows(m: int, n: int, k: int, tile: dict, epilogue: tuple, sms: int) -> int:
+    """Rows to launch as a second GEMM after the first ``M - rows`` (0: one launch): the fewest
+    whole row blocks of ``tile`` whose tiles cover the last partial wave, when the split-off rows
+    fill at most one wave of 128-column tiles. Only for 128x256 at long K, and only with an epilogue
+    of bias and activation (a split needs no residual or pre-activation views). ``epilogue``:
+    (HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT)."""
+    _, _, has_res, save_preact = epilogue
+    if not TAIL_SPLIT or tile["BLOCK_N"] != 256 or k < TAIL_SPLIT_MIN_K or has_res or save_preact:
+        return 0
+    rows = ROWS_PER_GROUP * tile["CONSUMERS"]
+    row_blocks, col_blocks = cdiv(m, rows), cdiv(n, tile["BLOCK_N"])
+    tail = row_blocks * col_blocks % sms            # tiles of the last wave
+    split = cdiv(tail, col_blocks)                  # row blocks that hold as many
+    if tail == 0 or split >= row_blocks or split * cdiv(n, 128) > sms:
+        return 0
+    return m - (row_blocks - split) * rows
+
+
 def fit_ring(requested: int, consumers: int, block_n: int, block_k: int, elem: int, out_elem: int) -> int:
     """The ring depth that fits beside the output tiles (one [64, BLOCK_N] per consumer group)."""
     stage = (consumers * ROWS_PER_GROUP + block_n) * block_k * elem

@@ -308,6 +308,7 @@ class _MatmulPlan(NamedTuple):
     ws_plan: object = None      # its launch plan (_matmul_gluon._ws_plan)
     ws_launch: object = None    # and _matmul_gluon.launch_ws_plan (imported when the plan is made)
     memo: object = None         # the launches kept by address (_address_memo.AddressMemo)
+    tail_rows: int = 0          # the last rows launched as a second GEMM (_matmul_gluon.tail_split_rows)
 
 
 def _ws_tile(m: int, n: int, k: int, dtype: torch.dtype, out_dtype: torch.dtype, a_strides: tuple,
@@ -390,8 +391,11 @@ def _matmul_plan(m: int, n: int, k: int, dtype: torch.dtype, out_dtype: torch.dt
     ws_tile = _ws_tile(m, n, k, dtype, out_dtype, a_strides, b_strides, layout, sms, hopper_exact, epilogue,
                        out_aligned, dict(config))
     if ws_tile:
-        from ._matmul_gluon import _ws_plan, launch_ws_plan     # (imports this module)
+        from ._matmul_gluon import _ws_plan, launch_ws_plan, tail_split_rows     # (imports this module)
 
+        tail = tail_split_rows(m, n, k, dict(ws_tile), epilogue, sms) if m_bucket(m) == "large" and not config else 0
+        if tail:
+            return _MatmulPlan((), True, None, 0, 0, ws_tile, tail_rows=tail)
         ws = _ws_plan(m, n, k, dtype.itemsize, out_dtype.itemsize, dict(ws_tile)["B_K_MAJOR"], sms, epilogue,
                       res_strides, ws_tile)
         return _MatmulPlan((), True, None, 0, 0, ws_tile, ws, launch_ws_plan, AddressMemo())
@@ -460,6 +464,11 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = 
                         a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0, sms, hopper_or_newer,
                         hopper, (bias is not None, activation, residual is not None, save_preact),
                         config_key(config) if config else (), out.data_ptr() % 16 == 0)
+    if plan.tail_rows:      # its first rows, then the last ones on their own plan (residual and preact: none)
+        m1 = m - plan.tail_rows
+        for rows in (slice(0, m1), slice(m1, m)):
+            launch_matmul(a[rows], b, bias, None, activation, out_dtype, False, None, out[rows])
+        return out, preact
     memo = plan.memo if MEMO_LAUNCHES else None
     key = None
     if memo is not None and not memo.off:
