@@ -70,35 +70,40 @@ def _split_shape(k: int = 4096) -> tuple[int, int, int]:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="Gluon kernel: sm_90 GPU")
-@pytest.mark.parametrize("epilogue", ["none", "bias-gelu", "bias-silu-out"])
-def test_gpu_tail_split_launch(epilogue):
+@pytest.mark.parametrize("epilogue,b_layout", [("none", "w.t()"), ("bias-gelu", "w.t()"), ("bias-silu-out", "w.t()"),
+                                               ("none", "row-major")])
+def test_gpu_tail_split_launch(epilogue, b_layout):
     """The split launch writes every row (NaN-poisoned out) with the product's error of one
     launch: against fp64, and against the unsplit launch (TAIL_SPLIT off) within the dtype's
-    rounding; a graph replays it bit for bit."""
+    rounding; a graph replays it bit for bit. b as a transposed weight (x @ w.t()) or row-major
+    [K, N] (dy @ w, an input gradient)."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("wgmma kernel: sm_90 only")
     m, n, k = _split_shape()
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+    b = w.t() if b_layout == "w.t()" else w.t().contiguous()
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16) if epilogue != "none" else None
     act = {"none": "none", "bias-gelu": "gelu", "bias-silu-out": "silu"}[epilogue]
     out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-    got, pre = mk.launch_matmul(a, w.t(), bias, None, act, out=out if epilogue == "bias-silu-out" else None)
+    got, pre = mk.launch_matmul(a, b, bias, None, act, out=out if epilogue == "bias-silu-out" else None)
     assert pre is None and (got is out) == (epilogue == "bias-silu-out")
-    ref = matmul_reference(a.double(), w.double().t(), None if bias is None else bias.double(), act)
+    ref = matmul_reference(a.double(), b.double(), None if bias is None else bias.double(), act)
     assert not got.isnan().any()
     assert rel_err(got, ref) <= 1e-2
-    rows = m - _plan(m, n, k, epilogue=(bias is not None, act, False, False), sms=mk.num_sms(a)).tail_rows
+    rows = m - mk._matmul_plan(m, n, k, a.dtype, a.dtype, a.stride(), b.stride(), (n, 1), True, mk.num_sms(a), True,
+                               True, (bias is not None, act, False, False), (), True).tail_rows
+    assert rows < m
     assert rel_err(got[rows:], ref[rows:]) <= 1e-2           # the second launch's rows alone
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(g, "TAIL_SPLIT", False)
         mk._matmul_plan.cache_clear()
-        one, _ = mk.launch_matmul(a, w.t(), bias, None, act)
+        one, _ = mk.launch_matmul(a, b, bias, None, act)
     mk._matmul_plan.cache_clear()
     assert torch.equal(got[:rows], one[:rows])                # the first launch: same tile, same sums
     assert rel_err(got, one.double()) <= 1e-2
     target = torch.empty_like(got)
-    _assert_graph_replays(lambda: mk.launch_matmul(a, w.t(), bias, None, act, out=target)[0], got)
+    _assert_graph_replays(lambda: mk.launch_matmul(a, b, bias, None, act, out=target)[0], got)
 
 
 @pytest.mark.gpu
