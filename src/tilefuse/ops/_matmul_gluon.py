@@ -323,7 +323,8 @@ def choose_ws_tile(m: int, n: int, sms: int) -> dict | None:
 # splitting off its last row blocks as a second GEMM (a mid-M problem on 128-column tiles, one wave)
 # shortens the first launch by a wave for about 0.75 of a tile-time at K = 4096. H200 2026-12-01,
 # 8192x14336x4096 (27.15 waves), CUDA-graph replays after an L2 flush, interleaved with cuBLAS:
-# 1.3908 -> 1.3777 ms, 1.009 -> 1.019x cuBLAS (-s46-tail-split-probe.log). False: one launch (A/B).
+# 1.3908 -> 1.3777 ms, 1.009 -> 1.019x cuBLAS (-s46-tail-split-probe.log); the next call, 7 rounds,
+# 1.3884 -> 1.3610 ms, 1.000 -> 1.021x (-s46-tail-split-probe-2-and-bench-matmul.log). False: one launch (A/B).
 TAIL_SPLIT = True
 # at shorter K the second launch's fixed cost (~12 µs there) is a larger part of the half tile it saves
 TAIL_SPLIT_MIN_K = 4096
