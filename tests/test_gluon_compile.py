@@ -214,6 +214,13 @@ GEMM_CASES = {   # name: (tile of _matmul_gluon.WS_TILES, activation, bias / res
     "large-128x256-bias-gelu": ("large-128x256", "gelu", "bias", torch.bfloat16, True),
     "large-128x256-a-m-major": ("large-128x256", "none", False, torch.bfloat16, False, True),
     "large-128x128-epilogue-fp32": ("large-128x128", "silu", True, torch.float32, True),
+    # stream-K over the last waves (_stream_k), as _stream_k.stream_k_epilogue_ok admits it: 128x256
+    # for a plain product only (with a bias it spills 328 bytes, with bias + GELU 488), 128x128 with
+    # any epilogue
+    "large-128x256-plain-stream-k": ("large-128x256", "none", False, torch.bfloat16, True, False, True),
+    "large-128x256-row-major-b-stream-k": ("large-128x256", "none", False, torch.bfloat16, False, False, True),
+    "large-128x256-a-m-major-stream-k": ("large-128x256", "none", False, torch.bfloat16, False, True, True),
+    "large-128x128-epilogue-fp32-stream-k": ("large-128x128", "silu", True, torch.float32, True, False, True),
 }
 
 
@@ -226,8 +233,8 @@ def compile_gemm(case):
     """The Gluon small-M GEMM with each declared tile, as the launcher builds it: no spills, the
     ring and output tiles within shared memory, wgmma and TMA in the SASS."""
     from tilefuse.ops import _matmul_gluon as g
-    tile, act, epilogue, out_dtype, b_k_major, *a_m_major = GEMM_CASES[case]
-    a_m_major = bool(a_m_major and a_m_major[0])
+    tile, act, epilogue, out_dtype, b_k_major, *rest = GEMM_CASES[case]
+    a_m_major, stream_k = (list(rest) + [False, False])[:2]
     cfg = (g.LARGE_WS_TILES[tile.removeprefix("large-")] if tile.startswith("large-")
            else g.WS_TILES.get(tile) or dict(g.WS_TILES["64x128"], BLOCK_N=96))      # 96 = 64 + 32: two B parts
     m, n, k = 2000, 1000, 3000
@@ -245,18 +252,21 @@ def compile_gemm(case):
                           else g._descriptor(w_t, (cfg["BLOCK_K"], width)))
     args = dict(a_desc=a_desc, b_desc=part(bn1), b2_desc=part(bn2 or bn1),
                 c_desc=g._descriptor(out, (rows, bn1)), c2_desc=g._descriptor(out, (rows, bn2 or bn1)),
-                bias_ptr=torch.empty(n, dtype=dtype), residual_ptr=out, preact_ptr=out, scale_ptr=out, M=m, N=n, K=k,
-                stride_rm=n, stride_rn=1, stride_pm=n)
+                bias_ptr=torch.empty(n, dtype=dtype), residual_ptr=out, preact_ptr=out, scale_ptr=out,
+                ws_ptr=torch.empty(1, dtype=torch.float32), flag_ptr=torch.empty(1, dtype=torch.int32), M=m, N=n, K=k,
+                stride_rm=n, stride_rn=1, stride_pm=n, sk_tiles=200 if stream_k else 0)
     stages = g.fit_ring(cfg["STAGES"], cfg["CONSUMERS"], cfg["BLOCK_N"], cfg["BLOCK_K"], 2, out.element_size())
     full = epilogue is True     # "bias": the bias alone (no residual / preact)
     constexprs = dict(HAS_BIAS=bool(epilogue), ACT=act, HAS_RESIDUAL=full, SAVE_PREACT=full, NUM_PROGRAMS=132,
                       GROUP_M=cfg["GROUP_M"], STAGES=stages, CONSUMERS=cfg["CONSUMERS"], CONSUMER_REGS=worker_regs,
                       B_K_MAJOR=b_k_major, HAS_B2=bn2 > 0, A_M_MAJOR=a_m_major, ACCUMULATE=False,
-                      HAS_SCALE=False)
+                      HAS_SCALE=False, STREAM_K=stream_k)
     compiled = _compile_sm90(g.gemm_ws_kernel, args, constexprs, launch_regs)
     _check(compiled)
     sass = _ptxas_and_sass(compiled)[1]
     assert "HGMMA" in sass and "UTMALDG" in sass and "UTMASTG" in sass
+    # the fixup: the flag raised with a release, taken with an acquiring compare-and-swap
+    assert ("ATOM" in sass or "ATOMG" in sass) == stream_k
 
 
 ACCUMULATE_CASES = {   # name: (tile of _matmul_gluon.ACCUMULATE_TILES, a given as aᵀ [K, M], b as wᵀ, out +=)
@@ -288,13 +298,13 @@ def compile_gemm_accumulate(case):
     c_desc = g._descriptor(out, (rows, bn))
     launch_regs, worker_regs = g.ws_regs(cfg["CONSUMERS"])
     args = dict(a_desc=a_desc, b_desc=b_desc, b2_desc=b_desc, c_desc=c_desc, c2_desc=c_desc, bias_ptr=out,
-                residual_ptr=out, preact_ptr=out, scale_ptr=torch.empty(1), M=m, N=n, K=k, stride_rm=n,
-                stride_rn=1, stride_pm=n)
+                residual_ptr=out, preact_ptr=out, scale_ptr=torch.empty(1), ws_ptr=out, flag_ptr=out, M=m, N=n, K=k,
+                stride_rm=n, stride_rn=1, stride_pm=n, sk_tiles=0)
     stages = g.fit_ring(cfg["STAGES"], cfg["CONSUMERS"], bn, bk, 2, 2)
     constexprs = dict(HAS_BIAS=False, ACT="none", HAS_RESIDUAL=False, SAVE_PREACT=False, NUM_PROGRAMS=132,
                       GROUP_M=cfg["GROUP_M"], STAGES=stages, CONSUMERS=cfg["CONSUMERS"], CONSUMER_REGS=worker_regs,
                       B_K_MAJOR=b_k_major, HAS_B2=False, A_M_MAJOR=a_m_major, ACCUMULATE=bool(accumulate),
-                      HAS_SCALE=accumulate == "scaled")
+                      HAS_SCALE=accumulate == "scaled", STREAM_K=False)
     compiled = _compile_sm90(g.gemm_ws_kernel, args, constexprs, launch_regs)
     _check(compiled)
     report, sass = _ptxas_and_sass(compiled)

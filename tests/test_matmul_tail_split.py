@@ -1,5 +1,6 @@
 """The large-M GEMM's tail split (``_matmul_gluon.tail_split_rows``): a 128x256 launch whose last
-wave is short gives its last row blocks to a second GEMM. The rule on the CPU; on an sm_90 GPU
+wave is short gives its last row blocks to a second GEMM, where stream-K does not apply (here:
+stream-K off). The rule on the CPU; on an sm_90 GPU
 the split launch against the fp64 reference (NaN-poisoned outputs, a caller's ``out``, bias and
 activation, a graph replay) and through the public op's forward and backward."""
 
@@ -12,11 +13,24 @@ from test_matmul import _assert_graph_replays
 
 from tilefuse.ops import _matmul_gluon as g
 from tilefuse.ops import _matmul_kernels as mk
+from tilefuse.ops import _stream_k as sk
 from tilefuse.ops.matmul import matmul, matmul_reference
 from tilefuse.testing import rel_err
 
 WIDE = dict(g.LARGE_WS_TILES["128x256"])
 PLAIN = (False, "none", False, False)
+
+
+@pytest.fixture(autouse=True)
+def _no_stream_k(monkeypatch):
+    """The tail split is the last-wave fix of plans without stream-K (``_stream_k``, which takes
+    precedence where it applies): these tests run with stream-K off."""
+    monkeypatch.setattr(sk, "STREAM_K", False)
+    mk._matmul_plan.cache_clear()
+    g._ws_plan.cache_clear()
+    yield
+    mk._matmul_plan.cache_clear()
+    g._ws_plan.cache_clear()
 
 
 def _plan(m, n, k, epilogue=PLAIN, config=(), sms=132, a_strides=None):

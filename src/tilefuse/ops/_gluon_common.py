@@ -19,6 +19,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .._launch import cached_by_view, cached_descriptor
 from ._matmul_kernels import _tile_coords     # the grouped tile order, shared with the tl GEMMs
+from ._stream_k import stream_k_run
 
 GLUON_DTYPES = {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5,
                 torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
@@ -133,7 +134,8 @@ def gemm_load_partition(a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready,
                         NUM_PROGRAMS: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_N: gl.constexpr,
                         BLOCK_K: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
                         B_K_MAJOR: gl.constexpr, HAS_B2: gl.constexpr, c_desc, c_bufs, c_ready, c_free,
-                        A_M_MAJOR: gl.constexpr, ACCUMULATE: gl.constexpr):
+                        A_M_MAJOR: gl.constexpr, ACCUMULATE: gl.constexpr, sk_tiles,
+                        STREAM_K: gl.constexpr):
     """The producer warp: every K step of every tile of this program (grouped order, as the
     consumers walk them) through :func:`load_stage`. BLOCK_N: the tile's width (both B parts).
 
@@ -141,7 +143,10 @@ def gemm_load_partition(a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready,
     tiles (``c_bufs``; ``c_ready`` / ``c_free``: one mbarrier each per consumer group). It is
     issued after the tile's first STAGES K steps: those go out while the consumers still finish
     the previous tile, whose TMA store must have left the staging tile (``c_free``) first; the
-    load then has the rest of the K loop to land before the epilogue reads it."""
+    load then has the rest of the K loop to land before the epilogue reads it.
+
+    STREAM_K: the last ``sk_tiles`` tiles are cut into even runs of K steps, one per program
+    (``_stream_k``), loaded in the order the consumers walk them."""
     num_pid_m = gl.cdiv(M, WG_ROWS * CONSUMERS)
     num_pid_n = gl.cdiv(N, BLOCK_N)
     k_tiles = gl.cdiv(K, BLOCK_K)
@@ -151,7 +156,8 @@ def gemm_load_partition(a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready,
         head = k_tiles
     it = 0
     tile_count = 0
-    for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
+    dp_tiles = num_pid_m * num_pid_n - sk_tiles
+    for tile_id in range(gl.program_id(0), dp_tiles, NUM_PROGRAMS):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * (WG_ROWS * CONSUMERS)
         off_n = pid_n * BLOCK_N
@@ -171,6 +177,35 @@ def gemm_load_partition(a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready,
                            ki * BLOCK_K, STAGES, CONSUMERS, B_K_MAJOR, HAS_B2, A_M_MAJOR)
                 it += 1
         tile_count += 1
+    if STREAM_K:
+        gl.static_assert(not (ACCUMULATE or HAS_B2), "stream-K: plain tiles of one B part")
+        first, a, last, b = stream_k_run(sk_tiles, k_tiles, NUM_PROGRAMS)
+        for t in range(first + (a > 0).to(gl.int32), last + (b == k_tiles).to(gl.int32)):
+            it = _load_steps(a_desc, b_desc, a_bufs, b_bufs, ready, empty, it, dp_tiles + t, 0, k_tiles,
+                             num_pid_m, num_pid_n, GROUP_M, BLOCK_N, BLOCK_K, STAGES, CONSUMERS, B_K_MAJOR,
+                             A_M_MAJOR)
+        if b < k_tiles:
+            it = _load_steps(a_desc, b_desc, a_bufs, b_bufs, ready, empty, it, dp_tiles + last, 0, b,
+                             num_pid_m, num_pid_n, GROUP_M, BLOCK_N, BLOCK_K, STAGES, CONSUMERS, B_K_MAJOR,
+                             A_M_MAJOR)
+        if a > 0:
+            it = _load_steps(a_desc, b_desc, a_bufs, b_bufs, ready, empty, it, dp_tiles + first, a, k_tiles,
+                             num_pid_m, num_pid_n, GROUP_M, BLOCK_N, BLOCK_K, STAGES, CONSUMERS, B_K_MAJOR,
+                             A_M_MAJOR)
+
+
+@gluon.jit
+def _load_steps(a_desc, b_desc, a_bufs, b_bufs, ready, empty, it, tile_id, k_lo, k_hi, num_pid_m, num_pid_n,
+                GROUP_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                CONSUMERS: gl.constexpr, B_K_MAJOR: gl.constexpr, A_M_MAJOR: gl.constexpr):
+    """The producer's K steps [k_lo, k_hi) of one tile (one B part) from ring step ``it``; returns
+    the ring step after them."""
+    pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+    for ki in range(k_lo, k_hi):
+        load_stage(a_desc, b_desc, b_desc, a_bufs, b_bufs, b_bufs, ready, empty, it, pid_m * (WG_ROWS * CONSUMERS),
+                   pid_n * BLOCK_N, ki * BLOCK_K, STAGES, CONSUMERS, B_K_MAJOR, False, A_M_MAJOR)
+        it += 1
+    return it
 
 
 @gluon.jit

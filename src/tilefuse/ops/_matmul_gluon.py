@@ -44,7 +44,8 @@ from ._gluon_common import transposed_matrix_descriptor as _descriptor_t
 from ._gluon_common import (LOADER_REGS_KERNEL, ROWS_PER_GROUP, SMEM_BYTES, WG_ROWS, accumulator_barriers,
                              consumer_regs, gemm_load_partition, gemm_ring, release_stage)
 from ._activation_math import activation_fwd
-from ._matmul_kernels import _tile_coords
+from ._matmul_kernels import _tile_coords, split_k_buffers
+from ._stream_k import stream_k_collect, stream_k_epilogue_ok, stream_k_publish, stream_k_run, stream_k_tiles
 
 
 @gluon.jit
@@ -156,18 +157,19 @@ def _mma_k_steps(acc, acc2, a_bufs, b_bufs, b2_bufs, ready, empty, it, steps, c_
 
 @gluon.jit
 def gemm_mma_partition(a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, c_smem, c2_smem, c_ready, c_free,
-                       bias_ptr, residual_ptr, preact_ptr, scale_ptr, M, N, K, stride_rm, stride_rn, stride_pm,
-                       WG: gl.constexpr,
+                       bias_ptr, residual_ptr, preact_ptr, scale_ptr, ws_ptr, flag_ptr, M, N, K, stride_rm,
+                       stride_rn, stride_pm, sk_tiles, WG: gl.constexpr,
                        HAS_BIAS: gl.constexpr, ACT: gl.constexpr, HAS_RESIDUAL: gl.constexpr,
                        SAVE_PREACT: gl.constexpr, NUM_PROGRAMS: gl.constexpr, GROUP_M: gl.constexpr,
                        BLOCK_N1: gl.constexpr, BLOCK_N2: gl.constexpr, BLOCK_K: gl.constexpr,
                        STAGES: gl.constexpr, CONSUMERS: gl.constexpr, B_K_MAJOR: gl.constexpr,
-                       A_M_MAJOR: gl.constexpr, ACCUMULATE: gl.constexpr, HAS_SCALE: gl.constexpr):
+                       A_M_MAJOR: gl.constexpr, ACCUMULATE: gl.constexpr, HAS_SCALE: gl.constexpr,
+                       STREAM_K: gl.constexpr):
     """One consumer warp group: rows [WG·64, WG·64 + 64) of each tile of this program, columns
     [0, BLOCK_N1) in one accumulator and, when BLOCK_N2 > 0, [BLOCK_N1, BLOCK_N1 + BLOCK_N2) in a
     second (a tile of two power-of-two widths, e.g. 96 = 64 + 32). ACCUMULATE: out += a @ b, the
     old tile from the producer (one B part; no bias, activation or residual), times scale_ptr[0]
-    with HAS_SCALE."""
+    with HAS_SCALE. STREAM_K: the last ``sk_tiles`` tiles are cut along K (``_stream_k``)."""
     HAS_B2: gl.constexpr = BLOCK_N2 > 0
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_N1, 16])
@@ -176,7 +178,8 @@ def gemm_mma_partition(a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, c
     k_tiles = gl.cdiv(K, BLOCK_K)
     it = 0
     tile_count = 0
-    for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
+    dp_tiles = num_pid_m * num_pid_n - sk_tiles
+    for tile_id in range(gl.program_id(0), dp_tiles, NUM_PROGRAMS):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * (WG_ROWS * CONSUMERS) + WG * WG_ROWS
         off_n = pid_n * (BLOCK_N1 + BLOCK_N2)
@@ -200,7 +203,50 @@ def gemm_mma_partition(a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, c
                 _gemm_epilogue(acc2, c2_desc, c2_smem, bias_ptr, residual_ptr, preact_ptr, off_m, off_n + BLOCK_N1,
                                M, N, stride_rm, stride_rn, stride_pm, HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT)
         tile_count += 1
+    if STREAM_K:
+        gl.static_assert(not (ACCUMULATE or HAS_B2), "stream-K: plain tiles of one B part")
+        first, a, last, b = stream_k_run(sk_tiles, k_tiles, NUM_PROGRAMS)
+        slot = gl.program_id(0) * CONSUMERS + WG
+        # 1. the tiles this run covers whole
+        for t in range(first + (a > 0).to(gl.int32), last + (b == k_tiles).to(gl.int32)):
+            acc = gl.zeros([WG_ROWS, BLOCK_N1], gl.float32, mma_layout)
+            acc, _ = _mma_k_steps(acc, acc, a_bufs, b_bufs, b_bufs, ready, empty, it, k_tiles, c_smem, c_ready,
+                                  c_free, False, 0, WG, STAGES, CONSUMERS, B_K_MAJOR, False, A_M_MAJOR, False)
+            it += k_tiles
+            _stream_k_epilogue(acc, dp_tiles + t, num_pid_m, num_pid_n, c_desc, c_smem, bias_ptr, residual_ptr,
+                               preact_ptr, M, N, stride_rm, stride_rn, stride_pm, WG, HAS_BIAS, ACT, HAS_RESIDUAL,
+                               SAVE_PREACT, GROUP_M, BLOCK_N1, CONSUMERS)
+        # 2. the head of the tile it ends in: a partial for the next program
+        if b < k_tiles:
+            acc = gl.zeros([WG_ROWS, BLOCK_N1], gl.float32, mma_layout)
+            acc, _ = _mma_k_steps(acc, acc, a_bufs, b_bufs, b_bufs, ready, empty, it, b, c_smem, c_ready,
+                                  c_free, False, 0, WG, STAGES, CONSUMERS, B_K_MAJOR, False, A_M_MAJOR, False)
+            it += b
+            stream_k_publish(acc, ws_ptr, flag_ptr, slot)
+        # 3. the tail of the tile it starts in, plus the previous program's head of it
+        if a > 0:
+            acc = gl.zeros([WG_ROWS, BLOCK_N1], gl.float32, mma_layout)
+            acc, _ = _mma_k_steps(acc, acc, a_bufs, b_bufs, b_bufs, ready, empty, it, k_tiles - a, c_smem,
+                                  c_ready, c_free, False, 0, WG, STAGES, CONSUMERS, B_K_MAJOR, False, A_M_MAJOR,
+                                  False)
+            it += k_tiles - a
+            acc = stream_k_collect(acc, ws_ptr, flag_ptr, slot - CONSUMERS)
+            _stream_k_epilogue(acc, dp_tiles + first, num_pid_m, num_pid_n, c_desc, c_smem, bias_ptr,
+                               residual_ptr, preact_ptr, M, N, stride_rm, stride_rn, stride_pm, WG, HAS_BIAS, ACT,
+                               HAS_RESIDUAL, SAVE_PREACT, GROUP_M, BLOCK_N1, CONSUMERS)
     tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _stream_k_epilogue(acc, tile_id, num_pid_m, num_pid_n, c_desc, c_smem, bias_ptr, residual_ptr, preact_ptr,
+                       M, N, stride_rm, stride_rn, stride_pm, WG: gl.constexpr, HAS_BIAS: gl.constexpr,
+                       ACT: gl.constexpr, HAS_RESIDUAL: gl.constexpr, SAVE_PREACT: gl.constexpr,
+                       GROUP_M: gl.constexpr, BLOCK_N: gl.constexpr, CONSUMERS: gl.constexpr):
+    """The epilogue of this group's rows of tile ``tile_id`` (grouped order)."""
+    pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+    _gemm_epilogue(acc, c_desc, c_smem, bias_ptr, residual_ptr, preact_ptr,
+                   pid_m * (WG_ROWS * CONSUMERS) + WG * WG_ROWS, pid_n * BLOCK_N, M, N, stride_rm, stride_rn,
+                   stride_pm, HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT)
 
 
 @fast_launch
@@ -215,12 +261,15 @@ def gemm_ws_kernel(
     residual_ptr,       # *residual [M, N], output dtype (ignored unless HAS_RESIDUAL)
     preact_ptr,         # *pre-activation a @ b + bias [M, N], row-major (ignored unless SAVE_PREACT)
     scale_ptr,          # *fp32 [1]: out = scale · (out + a @ b) (ignored unless HAS_SCALE)
+    ws_ptr,             # *fp32 [NUM_PROGRAMS · CONSUMERS, 64, BLOCK_N1] stream-K partials (ignored unless STREAM_K)
+    flag_ptr,           # *int32 [NUM_PROGRAMS · CONSUMERS] their flags, zero between launches (ditto)
     M,                  # rows of a and out
     N,                  # columns of b and out
     K,                  # the reduced dimension (> 0)
     stride_rm,          # elements between rows of residual
     stride_rn,          # elements between columns of residual
     stride_pm,          # elements between rows of preact
+    sk_tiles,           # tiles at the end of the tile order cut along K (_stream_k.stream_k_tiles; 0: none)
     HAS_BIAS: gl.constexpr,         # add bias[N] before the activation
     ACT: gl.constexpr,              # one of _activation_math.ACTIVATIONS ("none": identity)
     HAS_RESIDUAL: gl.constexpr,     # add residual[M, N] after the activation
@@ -235,6 +284,7 @@ def gemm_ws_kernel(
     A_M_MAJOR: gl.constexpr,        # a given as aᵀ [K, M] row-major (a weight gradient's dyᵀ)
     ACCUMULATE: gl.constexpr,       # out += a @ b (the old out TMA-loaded during the K loop)
     HAS_SCALE: gl.constexpr,        # ACCUMULATE only: out = scale · (out + a @ b)
+    STREAM_K: gl.constexpr,         # sk_tiles > 0: the stream-K region is compiled in
 ):
     BLOCK_N1: gl.constexpr = b_desc.block_type.shape[0] if B_K_MAJOR else b_desc.block_type.shape[1]
     BLOCK_N2: gl.constexpr = (b2_desc.block_type.shape[0] if B_K_MAJOR else b2_desc.block_type.shape[1]) if HAS_B2 else 0
@@ -258,29 +308,31 @@ def gemm_ws_kernel(
         gl.warp_specialize([
             (gemm_mma_partition, (a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, c_bufs.index(0),
                                   c2_bufs.index(0), c_ready, c_free, bias_ptr, residual_ptr, preact_ptr, scale_ptr,
-                                  M, N, K, stride_rm, stride_rn, stride_pm, 0, HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT,
-                                  NUM_PROGRAMS, GROUP_M, BLOCK_N1, BLOCK_N2, BLOCK_K, STAGES, CONSUMERS, B_K_MAJOR,
-                                  A_M_MAJOR, ACCUMULATE, HAS_SCALE)),
+                                  ws_ptr, flag_ptr, M, N, K, stride_rm, stride_rn, stride_pm, sk_tiles, 0, HAS_BIAS,
+                                  ACT, HAS_RESIDUAL, SAVE_PREACT, NUM_PROGRAMS, GROUP_M, BLOCK_N1, BLOCK_N2, BLOCK_K,
+                                  STAGES, CONSUMERS, B_K_MAJOR, A_M_MAJOR, ACCUMULATE, HAS_SCALE, STREAM_K)),
             (gemm_load_partition, (a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, M, N, K,
                                    NUM_PROGRAMS, GROUP_M, BLOCK_N1 + BLOCK_N2, BLOCK_K, STAGES, CONSUMERS, B_K_MAJOR,
-                                   HAS_B2, c_desc, c_bufs, c_ready, c_free, A_M_MAJOR, ACCUMULATE)),
+                                   HAS_B2, c_desc, c_bufs, c_ready, c_free, A_M_MAJOR, ACCUMULATE, sk_tiles,
+                                   STREAM_K)),
         ], [1], [LOADER_REGS_KERNEL])
     else:
         gl.static_assert(CONSUMERS == 2, "one or two consumer warp groups")
         gl.warp_specialize([
             (gemm_mma_partition, (a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, c_bufs.index(0),
                                   c2_bufs.index(0), c_ready, c_free, bias_ptr, residual_ptr, preact_ptr, scale_ptr,
-                                  M, N, K, stride_rm, stride_rn, stride_pm, 0, HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT,
-                                  NUM_PROGRAMS, GROUP_M, BLOCK_N1, BLOCK_N2, BLOCK_K, STAGES, CONSUMERS, B_K_MAJOR,
-                                  A_M_MAJOR, ACCUMULATE, HAS_SCALE)),
+                                  ws_ptr, flag_ptr, M, N, K, stride_rm, stride_rn, stride_pm, sk_tiles, 0, HAS_BIAS,
+                                  ACT, HAS_RESIDUAL, SAVE_PREACT, NUM_PROGRAMS, GROUP_M, BLOCK_N1, BLOCK_N2, BLOCK_K,
+                                  STAGES, CONSUMERS, B_K_MAJOR, A_M_MAJOR, ACCUMULATE, HAS_SCALE, STREAM_K)),
             (gemm_mma_partition, (a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, c_bufs.index(1),
                                   c2_bufs.index(1), c_ready, c_free, bias_ptr, residual_ptr, preact_ptr, scale_ptr,
-                                  M, N, K, stride_rm, stride_rn, stride_pm, 1, HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT,
-                                  NUM_PROGRAMS, GROUP_M, BLOCK_N1, BLOCK_N2, BLOCK_K, STAGES, CONSUMERS, B_K_MAJOR,
-                                  A_M_MAJOR, ACCUMULATE, HAS_SCALE)),
+                                  ws_ptr, flag_ptr, M, N, K, stride_rm, stride_rn, stride_pm, sk_tiles, 1, HAS_BIAS,
+                                  ACT, HAS_RESIDUAL, SAVE_PREACT, NUM_PROGRAMS, GROUP_M, BLOCK_N1, BLOCK_N2, BLOCK_K,
+                                  STAGES, CONSUMERS, B_K_MAJOR, A_M_MAJOR, ACCUMULATE, HAS_SCALE, STREAM_K)),
             (gemm_load_partition, (a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, M, N, K,
                                    NUM_PROGRAMS, GROUP_M, BLOCK_N1 + BLOCK_N2, BLOCK_K, STAGES, CONSUMERS, B_K_MAJOR,
-                                   HAS_B2, c_desc, c_bufs, c_ready, c_free, A_M_MAJOR, ACCUMULATE)),
+                                   HAS_B2, c_desc, c_bufs, c_ready, c_free, A_M_MAJOR, ACCUMULATE, sk_tiles,
+                                   STREAM_K)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS_KERNEL])
 
 
@@ -416,6 +468,8 @@ class _WsPlan(NamedTuple):
     b_k_major: bool
     a_m_major: bool
     prepared: object            # gemm_ws_kernel.prepare(...) of the sizes, strides and constexprs
+    sk_slots: int = 0           # stream-K: partial tiles / flags in the workspace (0: no stream-K)
+    sk_workspace: int = 0       # stream-K: fp32 elements of the partials
 
 
 @functools.lru_cache(maxsize=1024)
@@ -440,24 +494,34 @@ def _ws_plan(m: int, n: int, k: int, elem: int, out_elem: int, b_k_major: bool, 
     if block_n2 & (block_n2 - 1):
         raise ValueError(f"config: BLOCK_N must be a power of two or the sum of two, got {block_n}")
     has_bias, act, has_res, save_preact = epilogue
+    # the large-M tiles' last waves are cut along K (_stream_k; a config's STREAM_K says otherwise)
+    sk_tiles = (stream_k_tiles(m, n, k, ROWS_PER_GROUP * consumers, block_n, block_k, programs)
+                if cfg.get("STREAM_K", False) and not block_n2 and stream_k_epilogue_ok(block_n, epilogue) else 0)
     kwargs = dict(
         HAS_BIAS=has_bias, ACT=act, HAS_RESIDUAL=has_res, SAVE_PREACT=save_preact,
         NUM_PROGRAMS=programs, GROUP_M=cfg["GROUP_M"], STAGES=stages, CONSUMERS=consumers,
         CONSUMER_REGS=worker_regs, B_K_MAJOR=b_k_major, HAS_B2=block_n2 > 0, A_M_MAJOR=a_m_major, ACCUMULATE=False,
-        HAS_SCALE=False, num_warps=4, maxnreg=launch_regs,
+        HAS_SCALE=False, STREAM_K=sk_tiles > 0, num_warps=4, maxnreg=launch_regs,
     )
-    prepared = gemm_ws_kernel.prepare((m, n, k, res_strides[0], res_strides[1], n), kwargs)
-    return _WsPlan((programs,), block_n1, block_n2, block_k, b_k_major, a_m_major, prepared)
+    prepared = gemm_ws_kernel.prepare((m, n, k, res_strides[0], res_strides[1], n, sk_tiles), kwargs)
+    slots = programs * consumers if sk_tiles else 0
+    return _WsPlan((programs,), block_n1, block_n2, block_k, b_k_major, a_m_major, prepared, slots,
+                   slots * ROWS_PER_GROUP * block_n1)
 
 
 def launch_ws_plan(plan: _WsPlan, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
                    bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
                    preact: torch.Tensor | None = None, memo: AddressMemo | None = None,
-                   key: tuple | None = None) -> torch.Tensor:
+                   key: tuple | None = None, sk_buffers: tuple | None = None) -> torch.Tensor:
     """One launch of a :func:`_ws_plan` (``_matmul_kernels`` keeps the plan in its own cached
     GEMM plan, so a call builds only this call's descriptors): see :func:`launch_gemm_ws`.
     ``memo``: the caller's plan's launches by address; this one is kept there under ``key``
-    (the caller's plan fixes every view, :class:`AddressMemo`)."""
+    (the caller's plan fixes every view, :class:`AddressMemo`). ``sk_buffers``: (zeroed int32
+    flags, fp32 partials) of at least the plan's ``sk_slots`` / ``sk_workspace`` when it has them
+    (``_matmul_kernels.split_k_buffers``)."""
+    if plan.sk_slots and sk_buffers is None:
+        raise ValueError("a stream-K plan needs its workspace (sk_buffers)")
+    flags, partials = sk_buffers if plan.sk_slots else (out, out)
     block_k, block_n1, block_n2 = plan.block_k, plan.block_n1, plan.block_n2
     if plan.b_k_major:
         b_desc = _descriptor_t(b, (block_n1, block_k))
@@ -469,7 +533,8 @@ def launch_ws_plan(plan: _WsPlan, a: torch.Tensor, b: torch.Tensor, out: torch.T
     c2_desc = _descriptor(out, (ROWS_PER_GROUP, block_n2)) if block_n2 else c_desc
     a_desc = _descriptor_t(a, (block_k, ROWS_PER_GROUP)) if plan.a_m_major else _descriptor(a, (ROWS_PER_GROUP, block_k))
     tensors = (a_desc, b_desc, b2_desc, c_desc, c2_desc, bias if bias is not None else out,
-               residual if residual is not None else out, preact if preact is not None else out, out)
+               residual if residual is not None else out, preact if preact is not None else out, out,
+               partials, flags)
     gemm_ws_kernel.launch_prepared(plan.grid, tensors, plan.prepared)
     if memo is not None:
         memo.keep(key, gemm_ws_kernel, plan.grid, tensors, plan.prepared)
@@ -489,7 +554,8 @@ def launch_gemm_ws(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: to
                     (bias is not None, activation, residual is not None, preact is not None),
                     residual.stride() if residual is not None else (n, 1),
                     tuple(config.items()) if config else ())
-    return launch_ws_plan(plan, a, b, out, bias, residual, preact)
+    sk = split_k_buffers(a.device, plan.sk_slots, plan.sk_workspace) if plan.sk_slots else None
+    return launch_ws_plan(plan, a, b, out, bias, residual, preact, sk_buffers=sk)
 
 
 # out += a @ b with a short K (linear cross-entropy's grad_weight: M = V, N = H, K = 512 tokens per
@@ -522,11 +588,11 @@ def launch_gemm_accumulate(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, 
     if scale is not None and not accumulate:
         raise ValueError("scale: an accumulating GEMM only")
     gemm_ws_kernel[(programs,)](
-        a_desc, b_desc, b_desc, c_desc, c_desc, out, out, out, scale if scale is not None else out,
-        m, n, k, n, 1, n,
+        a_desc, b_desc, b_desc, c_desc, c_desc, out, out, out, scale if scale is not None else out, out, out,
+        m, n, k, n, 1, n, 0,
         HAS_BIAS=False, ACT="none", HAS_RESIDUAL=False, SAVE_PREACT=False,
         NUM_PROGRAMS=programs, GROUP_M=cfg["GROUP_M"], STAGES=stages, CONSUMERS=consumers,
         CONSUMER_REGS=worker_regs, B_K_MAJOR=b_k_major, HAS_B2=False, A_M_MAJOR=a_m_major, ACCUMULATE=accumulate,
-        HAS_SCALE=scale is not None, num_warps=4, maxnreg=launch_regs,
+        HAS_SCALE=scale is not None, STREAM_K=False, num_warps=4, maxnreg=launch_regs,
     )
     return out

@@ -329,6 +329,7 @@ def _ws_tile(m: int, n: int, k: int, dtype: torch.dtype, out_dtype: torch.dtype,
     ``config``: GLUON False never takes it, True whenever eligible (at any M, 64x64 tiles if none
     fills the SMs; the tile keys BLOCK_N, BLOCK_K, STAGES, CONSUMERS, GROUP_M override); any other
     config without GLUON is a tl kernel config, and keeps the tl kernel."""
+    from . import _stream_k
     from ._matmul_gluon import WS_TILES, choose_large_ws_tile, choose_ws_tile     # (imports this module)
 
     forced = config.get("GLUON", False if config else None)
@@ -346,7 +347,12 @@ def _ws_tile(m: int, n: int, k: int, dtype: torch.dtype, out_dtype: torch.dtype,
     tile = tile or (dict(WS_TILES["64x64"]) if forced else None)
     if tile and forced:
         tile.update({key: config[key] for key in tile if key in config})
-    return tuple(tile.items()) + (("B_K_MAJOR", layout.b_k_contiguous), ("A_M_MAJOR", a_m_major)) if tile else ()
+    if not tile:
+        return ()
+    # large M: the last waves cut along K when _stream_k.STREAM_K (or a config's STREAM_K) says so
+    stream_k = bool(config.get("STREAM_K", bucket == "large" and _stream_k.STREAM_K))
+    return tuple(tile.items()) + (("B_K_MAJOR", layout.b_k_contiguous), ("A_M_MAJOR", a_m_major),
+                                  ("STREAM_K", stream_k))
 
 
 # large-M 16-bit GEMMs on sm_90 take the Gluon kernel (_ws_tile); False: the tl kernel. An A/B
@@ -393,11 +399,13 @@ def _matmul_plan(m: int, n: int, k: int, dtype: torch.dtype, out_dtype: torch.dt
     if ws_tile:
         from ._matmul_gluon import _ws_plan, launch_ws_plan, tail_split_rows     # (imports this module)
 
-        tail = tail_split_rows(m, n, k, dict(ws_tile), epilogue, sms) if m_bucket(m) == "large" and not config else 0
-        if tail:
-            return _MatmulPlan((), True, None, 0, 0, ws_tile, tail_rows=tail)
         ws = _ws_plan(m, n, k, dtype.itemsize, out_dtype.itemsize, dict(ws_tile)["B_K_MAJOR"], sms, epilogue,
                       res_strides, ws_tile)
+        # a stream-K plan evens its last waves itself; else the last rows may go to a second launch
+        tail = (tail_split_rows(m, n, k, dict(ws_tile), epilogue, sms)
+                if m_bucket(m) == "large" and not config and not ws.sk_slots else 0)
+        if tail:
+            return _MatmulPlan((), True, None, 0, 0, ws_tile, tail_rows=tail)
         return _MatmulPlan((), True, None, 0, 0, ws_tile, ws, launch_ws_plan, AddressMemo())
     cfg = dict(_cached_config(m, n, k, dtype, sms))
     cfg.update(wide_tile_epilogue(cfg))
@@ -479,8 +487,12 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = 
                None if residual is None else (residual.data_ptr(), residual.dtype),
                None if preact is None else preact.data_ptr())
     if plan.ws_plan is not None:
+        sk = None
+        if plan.ws_plan.sk_slots:       # stream-K: the per-stream workspace, its addresses in the key
+            sk = split_k_buffers(a.device, plan.ws_plan.sk_slots, plan.ws_plan.sk_workspace)
+            key = key and (*key, sk[0].data_ptr(), sk[1].data_ptr())
         if key is None or not memo.launch(key):
-            plan.ws_launch(plan.ws_plan, a, b, out, bias, residual, preact, memo if key else None, key)
+            plan.ws_launch(plan.ws_plan, a, b, out, bias, residual, preact, memo if key else None, key, sk)
         return out, preact
     if plan.uses_tma and a.device.type == "cuda":   # (forced under the interpreter: pointer loads)
         use_device_descriptors()        # per call: the allocator is a per-thread context value

@@ -1,0 +1,134 @@
+"""Stream-K for the last waves of a persistent GEMM (the Gluon warp-specialized kernels).
+
+A persistent GEMM of T output tiles on P programs runs ceil(T / P) tile-times, while the work is
+T / P of them: with r = T mod P > 0 the last wave leaves P - r SMs idle for a whole tile-time
+(8192x6144x4096 in 128x256 tiles: 1536 tiles = 11.64 waves on 132 SMs, so 2.8 % of the kernel's
+time has a third of the machine idle). Here the tiles are split in two regions:
+
+- the first ``T - S`` tiles go to the programs whole, in turn (data-parallel, as without stream-K);
+- the last ``S = r + P`` tiles (the partial wave and one full wave before it) are cut along K:
+  their ``S · k_tiles`` K steps are dealt out as P contiguous runs of equal length (±1 step).
+
+Every run is at least one tile long (S >= P), so a tile of that region is covered by one run
+(whole) or by two: the head ``[0, b)`` of its K steps ends run p, the tail ``[a, k_tiles)``
+starts run p + 1. Program p then walks its run in this order:
+
+1. the tiles its run covers whole (their epilogue as usual);
+2. the head of the tile its run ends in: the fp32 partial sum goes to the workspace slot of
+   (p, consumer group) and a flag is raised (``stream_k_publish``);
+3. the tail of the tile its run starts in: once program p - 1's flag is up, its partial is added
+   to this one (``stream_k_collect``, which also lowers the flag again for the next launch) and the
+   epilogue runs on the sum.
+
+A program waits only on the program before it, and only after publishing its own partial, so
+the waits form a chain towards program 0 (which never waits): the kernel finishes whenever
+programs start in grid order (as the hardware dispatches a 1-D grid), even when fewer SMs than
+programs are free. Program p - 1 publishes before the end of its run and program p collects at the
+end of its own, so the wait is short. The sum is ``head + tail`` in a fixed order: a launch is
+bitwise reproducible (not bitwise equal to the data-parallel kernel: a different fp32 association).
+
+Workspace: one [64, BLOCK_N] fp32 tile per (program, consumer group) and one int32 flag per slot,
+left zero by the kernel (the split-K buffers of ``_matmul_kernels.split_k_buffers``, per stream).
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from .._dispatch import cdiv
+
+# Whether large-M plans take stream-K by default (a config's STREAM_K overrides either way). Off
+# until measured: built and compiled offline for sm_90 in session 47, when no GPU was lent, so it
+# has not run on one yet (benchmarks/NOTES.md, session 47; scripts/stream_k_probe.py is the A/B).
+STREAM_K = False
+# below this K a tile-time is short beside the partial's store and load (~2-4 µs on one SM)
+STREAM_K_MIN_K = 2048
+
+
+def stream_k_tiles(m: int, n: int, k: int, block_m: int, block_n: int, block_k: int, programs: int) -> int:
+    """S, the tiles at the end of the tile order that are cut along K (0: none) in a plan that
+    takes stream-K: the partial last wave plus one full wave, when there are at least two waves, a
+    partial one, and K is long enough for the fixup to pay (STREAM_K_MIN_K)."""
+    tiles = cdiv(m, block_m) * cdiv(n, block_n)
+    rem = tiles % programs
+    if k < STREAM_K_MIN_K or rem == 0 or tiles < 2 * programs or cdiv(k, block_k) < 2:
+        return 0
+    return rem + programs
+
+
+def stream_k_epilogue_ok(block_n: int, epilogue: tuple) -> bool:
+    """Whether a tile of ``block_n`` columns takes stream-K with ``epilogue`` (HAS_BIAS, ACT,
+    HAS_RESIDUAL, SAVE_PREACT): a 128x256 consumer group has no registers to spare for the fixup
+    beside a bias or an activation (sm_90 offline compile, spill stores + loads: 328 bytes with a
+    bias, 488 with bias + GELU), so 128x256
+    takes it for a plain product only; 128x128 with any epilogue."""
+    return block_n < 256 or not any(epilogue[i] for i in (0, 2, 3)) and epilogue[1] == "none"
+
+
+def stream_k_segments(sk_tiles: int, k_tiles: int, programs: int, pid: int) -> list[tuple[str, int, int, int]]:
+    """Program ``pid``'s share of the stream-K region in the order it runs it, as
+    ``(role, tile, first K step, end K step)`` with the tile counted from the region's start and
+    role "whole", "publish" (a head: its partial goes to the workspace) or "collect" (a tail:
+    the previous program's partial is added, then the epilogue). The same arithmetic as
+    :func:`stream_k_run` (the tests check its invariants on it)."""
+    iters = sk_tiles * k_tiles
+    lo, hi = pid * iters // programs, (pid + 1) * iters // programs
+    first, a = divmod(lo, k_tiles)
+    last = (hi - 1) // k_tiles
+    b = hi - last * k_tiles
+    out = [("whole", t, 0, k_tiles) for t in range(first + (a > 0), last + (b == k_tiles))]
+    if b < k_tiles:
+        out.append(("publish", last, 0, b))
+    if a > 0:
+        out.append(("collect", first, a, k_tiles))
+    return out
+
+
+@gluon.jit
+def stream_k_run(sk_tiles, k_tiles, NUM_PROGRAMS: gl.constexpr):
+    """(first, a, last, b) of this program's run of the stream-K region's ``sk_tiles · k_tiles``
+    K steps: it starts at step ``a`` of region tile ``first`` and ends after step ``b - 1`` of
+    region tile ``last`` (1 <= b <= k_tiles). int64 products: S · k_tiles · P can pass 2^31."""
+    iters = sk_tiles.to(gl.int64) * k_tiles
+    pid = gl.program_id(0).to(gl.int64)
+    lo = pid * iters // NUM_PROGRAMS
+    hi = (pid + 1) * iters // NUM_PROGRAMS
+    first = lo // k_tiles
+    a = lo - first * k_tiles
+    last = (hi - 1) // k_tiles
+    b = hi - last * k_tiles
+    return first.to(gl.int32), a.to(gl.int32), last.to(gl.int32), b.to(gl.int32)
+
+
+@gluon.jit
+def _slot_offsets(acc):
+    """Offsets of an accumulator's elements in its row-major [rows, cols] workspace slot."""
+    layout: gl.constexpr = acc.type.layout
+    rows = gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, layout))
+    return rows[:, None] * acc.shape[1] + cols[None, :]
+
+
+@gluon.jit
+def stream_k_publish(acc, ws_ptr, flag_ptr, slot):
+    """Store the fp32 partial ``acc`` in workspace slot ``slot`` and raise its flag. The barrier
+    before the release makes every thread's stores visible with it (CUTLASS's semaphore pattern,
+    as the tl kernel's split-K fixup)."""
+    gl.store(ws_ptr + slot.to(gl.int64) * (acc.shape[0] * acc.shape[1]) + _slot_offsets(acc), acc)
+    gl.thread_barrier()
+    gl.atomic_xchg(flag_ptr + slot, 1, sem="release", scope="gpu")
+
+
+@gluon.jit
+def stream_k_collect(acc, ws_ptr, flag_ptr, slot):
+    """``acc`` + the partial in workspace slot ``slot``, once its flag is up; the flag is lowered
+    as it is taken (compare-and-swap 1 -> 0), so the kernel leaves every flag zero. The loads
+    bypass L1 (.cg): the partial was written by another SM."""
+    seen = gl.atomic_cas(flag_ptr + slot, 1, 0, sem="acquire", scope="gpu")
+    while seen != 1:
+        seen = gl.atomic_cas(flag_ptr + slot, 1, 0, sem="acquire", scope="gpu")
+    gl.thread_barrier()
+    part = gl.load(ws_ptr + slot.to(gl.int64) * (acc.shape[0] * acc.shape[1]) + _slot_offsets(acc),
+                   cache_modifier=".cg")
+    return acc + part
