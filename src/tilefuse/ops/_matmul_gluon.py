@@ -209,32 +209,40 @@ def gemm_mma_partition(a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, c
         slot = gl.program_id(0) * CONSUMERS + WG
         # 1. the tiles this run covers whole
         for t in range(first + (a > 0).to(gl.int32), last + (b == k_tiles).to(gl.int32)):
-            acc = gl.zeros([WG_ROWS, BLOCK_N1], gl.float32, mma_layout)
-            acc, _ = _mma_k_steps(acc, acc, a_bufs, b_bufs, b_bufs, ready, empty, it, k_tiles, c_smem, c_ready,
-                                  c_free, False, 0, WG, STAGES, CONSUMERS, B_K_MAJOR, False, A_M_MAJOR, False)
+            acc = _plain_k_steps(a_bufs, b_bufs, ready, empty, it, k_tiles, c_smem, mma_layout, WG, BLOCK_N1,
+                                 STAGES, CONSUMERS, B_K_MAJOR, A_M_MAJOR)
             it += k_tiles
             _stream_k_epilogue(acc, dp_tiles + t, num_pid_m, num_pid_n, c_desc, c_smem, bias_ptr, residual_ptr,
                                preact_ptr, M, N, stride_rm, stride_rn, stride_pm, WG, HAS_BIAS, ACT, HAS_RESIDUAL,
                                SAVE_PREACT, GROUP_M, BLOCK_N1, CONSUMERS)
         # 2. the head of the tile it ends in: a partial for the next program
         if b < k_tiles:
-            acc = gl.zeros([WG_ROWS, BLOCK_N1], gl.float32, mma_layout)
-            acc, _ = _mma_k_steps(acc, acc, a_bufs, b_bufs, b_bufs, ready, empty, it, b, c_smem, c_ready,
-                                  c_free, False, 0, WG, STAGES, CONSUMERS, B_K_MAJOR, False, A_M_MAJOR, False)
+            acc = _plain_k_steps(a_bufs, b_bufs, ready, empty, it, b, c_smem, mma_layout, WG, BLOCK_N1, STAGES,
+                                 CONSUMERS, B_K_MAJOR, A_M_MAJOR)
             it += b
             stream_k_publish(acc, ws_ptr, flag_ptr, slot)
         # 3. the tail of the tile it starts in, plus the previous program's head of it
         if a > 0:
-            acc = gl.zeros([WG_ROWS, BLOCK_N1], gl.float32, mma_layout)
-            acc, _ = _mma_k_steps(acc, acc, a_bufs, b_bufs, b_bufs, ready, empty, it, k_tiles - a, c_smem,
-                                  c_ready, c_free, False, 0, WG, STAGES, CONSUMERS, B_K_MAJOR, False, A_M_MAJOR,
-                                  False)
+            acc = _plain_k_steps(a_bufs, b_bufs, ready, empty, it, k_tiles - a, c_smem, mma_layout, WG, BLOCK_N1,
+                                 STAGES, CONSUMERS, B_K_MAJOR, A_M_MAJOR)
             it += k_tiles - a
             acc = stream_k_collect(acc, ws_ptr, flag_ptr, slot - CONSUMERS)
             _stream_k_epilogue(acc, dp_tiles + first, num_pid_m, num_pid_n, c_desc, c_smem, bias_ptr,
                                residual_ptr, preact_ptr, M, N, stride_rm, stride_rn, stride_pm, WG, HAS_BIAS, ACT,
                                HAS_RESIDUAL, SAVE_PREACT, GROUP_M, BLOCK_N1, CONSUMERS)
     tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _plain_k_steps(a_bufs, b_bufs, ready, empty, it, steps, c_smem, layout: gl.constexpr, WG: gl.constexpr,
+                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr, B_K_MAJOR: gl.constexpr,
+                   A_M_MAJOR: gl.constexpr):
+    """A fresh accumulator through ``steps`` ring steps from ``it`` (one B part, no old output):
+    the stream-K region's whole tiles, heads and tails."""
+    acc = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, layout)
+    acc, _ = _mma_k_steps(acc, acc, a_bufs, b_bufs, b_bufs, ready, empty, it, steps, c_smem, ready, empty, False, 0,
+                          WG, STAGES, CONSUMERS, B_K_MAJOR, False, A_M_MAJOR, False)
+    return acc
 
 
 @gluon.jit
@@ -494,7 +502,8 @@ def _ws_plan(m: int, n: int, k: int, elem: int, out_elem: int, b_k_major: bool, 
     if block_n2 & (block_n2 - 1):
         raise ValueError(f"config: BLOCK_N must be a power of two or the sum of two, got {block_n}")
     has_bias, act, has_res, save_preact = epilogue
-    # the large-M tiles' last waves are cut along K (_stream_k; a config's STREAM_K says otherwise)
+    # the last waves cut along K when the tile says STREAM_K (_matmul_kernels._ws_tile: large M, and
+    # _stream_k.STREAM_K or the caller's config) and the epilogue leaves the registers for it
     sk_tiles = (stream_k_tiles(m, n, k, ROWS_PER_GROUP * consumers, block_n, block_k, programs)
                 if cfg.get("STREAM_K", False) and not block_n2 and stream_k_epilogue_ok(block_n, epilogue) else 0)
     kwargs = dict(
