@@ -13,6 +13,7 @@ from .ops.cross_entropy import cross_entropy
 from .ops.gate_up import swiglu_linear
 from .ops.glu import geglu, swiglu
 from .ops.linear_cross_entropy import linear_cross_entropy
+from .ops._matmul_autotune import set_autotune as set_matmul_autotune
 from .ops.matmul import matmul
 from .ops.norms import layer_norm, rms_norm
 from .ops.qkv_proj import qkv_proj
@@ -26,4 +27,4 @@ __version__ = "0.1.0"
 __all__ = ["softmax", "log_softmax", "layer_norm", "rms_norm", "bias_act", "swiglu", "geglu", "rope", "rope_cos_sin_table",
            "adam_step", "adamw_step", "optim", "fp8", "nn",
            "cross_entropy", "linear_cross_entropy", "attention", "attention_varlen", "attention_decode",
-           "matmul", "swiglu_linear", "qkv_proj", "quantize_weight", "dequantize_weight", "quant_linear", "QuantizedWeight", "quantize", "QuantLinear"]
+           "matmul", "set_matmul_autotune", "swiglu_linear", "qkv_proj", "quantize_weight", "dequantize_weight", "quant_linear", "QuantizedWeight", "quantize", "QuantLinear"]

@@ -35,6 +35,7 @@ import triton.language as tl
 from .._dispatch import cdiv, device_traits, empty, num_sms, rows_view  # noqa: F401  (num_sms: scripts read mk.num_sms)
 from .._address_memo import AddressMemo
 from .._launch import PreparedArgs, config_key, fast_launch, use_device_descriptors
+from . import _matmul_autotune as _autotune
 from ._activation_math import BWD_TILE_ELEMS, activation_fwd, activation_fwd_bwd, tile_config, tile_rows_cols
 from ._common import row_tile_mask_offsets
 from ._matmul_configs import (  # noqa: F401  (CONFIGS, MID_MAX_M, split_k_slices, _fit, use_tma_default: read through this module)
@@ -467,11 +468,14 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = 
     if m == 1 and a_strides[1] == 1:    # a one-row a's row stride is free: a 16-byte aligned one lets descriptors read it
         a_strides = (cdiv(k, 16 // a.element_size()) * (16 // a.element_size()), 1)
     sms, hopper, hopper_or_newer = device_traits(a.device)
-    plan = _matmul_plan(m, n, k, a.dtype, out_dtype, a_strides, b.stride(),
-                        residual.stride() if residual is not None else (n, 1),
-                        a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0, sms, hopper_or_newer,
-                        hopper, (bias is not None, activation, residual is not None, save_preact),
-                        config_key(config) if config else (), out.data_ptr() % 16 == 0)
+    problem = (m, n, k, a.dtype, out_dtype, a_strides, b.stride(), residual.stride() if residual is not None else (n, 1),
+               a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0, sms, hopper_or_newer, hopper,
+               (bias is not None, activation, residual is not None, save_preact))
+    if config is None and _autotune.ENABLED:    # opt-in: the fastest declared config, timed once per problem
+        tuned = _autotuned(problem, a, b, bias, residual, activation, out_dtype, save_preact)
+    else:
+        tuned = config_key(config) if config else ()
+    plan = _matmul_plan(*problem, tuned, out.data_ptr() % 16 == 0)
     if plan.tail_rows:      # its first rows, then the last ones on their own plan (residual and preact: none)
         m1 = m - plan.tail_rows
         for rows in (slice(0, m1), slice(m1, m)):
@@ -510,6 +514,18 @@ def launch_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = 
     if key is not None:
         memo.keep(key, matmul_kernel, plan.grid, tensors, plan.prepared)
     return out, preact
+
+
+def _autotuned(problem: tuple, a, b, bias, residual, activation, out_dtype, save_preact) -> tuple:
+    """The autotuned config of ``problem`` (``_matmul_autotune``): each candidate launched on
+    these operands into a fresh output (``config={}``: the heuristic's, and no tuning inside)."""
+    hit = _autotune.cached_choice(problem)      # the repeated call: one dict lookup, no lock
+    if hit is not None:
+        return hit
+
+    def run(candidate: tuple) -> torch.Tensor:
+        return launch_matmul(a, b, bias, residual, activation, out_dtype, save_preact, dict(candidate))[0]
+    return _autotune.tuned_config(problem, run, a, out_dtype)
 
 
 def launch_act_grad(dy: torch.Tensor, pre: torch.Tensor, activation: str, dtype: torch.dtype) -> torch.Tensor:
