@@ -64,10 +64,11 @@ def test_stream_k_off_by_default():
 
 
 def test_stream_k_epilogues():
-    """128x256 takes it for a plain product only (its consumer groups have no registers for the
-    fixup beside an epilogue); 128x128 with any epilogue."""
-    assert sk.stream_k_epilogue_ok(256, PLAIN)
-    for epilogue in [(True, "none", False, False), (False, "gelu", False, False), (False, "none", True, False),
+    """128x256 takes it for a product with at most a bias (its consumer groups have no registers
+    for the fixup beside an activation, a residual or a saved pre-activation); 128x128 with any
+    epilogue."""
+    assert sk.stream_k_epilogue_ok(256, PLAIN) and sk.stream_k_epilogue_ok(256, (True, "none", False, False))
+    for epilogue in [(True, "gelu", False, False), (False, "silu", False, False), (False, "none", True, False),
                      (False, "none", False, True)]:
         assert not sk.stream_k_epilogue_ok(256, epilogue)
         assert sk.stream_k_epilogue_ok(128, epilogue)
@@ -91,6 +92,7 @@ def test_stream_k_plan(stream_k_on):
     assert dict(dw.ws_tile)["A_M_MAJOR"] and dw.ws_plan.sk_slots
     gelu = _plan(8192, 14336, 4096, epilogue=(True, "gelu", False, False))
     assert gelu.tail_rows == 128
+    assert _plan(8192, 6144, 4096, epilogue=(True, "none", False, False)).ws_plan.sk_slots == 264
     assert _plan(8192, 6144, 4096, epilogue=(True, "gelu", False, False)).ws_plan.sk_slots == 0
     assert _plan(8192, 6144, 4096, config=(("GLUON", True), ("STREAM_K", False))).ws_plan.sk_slots == 0
     assert _plan(8192, 6144, 1024).ws_plan.sk_slots == 0
@@ -164,6 +166,7 @@ def _workspace_flags_zero(device) -> bool:
 @pytest.mark.skipif(not HAS_CUDA, reason="Gluon kernel: sm_90 GPU")
 @pytest.mark.parametrize("m,n,k,layout,epilogue", [
     (4096, 4096, 4096, "w.t()", "none"),             # 128x256, 512 tiles: S = 248
+    (4000, 4096, 4096, "w.t()", "bias"),             # 128x256 with a bias (carried by the heads)
     (4000, 3000, 2100, "w.t()", "none"),             # ragged M, N and K (33 K steps, the last partial)
     (8192, 6144, 4096, "row-major", "none"),         # dy @ w: row-major b
     (4096, 4096, 4096, "a-m-major", "none"),         # dyᵀ @ x: the weight gradient's M-major a

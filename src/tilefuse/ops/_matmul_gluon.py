@@ -220,6 +220,8 @@ def gemm_mma_partition(a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, c
             acc = _plain_k_steps(a_bufs, b_bufs, ready, empty, it, b, c_smem, mma_layout, WG, BLOCK_N1, STAGES,
                                  CONSUMERS, B_K_MAJOR, A_M_MAJOR)
             it += b
+            if HAS_BIAS:        # the head carries the tile's bias, so the tail's epilogue loads none
+                acc += _bias_row(acc, bias_ptr, dp_tiles + last, num_pid_m, num_pid_n, N, GROUP_M, BLOCK_N1)
             stream_k_publish(acc, ws_ptr, flag_ptr, slot)
         # 3. the tail of the tile it starts in, plus the previous program's head of it
         if a > 0:
@@ -228,9 +230,17 @@ def gemm_mma_partition(a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, c
             it += k_tiles - a
             acc = stream_k_collect(acc, ws_ptr, flag_ptr, slot - CONSUMERS)
             _stream_k_epilogue(acc, dp_tiles + first, num_pid_m, num_pid_n, c_desc, c_smem, bias_ptr,
-                               residual_ptr, preact_ptr, M, N, stride_rm, stride_rn, stride_pm, WG, HAS_BIAS, ACT,
+                               residual_ptr, preact_ptr, M, N, stride_rm, stride_rn, stride_pm, WG, False, ACT,
                                HAS_RESIDUAL, SAVE_PREACT, GROUP_M, BLOCK_N1, CONSUMERS)
     tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _bias_row(acc, bias_ptr, tile_id, num_pid_m, num_pid_n, N, GROUP_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """bias[cols] of tile ``tile_id`` as a [1, BLOCK_N] fp32 row in ``acc``'s layout."""
+    _, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+    cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc.type.layout))
+    return gl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(gl.float32)[None, :]
 
 
 @gluon.jit

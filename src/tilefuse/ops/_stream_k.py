@@ -14,8 +14,9 @@ Every run is at least one tile long (S >= P), so a tile of that region is covere
 starts run p + 1. Program p then walks its run in this order:
 
 1. the tiles its run covers whole (their epilogue as usual);
-2. the head of the tile its run ends in: the fp32 partial sum goes to the workspace slot of
-   (p, consumer group) and a flag is raised (``stream_k_publish``);
+2. the head of the tile its run ends in: the fp32 partial sum (plus the tile's bias, so that the
+   tail's epilogue loads none) goes to the workspace slot of (p, consumer group) and a flag is
+   raised (``stream_k_publish``);
 3. the tail of the tile its run starts in: once program p - 1's flag is up, its partial is added
    to this one (``stream_k_collect``, which also lowers the flag again for the next launch) and the
    epilogue runs on the sum.
@@ -60,10 +61,12 @@ def stream_k_tiles(m: int, n: int, k: int, block_m: int, block_n: int, block_k: 
 def stream_k_epilogue_ok(block_n: int, epilogue: tuple) -> bool:
     """Whether a tile of ``block_n`` columns takes stream-K with ``epilogue`` (HAS_BIAS, ACT,
     HAS_RESIDUAL, SAVE_PREACT): a 128x256 consumer group has no registers to spare for the fixup
-    beside a bias or an activation (sm_90 offline compile, spill stores + loads: 328 bytes with a
-    bias, 488 with bias + GELU), so 128x256
-    takes it for a plain product only; 128x128 with any epilogue."""
-    return block_n < 256 or not any(epilogue[i] for i in (0, 2, 3)) and epilogue[1] == "none"
+    beside an activation, a residual or a saved pre-activation (sm_90 offline compile, spill stores
+    + loads: 360 bytes with bias + GELU), so 128x256 takes it for a product with at most a bias
+    (which the head's partial carries: 328 bytes of spills when the tail's epilogue loaded it);
+    128x128 with any epilogue."""
+    _, act, has_res, save_preact = epilogue
+    return block_n < 256 or (act == "none" and not has_res and not save_preact)
 
 
 def stream_k_segments(sk_tiles: int, k_tiles: int, programs: int, pid: int) -> list[tuple[str, int, int, int]]:
