@@ -125,6 +125,18 @@ def test_epilogue_and_backward_problems_tuned_apart(tuning):
     assert len(at._CHOICES) == 3                             # forward, da, dbᵀ
 
 
+def test_non_finite_operands_do_not_tune(tuning):
+    """A call whose output has an inf or NaN cannot tell candidates apart: the heuristic's config,
+    nothing kept, and the next finite call tunes."""
+    calls, _ = tuning
+    w = torch.randn(29, 45, dtype=torch.float16)
+    a = torch.randn(37, 45, dtype=torch.float16)
+    a[3, 4] = float("nan")
+    assert matmul(a, w.t())[3].isnan().all() and not at._CHOICES
+    matmul(torch.randn(37, 45, dtype=torch.float16), w.t())
+    assert len(at._CHOICES) == 1 and len(calls) == len(at.matmul_candidates(37, torch.float16, False))
+
+
 def test_off_means_untimed(tuning, monkeypatch):
     calls, _ = tuning
     monkeypatch.setattr(at, "ENABLED", False)
