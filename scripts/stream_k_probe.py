@@ -7,8 +7,9 @@ cuts the last partial wave plus one full wave along K into P even runs. Candidat
 against the fp32 product and timed as CUDA-graph replays after an L2 flush, interleaved with
 cuBLAS (``matmul_sweep``'s helpers): ``stream-k`` (the default), ``whole`` (STREAM_K off: whole
 tiles, with session 46's tail split where it applies) and ``whole-no-split`` (both off). Layouts:
-``fwd`` x @ w.t(), ``dgrad`` dy @ w (row-major b), ``wgrad`` dyᵀ @ x (M-major a). Prints the
-plan, then each candidate's ms, TF/s and ratio to cuBLAS, and stream-K's gain over ``whole``.
+``fwd`` x @ w.t(), ``dgrad`` dy @ w (row-major b), ``wgrad`` dyᵀ @ x (M-major a), and ``fp8``: the
+fp8 tl kernel with fast accumulation against ``torch._scaled_mm``. Prints the plan, then each
+candidate's ms, TF/s and ratio to the peer, and stream-K's gain over ``whole``.
 """
 
 from __future__ import annotations
@@ -63,16 +64,44 @@ def describe(a: torch.Tensor, b: torch.Tensor) -> str:
             f"stream-K region {sk_tiles} tiles")
 
 
+def fp8_rows(shapes, rounds: int, gains: list) -> None:
+    """The fp8 tl kernel with fast accumulation (the bench's fast row): stream-K against whole
+    tiles and ``torch._scaled_mm(use_fast_accum=True)``, per-tensor scales, bf16 out."""
+    from tilefuse.ops import _fp8_kernels as fk
+    for m, n, k in shapes:
+        qa = torch.randn(m, k, device="cuda").to(torch.float8_e4m3fn)
+        qb = (torch.randn(n, k, device="cuda") / k ** 0.5).to(torch.float8_e4m3fn)
+        one = torch.ones(1, device="cuda")
+        ref = (qa.float() @ qb.float().t())
+        fns = {}
+        for name, on in [("stream-k", True), ("whole", False)]:
+            with switches(on, True):
+                fk.gemm_plan.cache_clear()
+                fns.update(valid_fns({name: lambda: fk.launch_fp8_gemm(qa, one, qb, one, None, torch.bfloat16, True)},
+                                     ref, graph=True))
+            fk.gemm_plan.cache_clear()
+        fns.update(valid_fns({"scaled_mm": lambda: torch._scaled_mm(qa, qb.t(), one, one, out_dtype=torch.bfloat16,
+                                                                    use_fast_accum=True)}, ref, graph=True))
+        ms = interleaved_ms(fns, rounds)
+        print(f"fp8 fast {m}x{n}x{k}")
+        for name, t in ms.items():
+            print(f"  {name:15s} {t:.4f} ms {2 * m * n * k / t / 1e9:5.0f} TF/s  {ms['scaled_mm'] / t:5.3f}x _scaled_mm")
+        if "stream-k" in ms and "whole" in ms:
+            gains.append(("fp8", m, n, k, ms["whole"] / ms["stream-k"], ms["scaled_mm"] / ms["stream-k"]))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="square,llama")
     ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--layouts", default="fwd")
+    ap.add_argument("--layouts", default="fwd", help="fwd, dgrad, wgrad (bf16) and fp8 (fast accumulation)")
     args = ap.parse_args()
     shapes = [s for name in args.shapes.split(",") for s in SHAPES[name]]
     print(torch.cuda.get_device_name(), "bf16, CUDA-graph replays after an L2 flush, interleaved")
     gains = []
-    for layout in args.layouts.split(","):
+    if "fp8" in args.layouts.split(","):
+        fp8_rows(shapes, args.rounds, gains)
+    for layout in [name for name in args.layouts.split(",") if name != "fp8"]:
         for m, n, k in shapes:
             a, b = operands(m, n, k, layout)
             ref = a.float() @ b.float()
@@ -90,7 +119,7 @@ def main() -> None:
                 print(f"  {name:15s} {t:.4f} ms {2 * m * n * k / t / 1e9:5.0f} TF/s  {ms['cublas'] / t:5.3f}x cuBLAS")
             if "stream-k" in ms and "whole" in ms:
                 gains.append((layout, m, n, k, ms["whole"] / ms["stream-k"], ms["cublas"] / ms["stream-k"]))
-    print("\nlayout shape                stream-k vs whole   stream-k vs cuBLAS")
+    print("\nlayout shape                stream-k vs whole   stream-k vs cuBLAS (fp8: _scaled_mm)")
     for layout, m, n, k, vs_whole, vs_cublas in gains:
         print(f"{layout:6s} {m}x{n}x{k:<10d} {vs_whole:8.3f}x {vs_cublas:17.3f}x")
 

@@ -231,3 +231,48 @@ def test_gpu_stream_k_fwd_bwd(stream_k_on):
     assert rel_err(out, ref) <= 1e-2
     assert rel_err(x.grad, x64.grad) <= 1e-2 and rel_err(w.grad, w64.grad) <= 1e-2
     assert _workspace_flags_zero(x.device)
+
+
+# ----------------------------------------------------------------------------------------------
+# the fp8 tl kernel (fast accumulation on sm_90, any fp8 GEMM elsewhere; the interpreter on the CPU)
+# ----------------------------------------------------------------------------------------------
+
+# 64x32 tiles: 289 / 306 tiles on a GPU's 132 SMs; 9 on the interpreter's 4 (every role: whole, head, tail)
+FP8_CASES = ([(1088, 544, 2048, False, False), (1100, 530, 2100, True, True)] if HAS_CUDA
+             else [(192, 96, 2048, False, False), (190, 90, 2100, True, True)])
+FP8_TILE = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, GROUP_M=4, num_warps=4, num_stages=2)
+
+
+@pytest.mark.parametrize("case", FP8_CASES)
+def test_fp8_stream_k(case):
+    """fp8_gemm_kernel with stream-K over its last waves (a config's STREAM_K; the default follows
+    _stream_k.STREAM_K): against the dequantized fp64 product, within fp32 rounding of the
+    whole-tile kernel, bitwise repeatable, the workspace flags left zero; ragged M / N / K, row
+    scales and a bias."""
+    from test_fp8 import GEMM_TOL
+
+    from tilefuse.ops import _fp8_kernels as fk
+    from tilefuse.ops import fp8 as fp8_ops
+
+    m, n, k, rowwise, has_bias = case
+    device = "cuda" if HAS_CUDA else "cpu"
+    # fp8 operands and scales made directly (the quantize kernels are slow under the interpreter)
+    qa = torch.randn(m, k, device=device).to(torch.float8_e4m3fn)
+    qb = (torch.randn(n, k, device=device) / k ** 0.5).to(torch.float8_e4m3fn)
+    sa = torch.rand(m if rowwise else 1, device=device) + 0.5
+    sb = torch.rand(n if rowwise else 1, device=device) + 0.5
+    bias = torch.randn(n, device=device) if has_bias else None
+    sms, hopper, hopper_or_newer = mk.device_traits(qa.device)
+    plan = fk.gemm_plan(m, n, k, qa.stride(), qb.stride(), torch.float32, rowwise, rowwise, has_bias, True, sms,
+                        hopper, hopper_or_newer, True, True, fk.KERNELS_INTERPRETED,
+                        tuple(dict(FP8_TILE, STREAM_K=True).items()))
+    tiles = mk.cdiv(m, 64) * mk.cdiv(n, 32)
+    assert plan.sk_workspace == sms * 64 * 32 and plan.prepared.ints[-1] == tiles % sms + sms
+    got = fk.launch_fp8_gemm(qa, sa, qb, sb, bias, torch.float32, True, dict(FP8_TILE, STREAM_K=True))
+    ref = fp8_ops.scaled_matmul_reference(qa, sa, qb, sb, bias)
+    assert rel_err(got, ref) <= GEMM_TOL[torch.float32]
+    whole = fk.launch_fp8_gemm(qa, sa, qb, sb, bias, torch.float32, True, dict(FP8_TILE))
+    assert rel_err(got, whole) <= 1e-6
+    assert torch.equal(fk.launch_fp8_gemm(qa, sa, qb, sb, bias, torch.float32, True, dict(FP8_TILE, STREAM_K=True)),
+                       got)
+    assert _workspace_flags_zero(qa.device)

@@ -42,7 +42,9 @@ from triton.runtime.jit import JITFunction
 
 from .._dispatch import cdiv, device_traits, empty, is_hopper, is_hopper_or_newer, next_power_of_2, num_sms
 from .._launch import PreparedArgs, config_key, fast_launch, use_device_descriptors
-from ._matmul_kernels import _tile_coords
+from . import _stream_k
+from ._matmul_kernels import _tile_coords, split_k_buffers
+from ._stream_k import stream_k_collect_tl, stream_k_publish_tl, stream_k_run, stream_k_tiles
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 FP8_MAX = {dt: float(torch.finfo(dt).max) for dt in FP8_DTYPES}            # 448, 57344
@@ -239,6 +241,8 @@ def fp8_gemm_kernel(
     scale_a_ptr,        # *scale of A, fp32: [M] (SCALE_A_ROWWISE) or [1]
     scale_b_ptr,        # *scale of B, fp32: [N] (SCALE_B_ROWWISE) or [1]
     bias_ptr,           # *bias [N], contiguous, any float dtype (ignored unless HAS_BIAS)
+    ws_ptr,             # *fp32 [NUM_PROGRAMS, BLOCK_M, BLOCK_N] stream-K partials (ignored unless STREAM_K)
+    flag_ptr,           # *int32 [NUM_PROGRAMS] their flags, zero between launches (ditto)
     M,                  # rows of A and out
     N,                  # rows of B, columns of out
     K,                  # the reduced dimension (0: out = bias)
@@ -248,6 +252,7 @@ def fp8_gemm_kernel(
     stride_bk,          # elements between columns of B
     stride_cm,          # elements between rows of out
     stride_cn,          # elements between columns of out
+    sk_tiles,           # tiles at the end of the tile order cut along K (_stream_k.stream_k_tiles; 0: none)
     SCALE_A_ROWWISE: tl.constexpr,  # one scale per row of A (else one scalar)
     SCALE_B_ROWWISE: tl.constexpr,  # one scale per row of B, i.e. per output column
     HAS_BIAS: tl.constexpr,         # add bias[N] after scaling
@@ -262,83 +267,137 @@ def fp8_gemm_kernel(
     FLATTEN: tl.constexpr,          # tl.range(flatten=...) of the tile loop
     MAX_IMPRECISE_ACC: tl.constexpr,  # sm_90: wgmma partial sums promoted to fp32 every this many K
     UPCAST: tl.constexpr,           # (interpreter) dot on fp32 copies of the operands: exact products
+    STREAM_K: tl.constexpr,         # sk_tiles > 0: the stream-K region is compiled in (_stream_k)
 ):
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
     k_tiles = tl.cdiv(K, BLOCK_K)
-    ks = tl.arange(0, BLOCK_K)
     if USE_TMA:
         a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_am, 1],
                                            block_shape=[BLOCK_M, BLOCK_K])
         b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[stride_bn, 1],
                                            block_shape=[BLOCK_N, BLOCK_K])
-    if not SCALE_A_ROWWISE:
+    else:
+        a_desc = a_ptr      # (unused: pointer loads)
+        b_desc = b_ptr
+    if SCALE_A_ROWWISE:
+        scale_a = 1.0
+    else:
         scale_a = tl.load(scale_a_ptr)
-    if not SCALE_B_ROWWISE:
+    if SCALE_B_ROWWISE:
+        scale_b = 1.0
+    else:
         scale_b = tl.load(scale_b_ptr)
-    for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=FLATTEN):
-        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
-        off_m = pid_m * BLOCK_M
-        off_n = pid_n * BLOCK_N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if USE_TMA and PROMOTE_EVERY > 0:
-            # two-level accumulation (DeepSeek-V3's recipe): the wgmma chain runs at full speed
-            # into ``part``; every PROMOTE_EVERY steps it is added into the fp32 tile and reset
-            part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for ki in range(k_tiles):
-                a = a_desc.load([off_m, ki * BLOCK_K])
-                b = b_desc.load([off_n, ki * BLOCK_K])
-                part = tl.dot(a, tl.trans(b), part)
-                if (ki + 1) % PROMOTE_EVERY == 0:
-                    acc += part
-                    part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            acc += part
-        elif USE_TMA:
-            for ki in range(k_tiles):
-                a = a_desc.load([off_m, ki * BLOCK_K])
-                b = b_desc.load([off_n, ki * BLOCK_K])
-                acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=MAX_IMPRECISE_ACC)
-        else:
-            # clamped rows read row 0: valid memory, never stored
-            rows = off_m + tl.arange(0, BLOCK_M)
-            cols = off_n + tl.arange(0, BLOCK_N)
-            rows = tl.where(rows < M, rows, 0).to(tl.int64)
-            cols = tl.where(cols < N, cols, 0).to(tl.int64)
-            a_ptrs = a_ptr + rows[:, None] * stride_am + ks[None, :] * stride_ak
-            b_ptrs = b_ptr + cols[:, None] * stride_bn + ks[None, :] * stride_bk
-            for ki in range(k_tiles):
-                if EVEN_K:
-                    a = tl.load(a_ptrs)
-                    b = tl.load(b_ptrs)
-                else:
-                    k_ok = ks[None, :] < K - ki * BLOCK_K
-                    a = tl.load(a_ptrs, mask=k_ok, other=0.0)
-                    b = tl.load(b_ptrs, mask=k_ok, other=0.0)
-                if UPCAST:
-                    acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=MAX_IMPRECISE_ACC)
-                a_ptrs += BLOCK_K * stride_ak
-                b_ptrs += BLOCK_K * stride_bk
+    for tile_id in tl.range(tl.program_id(0), num_tiles - sk_tiles, NUM_PROGRAMS, flatten=FLATTEN):
+        acc = _fp8_tile_sum(a_desc, b_desc, a_ptr, b_ptr, tile_id, 0, k_tiles, num_pid_m, num_pid_n, M, N, K,
+                            stride_am, stride_ak, stride_bn, stride_bk, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K,
+                            PROMOTE_EVERY, USE_TMA, MAX_IMPRECISE_ACC, UPCAST)
+        _fp8_epilogue(acc, tile_id, c_ptr, scale_a_ptr, scale_b_ptr, bias_ptr, scale_a, scale_b, num_pid_m,
+                      num_pid_n, M, N, stride_cm, stride_cn, SCALE_A_ROWWISE, SCALE_B_ROWWISE, HAS_BIAS, BLOCK_M,
+                      BLOCK_N, GROUP_M)
+    if STREAM_K:        # the last waves: runs of K steps, one per program (_stream_k's three steps)
+        dp_tiles = num_tiles - sk_tiles
+        pid = tl.program_id(0)
+        first, a, last, b = stream_k_run(pid, sk_tiles, k_tiles, NUM_PROGRAMS)
+        for t in range(first + (a > 0).to(tl.int32), last + (b == k_tiles).to(tl.int32)):
+            acc = _fp8_tile_sum(a_desc, b_desc, a_ptr, b_ptr, dp_tiles + t, 0, k_tiles, num_pid_m, num_pid_n, M, N,
+                                K, stride_am, stride_ak, stride_bn, stride_bk, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                                EVEN_K, PROMOTE_EVERY, USE_TMA, MAX_IMPRECISE_ACC, UPCAST)
+            _fp8_epilogue(acc, dp_tiles + t, c_ptr, scale_a_ptr, scale_b_ptr, bias_ptr, scale_a, scale_b,
+                          num_pid_m, num_pid_n, M, N, stride_cm, stride_cn, SCALE_A_ROWWISE, SCALE_B_ROWWISE,
+                          HAS_BIAS, BLOCK_M, BLOCK_N, GROUP_M)
+        if b < k_tiles:     # the head of the tile the run ends in: its partial for the next program
+            acc = _fp8_tile_sum(a_desc, b_desc, a_ptr, b_ptr, dp_tiles + last, 0, b, num_pid_m, num_pid_n, M, N, K,
+                                stride_am, stride_ak, stride_bn, stride_bk, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                                EVEN_K, PROMOTE_EVERY, USE_TMA, MAX_IMPRECISE_ACC, UPCAST)
+            stream_k_publish_tl(acc, ws_ptr, flag_ptr, pid)
+        if a > 0:           # the tail of the tile it starts in, plus the previous program's head
+            acc = _fp8_tile_sum(a_desc, b_desc, a_ptr, b_ptr, dp_tiles + first, a, k_tiles, num_pid_m, num_pid_n, M,
+                                N, K, stride_am, stride_ak, stride_bn, stride_bk, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                                EVEN_K, PROMOTE_EVERY, USE_TMA, MAX_IMPRECISE_ACC, UPCAST)
+            acc = stream_k_collect_tl(acc, ws_ptr, flag_ptr, pid - 1)
+            _fp8_epilogue(acc, dp_tiles + first, c_ptr, scale_a_ptr, scale_b_ptr, bias_ptr, scale_a, scale_b,
+                          num_pid_m, num_pid_n, M, N, stride_cm, stride_cn, SCALE_A_ROWWISE, SCALE_B_ROWWISE,
+                          HAS_BIAS, BLOCK_M, BLOCK_N, GROUP_M)
 
-        # epilogue: out = acc · scale_a[row] · scale_b[col] + bias[col]
-        rows_c = (off_m + tl.arange(0, BLOCK_M)).to(tl.int64)
-        cols_c = (off_n + tl.arange(0, BLOCK_N)).to(tl.int64)
-        row_ok = rows_c < M
-        col_ok = cols_c < N
-        if SCALE_A_ROWWISE:
-            acc = acc * tl.load(scale_a_ptr + rows_c, mask=row_ok, other=0.0)[:, None]
-        else:
-            acc = acc * scale_a
-        if SCALE_B_ROWWISE:
-            acc = acc * tl.load(scale_b_ptr + cols_c, mask=col_ok, other=0.0)[None, :]
-        else:
-            acc = acc * scale_b
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + cols_c, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(c_ptr + rows_c[:, None] * stride_cm + cols_c[None, :] * stride_cn,
-                 acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+@triton.jit
+def _fp8_tile_sum(a_desc, b_desc, a_ptr, b_ptr, tile_id, k_lo, k_hi, num_pid_m, num_pid_n, M, N, K, stride_am,
+                  stride_ak, stride_bn, stride_bk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, PROMOTE_EVERY: tl.constexpr,
+                  USE_TMA: tl.constexpr, MAX_IMPRECISE_ACC: tl.constexpr, UPCAST: tl.constexpr):
+    """The fp32 sum a[rows] · b[cols]ᵀ over K steps [k_lo, k_hi) of tile ``tile_id`` (grouped order)."""
+    pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+    off_m = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if USE_TMA and PROMOTE_EVERY > 0:
+        # two-level accumulation (DeepSeek-V3's recipe): the wgmma chain runs at full speed
+        # into ``part``; every PROMOTE_EVERY steps it is added into the fp32 tile and reset
+        part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ki in range(k_lo, k_hi):
+            a = a_desc.load([off_m, ki * BLOCK_K])
+            b = b_desc.load([off_n, ki * BLOCK_K])
+            part = tl.dot(a, tl.trans(b), part)
+            if (ki - k_lo + 1) % PROMOTE_EVERY == 0:
+                acc += part
+                part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc += part
+    elif USE_TMA:
+        for ki in range(k_lo, k_hi):
+            a = a_desc.load([off_m, ki * BLOCK_K])
+            b = b_desc.load([off_n, ki * BLOCK_K])
+            acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=MAX_IMPRECISE_ACC)
+    else:
+        # clamped rows read row 0: valid memory, never stored
+        ks = tl.arange(0, BLOCK_K)
+        rows = off_m + tl.arange(0, BLOCK_M)
+        cols = off_n + tl.arange(0, BLOCK_N)
+        rows = tl.where(rows < M, rows, 0).to(tl.int64)
+        cols = tl.where(cols < N, cols, 0).to(tl.int64)
+        a_rows = a_ptr + rows[:, None] * stride_am
+        b_rows = b_ptr + cols[:, None] * stride_bn
+        for ki in range(k_lo, k_hi):
+            k_cols = (ki * BLOCK_K + ks[None, :]).to(tl.int64)
+            a_ptrs = a_rows + k_cols * stride_ak
+            b_ptrs = b_rows + k_cols * stride_bk
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
+            else:
+                k_ok = ks[None, :] < K - ki * BLOCK_K
+                a = tl.load(a_ptrs, mask=k_ok, other=0.0)
+                b = tl.load(b_ptrs, mask=k_ok, other=0.0)
+            if UPCAST:
+                acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=MAX_IMPRECISE_ACC)
+    return acc
+
+
+@triton.jit
+def _fp8_epilogue(acc, tile_id, c_ptr, scale_a_ptr, scale_b_ptr, bias_ptr, scale_a, scale_b, num_pid_m, num_pid_n,
+                  M, N, stride_cm, stride_cn, SCALE_A_ROWWISE: tl.constexpr, SCALE_B_ROWWISE: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """out = acc · scale_a[row] · scale_b[col] + bias[col] for tile ``tile_id``."""
+    pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+    rows_c = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols_c = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    row_ok = rows_c < M
+    col_ok = cols_c < N
+    if SCALE_A_ROWWISE:
+        acc = acc * tl.load(scale_a_ptr + rows_c, mask=row_ok, other=0.0)[:, None]
+    else:
+        acc = acc * scale_a
+    if SCALE_B_ROWWISE:
+        acc = acc * tl.load(scale_b_ptr + cols_c, mask=col_ok, other=0.0)[None, :]
+    else:
+        acc = acc * scale_b
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols_c, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(c_ptr + rows_c[:, None] * stride_cm + cols_c[None, :] * stride_cn,
+             acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -511,6 +570,7 @@ class GemmPlan(NamedTuple):
     uses_tma: bool                  # fp8_gemm_kernel builds device-side descriptors (the allocator)
     grid: tuple                     # (persistent programs,)
     prepared: PreparedArgs | None   # fp8_gemm_kernel's sizes, strides and constexprs
+    sk_workspace: int = 0           # stream-K: fp32 elements of the partials (0: whole tiles; flags: grid[0])
 
 
 def _tma_rows_ok(strides: tuple, cols: int) -> bool:
@@ -547,17 +607,21 @@ def gemm_plan(m: int, n: int, k: int, a_strides: tuple, b_strides: tuple, out_dt
     imprecise = cfg.pop("MAX_IMPRECISE_ACC", None) or (0 if fast_accum else min(cfg["BLOCK_K"], 128))
     promote_every = cfg.pop("PROMOTE_EVERY", 0) if not fast_accum else 0
     programs = max(1, min(sms, cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"])))
-    ints = (m, n, k, *a_strides, *b_strides, max(n, 1), 1)        # out: a fresh row-major [m, n]
+    # the last waves cut along K (_stream_k), as the bf16 GEMM's: by its default or the config
+    stream_k = cfg.pop("STREAM_K", _stream_k.STREAM_K and not config)
+    sk_tiles = stream_k_tiles(m, n, k, cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], programs) if stream_k else 0
+    ints = (m, n, k, *a_strides, *b_strides, max(n, 1), 1, sk_tiles)      # out: a fresh row-major [m, n]
     kwargs = dict(
         SCALE_A_ROWWISE=rowwise_a, SCALE_B_ROWWISE=rowwise_b, HAS_BIAS=has_bias,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
         NUM_PROGRAMS=programs, EVEN_K=k % cfg["BLOCK_K"] == 0, USE_TMA=bool(use_tma), FLATTEN=bool(flatten),
         PROMOTE_EVERY=promote_every if use_tma else 0,
         MAX_IMPRECISE_ACC=None if imprecise == 0 else min(imprecise, cfg["BLOCK_K"]),
-        UPCAST=interpret and not use_tma,
+        UPCAST=interpret and not use_tma, STREAM_K=sk_tiles > 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    return GemmPlan(False, {}, bool(use_tma), (programs,), fp8_gemm_kernel.prepare(ints, kwargs))
+    return GemmPlan(False, {}, bool(use_tma), (programs,), fp8_gemm_kernel.prepare(ints, kwargs),
+                    programs * cfg["BLOCK_M"] * cfg["BLOCK_N"] if sk_tiles else 0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -632,6 +696,7 @@ def launch_fp8_gemm(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, sca
         return out
     if plan.uses_tma:
         use_device_descriptors()        # per call: the allocator is a per-thread context value
+    flags, partials = split_k_buffers(device, plan.grid[0], plan.sk_workspace) if plan.sk_workspace else (out, out)
     fp8_gemm_kernel.launch_prepared(
-        plan.grid, (a, b, out, scale_a, scale_b, bias if bias is not None else out), plan.prepared)
+        plan.grid, (a, b, out, scale_a, scale_b, bias if bias is not None else out, partials, flags), plan.prepared)
     return out

@@ -205,7 +205,7 @@ def gemm_mma_partition(a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, c
         tile_count += 1
     if STREAM_K:
         gl.static_assert(not (ACCUMULATE or HAS_B2), "stream-K: plain tiles of one B part")
-        first, a, last, b = stream_k_run(sk_tiles, k_tiles, NUM_PROGRAMS)
+        first, a, last, b = stream_k_run(gl.program_id(0), sk_tiles, k_tiles, NUM_PROGRAMS)
         slot = gl.program_id(0) * CONSUMERS + WG
         # 1. the tiles this run covers whole
         for t in range(first + (a > 0).to(gl.int32), last + (b == k_tiles).to(gl.int32)):

@@ -34,6 +34,8 @@ left zero by the kernel (the split-K buffers of ``_matmul_kernels.split_k_buffer
 
 from __future__ import annotations
 
+import triton
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
@@ -88,20 +90,20 @@ def stream_k_segments(sk_tiles: int, k_tiles: int, programs: int, pid: int) -> l
     return out
 
 
-@gluon.jit
-def stream_k_run(sk_tiles, k_tiles, NUM_PROGRAMS: gl.constexpr):
-    """(first, a, last, b) of this program's run of the stream-K region's ``sk_tiles · k_tiles``
+@triton.jit
+def stream_k_run(pid, sk_tiles, k_tiles, NUM_PROGRAMS: tl.constexpr):
+    """(first, a, last, b) of program ``pid``'s run of the stream-K region's ``sk_tiles · k_tiles``
     K steps: it starts at step ``a`` of region tile ``first`` and ends after step ``b - 1`` of
-    region tile ``last`` (1 <= b <= k_tiles). int64 products: S · k_tiles · P can pass 2^31."""
-    iters = sk_tiles.to(gl.int64) * k_tiles
-    pid = gl.program_id(0).to(gl.int64)
-    lo = pid * iters // NUM_PROGRAMS
-    hi = (pid + 1) * iters // NUM_PROGRAMS
+    region tile ``last`` (1 <= b <= k_tiles). Scalar arithmetic only, so the ``tl`` and the Gluon
+    kernels share it. int64 products: S · k_tiles · P can pass 2^31."""
+    iters = sk_tiles.to(tl.int64) * k_tiles
+    lo = pid.to(tl.int64) * iters // NUM_PROGRAMS
+    hi = (pid.to(tl.int64) + 1) * iters // NUM_PROGRAMS
     first = lo // k_tiles
     a = lo - first * k_tiles
     last = (hi - 1) // k_tiles
     b = hi - last * k_tiles
-    return first.to(gl.int32), a.to(gl.int32), last.to(gl.int32), b.to(gl.int32)
+    return first.to(tl.int32), a.to(tl.int32), last.to(tl.int32), b.to(tl.int32)
 
 
 @gluon.jit
@@ -135,3 +137,27 @@ def stream_k_collect(acc, ws_ptr, flag_ptr, slot):
     part = gl.load(ws_ptr + slot.to(gl.int64) * (acc.shape[0] * acc.shape[1]) + _slot_offsets(acc),
                    cache_modifier=".cg")
     return acc + part
+
+
+# the tl kernels' forms (fp8_gemm_kernel): the same protocol, with tl's barrier and layouts
+
+
+@triton.jit
+def stream_k_publish_tl(acc, ws_ptr, flag_ptr, slot):
+    """:func:`stream_k_publish` for a ``tl`` kernel's [BLOCK_M, BLOCK_N] accumulator."""
+    offs = tl.arange(0, acc.shape[0])[:, None] * acc.shape[1] + tl.arange(0, acc.shape[1])[None, :]
+    tl.store(ws_ptr + slot.to(tl.int64) * (acc.shape[0] * acc.shape[1]) + offs, acc)
+    tl.debug_barrier()
+    tl.atomic_xchg(flag_ptr + slot, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def stream_k_collect_tl(acc, ws_ptr, flag_ptr, slot):
+    """:func:`stream_k_collect` for a ``tl`` kernel (under the interpreter the programs run one
+    after another in grid order, so the flag a program waits for is already up)."""
+    seen = tl.atomic_cas(flag_ptr + slot, 1, 0, sem="acquire", scope="gpu")
+    while seen != 1:
+        seen = tl.atomic_cas(flag_ptr + slot, 1, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+    offs = tl.arange(0, acc.shape[0])[:, None] * acc.shape[1] + tl.arange(0, acc.shape[1])[None, :]
+    return acc + tl.load(ws_ptr + slot.to(tl.int64) * (acc.shape[0] * acc.shape[1]) + offs, cache_modifier=".cg")
