@@ -169,7 +169,7 @@ def launch_fp8_gemm_ws(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, 
                        bias: torch.Tensor | None, out: torch.Tensor, config: dict | None = None) -> torch.Tensor:
     """out [M, N] = (a @ bᵀ) · scale_a · scale_b + bias with precise accumulation; a [M, K] and
     b [N, K] fp8 with K > 0, scales fp32 [M]/[N] or [1]; ``out`` preallocated; every base and
-    row stride TMA-aligned (``_fp8_kernels.use_warp_specialized``)."""
+    row stride TMA-aligned (``_fp8_gemm.use_warp_specialized``)."""
     cfg = dict(WS_CONFIG, **(config or {}))
     (m, k), n = a.shape, b.shape[0]
     block_n, block_k, consumers = cfg["BLOCK_N"], cfg["BLOCK_K"], CONSUMER_GROUPS

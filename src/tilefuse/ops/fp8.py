@@ -25,7 +25,8 @@ backward (e5m2 x e4m3) √(2^-6 + 2^-8) ≈ 0.14, plus the output's rounding (bf
 Typical values are ~2.4x lower (a uniform rounding error has RMS u/√6 relative to a mantissa in
 [1, 2)): ~0.036 forward, ~0.057 backward.
 
-Kernels and launch heuristics: ``_fp8_kernels.py``. Public namespace and ``fp8.Linear``:
+Kernels and launch heuristics: ``_fp8_kernels.py`` (quantization), ``_fp8_gemm.py`` (the GEMM).
+Public namespace and ``fp8.Linear``:
 ``tilefuse/fp8.py``.
 
 Bytes counted (ideal, one forward): fp8_matmul reads a and b in their own dtype once and writes
@@ -45,8 +46,9 @@ from .._checks import FLOAT_DTYPES, check_same_device, check_shape, check_tensor
 from .._dispatch import num_sms, use_triton
 from .._op import custom_op
 from ..registry import Inputs, OpSpec, register, tensor_bytes
-from ._fp8_kernels import (AMAX_FLOOR, FP8_DTYPES, FP8_MAX, launch_fp8_gemm, launch_quantize_rows,
-                           launch_quantize_tensor, rows_programs, tensor_programs)
+from ._fp8_gemm import launch_fp8_gemm
+from ._fp8_kernels import (AMAX_FLOOR, FP8_DTYPES, FP8_MAX, launch_quantize_rows, launch_quantize_tensor,
+                           rows_programs, tensor_programs)
 
 SCALINGS = ("tensor", "row")
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
