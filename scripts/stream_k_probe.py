@@ -28,14 +28,15 @@ from tilefuse.ops import _stream_k as sk
 @contextlib.contextmanager
 def switches(stream_k: bool, tail_split: bool):
     """Plans made with the module switches set (graphs are captured inside, so they keep them)."""
-    old = sk.STREAM_K, g.TAIL_SPLIT
-    sk.STREAM_K, g.TAIL_SPLIT = stream_k, tail_split
+    old = sk.STREAM_K, g.TAIL_SPLIT, sk.STREAM_K_MIN_IDLE_STEPS
+    # stream-K at every shape it can take (not only where stream_k_pays expects a gain)
+    sk.STREAM_K, g.TAIL_SPLIT, sk.STREAM_K_MIN_IDLE_STEPS = stream_k, tail_split, 0
     mk._matmul_plan.cache_clear()
     g._ws_plan.cache_clear()
     try:
         yield
     finally:
-        sk.STREAM_K, g.TAIL_SPLIT = old
+        sk.STREAM_K, g.TAIL_SPLIT, sk.STREAM_K_MIN_IDLE_STEPS = old
         mk._matmul_plan.cache_clear()
         g._ws_plan.cache_clear()
 
@@ -67,6 +68,7 @@ def describe(a: torch.Tensor, b: torch.Tensor) -> str:
 def fp8_rows(shapes, rounds: int, gains: list) -> None:
     """The fp8 tl kernel with fast accumulation (the bench's fast row): stream-K against whole
     tiles and ``torch._scaled_mm(use_fast_accum=True)``, per-tensor scales, bf16 out."""
+    from tilefuse.ops import _fp8_gemm as fp8_gemm
     from tilefuse.ops import _fp8_kernels as fk
     for m, n, k in shapes:
         qa = torch.randn(m, k, device="cuda").to(torch.float8_e4m3fn)
@@ -76,9 +78,11 @@ def fp8_rows(shapes, rounds: int, gains: list) -> None:
         fns = {}
         for name, on in [("stream-k", True), ("whole", False)]:
             with switches(on, True):
+                fp8_gemm.FP8_STREAM_K = on
                 fk.gemm_plan.cache_clear()
                 fns.update(valid_fns({name: lambda: fk.launch_fp8_gemm(qa, one, qb, one, None, torch.bfloat16, True)},
                                      ref, graph=True))
+            fp8_gemm.FP8_STREAM_K = False
             fk.gemm_plan.cache_clear()
         fns.update(valid_fns({"scaled_mm": lambda: torch._scaled_mm(qa, qb.t(), one, one, out_dtype=torch.bfloat16,
                                                                     use_fast_accum=True)}, ref, graph=True))

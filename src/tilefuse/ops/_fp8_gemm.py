@@ -23,7 +23,6 @@ from triton.runtime.jit import JITFunction
 
 from .._dispatch import cdiv, device_traits, empty, is_hopper, is_hopper_or_newer, next_power_of_2, num_sms
 from .._launch import PreparedArgs, config_key, fast_launch, use_device_descriptors
-from . import _stream_k
 from ._matmul_kernels import _tile_coords, split_k_buffers
 from ._stream_k import stream_k_collect_tl, stream_k_publish_tl, stream_k_run, stream_k_tiles
 
@@ -227,6 +226,11 @@ LARGE_TILES_PRECISE = ("tile_128x128", "tile_64x128")      # largest first
 LARGE_TILES_FAST = ("tile_128x256", "tile_128x128", "tile_64x128")
 DEFAULT_USE_TMA = True
 DEFAULT_WARP_SPECIALIZE = True  # precise accumulation on sm_90 through _fp8_gluon (use_warp_specialized)
+# stream-K over the last waves by default (a config's STREAM_K forces either way): off, measured
+# slower than whole tiles on the H200 at all six bench shapes with fast accumulation (s48: 0.834
+# against 0.948x _scaled_mm at 4096³, 0.977 against 0.984 at 8192³, equal at 8192x4096x14336;
+# -s48-stream-k-probe.log): its fixup costs the 255-register tl kernel spills and a long reload
+FP8_STREAM_K = False
 DEFAULT_FLATTEN = False         # off, as matmul (its H100 sweep: flatten 4x slower at M=1); unswept for fp8
 SMALL_M = 64                    # M up to this: the small-M config
 
@@ -319,8 +323,8 @@ def gemm_plan(m: int, n: int, k: int, a_strides: tuple, b_strides: tuple, out_dt
     imprecise = cfg.pop("MAX_IMPRECISE_ACC", None) or (0 if fast_accum else min(cfg["BLOCK_K"], 128))
     promote_every = cfg.pop("PROMOTE_EVERY", 0) if not fast_accum else 0
     programs = max(1, min(sms, cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"])))
-    # the last waves cut along K (_stream_k), as the bf16 GEMM's: by its default or the config
-    stream_k = cfg.pop("STREAM_K", _stream_k.STREAM_K and not config)
+    # the last waves cut along K (_stream_k), as the bf16 GEMM's: by FP8_STREAM_K or the config
+    stream_k = cfg.pop("STREAM_K", FP8_STREAM_K and not config)
     sk_tiles = stream_k_tiles(m, n, k, cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], programs) if stream_k else 0
     ints = (m, n, k, *a_strides, *b_strides, max(n, 1), 1, sk_tiles)      # out: a fresh row-major [m, n]
     kwargs = dict(

@@ -350,8 +350,13 @@ def _ws_tile(m: int, n: int, k: int, dtype: torch.dtype, out_dtype: torch.dtype,
         tile.update({key: config[key] for key in tile if key in config})
     if not tile:
         return ()
-    # large M: the last waves cut along K when _stream_k.STREAM_K (or a config's STREAM_K) says so
-    stream_k = bool(config.get("STREAM_K", bucket == "large" and _stream_k.STREAM_K))
+    # large M: the last waves cut along K when _stream_k.STREAM_K and the idle SMs it recovers
+    # pay for its fixup (_stream_k.stream_k_pays), or when a config's STREAM_K says so
+    stream_k = config.get("STREAM_K")
+    if stream_k is None:
+        stream_k = bucket == "large" and _stream_k.STREAM_K and _stream_k.stream_k_pays(
+            m, n, k, 64 * tile["CONSUMERS"], tile["BLOCK_N"], tile["BLOCK_K"], sms)
+    stream_k = bool(stream_k)
     return tuple(tile.items()) + (("B_K_MAJOR", layout.b_k_contiguous), ("A_M_MAJOR", a_m_major),
                                   ("STREAM_K", stream_k))
 

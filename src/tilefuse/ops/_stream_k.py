@@ -47,6 +47,24 @@ from .._dispatch import cdiv
 STREAM_K = False
 # below this K a tile-time is short beside the partial's store and load (~2-4 µs on one SM)
 STREAM_K_MIN_K = 2048
+# the default takes stream-K only where the idle SMs of the last wave cost more than the fixup:
+# measured on the H200 (s48, bf16 128x256 tiles, graph replays), stream-K's time was the even
+# share of the work plus ~14 µs at every shape (4096³ ... 8192x4096x14336), ~18 K steps of 64
+STREAM_K_MIN_IDLE_STEPS = 24
+
+
+def stream_k_pays(m: int, n: int, k: int, block_m: int, block_n: int, block_k: int, sms: int) -> bool:
+    """Whether the default plan takes stream-K: the whole-tile kernel's last wave leaves
+    ``P - r`` of P SMs idle for a tile-time of ``k_tiles`` K steps, which stream-K recovers for a
+    fixed cost (the partials' round trip, one more pipeline fill): the loss must be at least
+    STREAM_K_MIN_IDLE_STEPS K steps of the whole machine, (P - r) · k_tiles >= that · P. At the
+    bench's shapes: 8192³, 8192x14336x4096 and 8192x4096x14336 take it; 4096³, 8192x4096x4096 and
+    8192x6144x4096 (idle 7.8, 15.5 and 23.3 steps) keep whole tiles."""
+    tiles = cdiv(m, block_m) * cdiv(n, block_n)
+    programs = min(sms, tiles)          # the persistent grid
+    if not stream_k_tiles(m, n, k, block_m, block_n, block_k, programs):
+        return False
+    return (programs - tiles % programs) * cdiv(k, block_k) >= STREAM_K_MIN_IDLE_STEPS * programs
 
 
 def stream_k_tiles(m: int, n: int, k: int, block_m: int, block_n: int, block_k: int, programs: int) -> int:
