@@ -174,7 +174,13 @@ def graphed(fn):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return graph.replay
+
+    def replay(fn=fn):
+        # fn is kept with the graph: a tensor its closure holds (a caller's ``out``) is written by
+        # every replay, and once freed, the next capture's empty_cache() can hand its memory back
+        # to the driver (s48: stream_k_probe's replays hit an illegal address that way)
+        graph.replay()
+    return replay
 
 
 def valid_fns(candidates: dict, ref: torch.Tensor, graph: bool = False) -> dict:

@@ -35,8 +35,8 @@ def _rebuild_plans():
 
 @pytest.fixture
 def stream_k_on(monkeypatch):
-    """Plans made with stream-K as the large-M default (``_stream_k.STREAM_K``, off until it is
-    measured on a GPU), and none of them kept afterwards."""
+    """Plans made with stream-K as the large-M default (``_stream_k.STREAM_K``, whatever the module
+    says), and none of them kept afterwards."""
     monkeypatch.setattr(sk, "STREAM_K", True)
     _rebuild_plans()
     yield
@@ -77,11 +77,19 @@ def test_stream_k_pays():
     assert not sk.stream_k_pays(8192, 6144, 4096, 128, 256, 64, 128)         # 1536 = 12 full waves of 128
 
 
-def test_stream_k_off_by_default():
-    """Until measured on a GPU, large-M plans take whole tiles (and 8192x14336x4096 its tail split)."""
-    assert not sk.STREAM_K
+def test_stream_k_default():
+    """Stream-K is the large-M default where it pays (measured on the H200, session 48): 8192x14336x4096
+    takes it instead of its tail split, 8192x6144x4096 keeps whole tiles; a config forces it; with
+    the switch off the tail split is back."""
+    assert sk.STREAM_K
     _rebuild_plans()
-    assert _plan(8192, 6144, 4096).ws_plan.sk_slots == 0 and _plan(8192, 14336, 4096).tail_rows == 128
+    assert _plan(8192, 6144, 4096).ws_plan.sk_slots == 0
+    assert _plan(8192, 14336, 4096).ws_plan.sk_slots == 264
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sk, "STREAM_K", False)
+        _rebuild_plans()
+        assert _plan(8192, 14336, 4096).tail_rows == 128
+    _rebuild_plans()
     forced = _plan(8192, 6144, 4096, config=(("GLUON", True), ("STREAM_K", True)))
     assert forced.ws_plan.sk_slots == 264
 

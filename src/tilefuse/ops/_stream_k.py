@@ -41,10 +41,11 @@ from triton.experimental.gluon import language as gl
 
 from .._dispatch import cdiv
 
-# Whether large-M plans take stream-K by default (a config's STREAM_K overrides either way). Off
-# until measured: built and compiled offline for sm_90 in session 47, when no GPU was lent, so it
-# has not run on one yet (benchmarks/NOTES.md, session 47; scripts/stream_k_probe.py is the A/B).
-STREAM_K = False
+# Whether large-M plans take stream-K by default where it pays (stream_k_pays; a config's STREAM_K
+# overrides either way). Measured on the H200 in session 48 (scripts/stream_k_probe.py, graph
+# replays against whole tiles): 8192³ +2.1 %, 8192x4096x14336 +4.2 %, 8192x14336x4096 +0.8 %;
+# 4096³ -4 % (which stream_k_pays leaves whole). The fp8 tl kernel has its own switch (off).
+STREAM_K = True
 # below this K a tile-time is short beside the partial's store and load (~2-4 µs on one SM)
 STREAM_K_MIN_K = 2048
 # the default takes stream-K only where the idle SMs of the last wave cost more than the fixup:
