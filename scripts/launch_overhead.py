@@ -4,7 +4,6 @@
 """
 
 import torch
-import triton
 from triton.runtime import driver
 
 from tilefuse.bench import host_us

@@ -129,3 +129,13 @@ def record_returns(monkeypatch, module, name: str) -> list:
 
     monkeypatch.setattr(module, name, spy)
     return returns
+
+
+@pytest.fixture
+def checked_calls(monkeypatch):
+    """quant_linear's calls that take the checked path (they reach the custom op), counted;
+    the fast path's cache emptied first and last (test_quant_launch.py, test_quant_gpu.py)."""
+    from tilefuse.ops import quant
+    quant._FAST.clear()
+    yield count_calls(monkeypatch, quant, "_quant_linear_op")
+    quant._FAST.clear()
