@@ -12,7 +12,7 @@ import torch
 from conftest import HAS_CUDA
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_matmul import _assert_graph_replays
+from matmul_cases import _assert_graph_replays
 
 from tilefuse.ops import _matmul_gluon as g
 from tilefuse.ops import _matmul_kernels as mk

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import HAS_CUDA
-from test_matmul import _assert_graph_replays
+from matmul_cases import _assert_graph_replays
 
 from tilefuse.ops import _matmul_gluon as g
 from tilefuse.ops import _matmul_kernels as mk

@@ -12,6 +12,7 @@ from tilefuse.ops import quant   # registers int4_gemm / int8_gemm (until ops/__
 from tilefuse.ops.quant import quant_linear, quantize_weight
 from tilefuse.testing import rel_err
 
+
 # ------------------------------------------------------------------------------------------------
 # X_PAIRS: bf16 x read as int32 pairs (on by default in the int4 GEMV)
 # ------------------------------------------------------------------------------------------------

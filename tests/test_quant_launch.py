@@ -15,6 +15,7 @@ from tilefuse.ops.quant import dequantize_weight, quant_linear, quantize_weight
 from tilefuse.quantization import QuantLinear
 from tilefuse.testing import rel_err
 
+
 # ------------------------------------------------------------------------------------------------
 # launch paths: every kernel, split-K (ragged last split), one kernel when unsplit, configs
 # ------------------------------------------------------------------------------------------------
