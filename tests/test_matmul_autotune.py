@@ -48,10 +48,13 @@ def tuning(monkeypatch):
 
 def test_candidates():
     """() first (the heuristic), the tl tiles of the M bucket with split-K below large M, Gluon
-    tiles only on sm_90 with 16-bit operands, no duplicates."""
+    tiles only on sm_90 with 16-bit operands (large M: with and without stream-K), no duplicates."""
     large = at.matmul_candidates(4096, torch.bfloat16, hopper_exact=True)
     assert large[0] == () and len(set(large)) == len(large)
-    assert sum(dict(c).get("GLUON") is True for c in large) == 2            # 128x256, 128x128
+    gluon = [dict(c) for c in large if dict(c).get("GLUON") is True]
+    assert len(gluon) == 4                                                   # 128x256, 128x128
+    assert sorted((g["BLOCK_N"], g["STREAM_K"]) for g in gluon) == [(128, False), (128, True), (256, False),
+                                                                     (256, True)]
     assert all(dict(c).get("SPLIT_K", 1) == 1 for c in large)
     mid = at.matmul_candidates(128, torch.bfloat16, hopper_exact=False)
     assert not any(dict(c).get("GLUON") is True for c in mid)

@@ -66,7 +66,8 @@ def clear() -> None:
 
 def matmul_candidates(m: int, dtype: torch.dtype, hopper_exact: bool, gluon_ok: bool = True) -> list[tuple]:
     """The configs an autotuned GEMM of M rows is timed over, as ``config_key`` tuples: () (the
-    heuristic's choice) first, then on sm_90 with 16-bit operands each Gluon tile of its M bucket,
+    heuristic's choice) first, then on sm_90 with 16-bit operands each Gluon tile of its M bucket
+    (large M: each with and without stream-K, which a shape without a partial last wave ignores),
     then the ``tl`` kernel's declared tiles of the bucket (mid and small M also split over K in
     2 or 4; small M in each declared column width). A candidate the problem cannot take (a Gluon
     tile for a layout TMA cannot read) falls back to the ``tl`` kernel inside the plan and is timed
@@ -76,8 +77,11 @@ def matmul_candidates(m: int, dtype: torch.dtype, hopper_exact: bool, gluon_ok: 
     bucket = m_bucket(m)
     out = [()]
     if hopper_exact and gluon_ok and dtype in (torch.bfloat16, torch.float16):
-        tiles = LARGE_WS_TILES if bucket == "large" else WS_TILES
-        out += [config_key(dict(tile, GLUON=True)) for tile in tiles.values()]
+        if bucket == "large":   # each tile with and without stream-K over its last waves (_stream_k)
+            out += [config_key(dict(tile, GLUON=True, STREAM_K=sk)) for tile in LARGE_WS_TILES.values()
+                    for sk in (False, True)]
+        else:
+            out += [config_key(dict(tile, GLUON=True)) for tile in WS_TILES.values()]
     if dtype == torch.float32:
         bases = [dict(CONFIGS["fp32"])]
     elif bucket == "large":
