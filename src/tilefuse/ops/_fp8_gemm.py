@@ -229,7 +229,8 @@ DEFAULT_WARP_SPECIALIZE = True  # precise accumulation on sm_90 through _fp8_glu
 # stream-K over the last waves by default (a config's STREAM_K forces either way): off, measured
 # slower than whole tiles on the H200 at all six bench shapes with fast accumulation (s48: 0.834
 # against 0.948x _scaled_mm at 4096³, 0.977 against 0.984 at 8192³, equal at 8192x4096x14336;
-# -s48-stream-k-probe.log): its fixup costs the 255-register tl kernel spills and a long reload
+# -s48-stream-k-probe-first.log); with stream-K compiled in, the kernel takes 255 registers and
+# spills (157 registers without: s47's offline sm_90 compile)
 FP8_STREAM_K = False
 DEFAULT_FLATTEN = False         # off, as matmul (its H100 sweep: flatten 4x slower at M=1); unswept for fp8
 SMALL_M = 64                    # M up to this: the small-M config

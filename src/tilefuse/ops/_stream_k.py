@@ -43,8 +43,9 @@ from .._dispatch import cdiv
 
 # Whether large-M plans take stream-K by default where it pays (stream_k_pays; a config's STREAM_K
 # overrides either way). Measured on the H200 in session 48 (scripts/stream_k_probe.py, graph
-# replays against whole tiles): 8192³ +2.1 %, 8192x4096x14336 +4.2 %, 8192x14336x4096 +0.8 %;
-# 4096³ -4 % (which stream_k_pays leaves whole). The fp8 tl kernel has its own switch (off).
+# replays against whole tiles, fwd / dgrad / wgrad over two runs): 8192³ 0.99-1.09x,
+# 8192x4096x14336 1.01-1.05x, 8192x14336x4096 1.01-1.03x; 4096³ 0.94-0.96x (which stream_k_pays
+# leaves whole). The fp8 tl kernel has its own switch (off: _fp8_gemm.FP8_STREAM_K).
 STREAM_K = True
 # below this K a tile-time is short beside the partial's store and load (~2-4 µs on one SM)
 STREAM_K_MIN_K = 2048
@@ -57,7 +58,7 @@ STREAM_K_MIN_IDLE_STEPS = 24
 def stream_k_pays(m: int, n: int, k: int, block_m: int, block_n: int, block_k: int, sms: int) -> bool:
     """Whether the default plan takes stream-K: the whole-tile kernel's last wave leaves
     ``P - r`` of P SMs idle for a tile-time of ``k_tiles`` K steps, which stream-K recovers for a
-    fixed cost (the partials' round trip, one more pipeline fill): the loss must be at least
+    fixed cost (~14 µs on the H200, ~18 K steps; not profiled apart): the loss must be at least
     STREAM_K_MIN_IDLE_STEPS K steps of the whole machine, (P - r) · k_tiles >= that · P. At the
     bench's shapes: 8192³, 8192x14336x4096 and 8192x4096x14336 take it; 4096³, 8192x4096x4096 and
     8192x6144x4096 (idle 7.8, 15.5 and 23.3 steps) keep whole tiles."""
