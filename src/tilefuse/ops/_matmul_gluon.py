@@ -44,7 +44,8 @@ from ._gluon_common import (LOADER_REGS_KERNEL, ROWS_PER_GROUP, SMEM_BYTES, WG_R
                              consumer_regs, gemm_load_partition, gemm_ring, release_stage)
 from ._activation_math import activation_fwd
 from ._matmul_kernels import _tile_coords, split_k_buffers
-from ._stream_k import stream_k_collect, stream_k_epilogue_ok, stream_k_publish, stream_k_run, stream_k_tiles
+from ._stream_k import (stream_k_add, stream_k_epilogue_ok, stream_k_publish, stream_k_run, stream_k_tiles,
+                        stream_k_wait)
 
 
 @gluon.jit
@@ -75,6 +76,23 @@ def _accumulate_epilogue(acc, old, c_desc, c_smem, off_m, off_n, scale_ptr, HAS_
     c_smem.store(y.to(c_desc.dtype))
     fence_async_shared()
     tma.async_copy_shared_to_global(c_desc, [off_m, off_n], c_smem)
+
+
+# A timeline probe of the persistent schedule (scripts/stream_k_trace.py): with TRACE set before the
+# first compile, each consumer group stores %globaltimer at TRACE_EVENTS points of its run into
+# preact_ptr (an int64 buffer there; the traced launches save no pre-activation). Off: no code.
+TRACE = gl.constexpr(False)
+TRACE_EVENTS = 8
+
+
+@gluon.jit
+def _trace(ptr, event: gl.constexpr, WG: gl.constexpr, CONSUMERS: gl.constexpr):
+    """Store the global timer (ns) as ``event`` of this program's group WG (TRACE only)."""
+    if TRACE:
+        now = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False,
+                                        pack=1)
+        slot = gl.program_id(0) * CONSUMERS + WG
+        gl.store(ptr.to(gl.pointer_type(gl.int64), bitcast=True) + slot * 8 + event, now)
 
 
 @gluon.jit
@@ -178,6 +196,7 @@ def gemm_mma_partition(a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, c
     it = 0
     tile_count = 0
     dp_tiles = num_pid_m * num_pid_n - sk_tiles
+    _trace(preact_ptr, 0, WG, CONSUMERS)
     for tile_id in range(gl.program_id(0), dp_tiles, NUM_PROGRAMS):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * (WG_ROWS * CONSUMERS) + WG * WG_ROWS
@@ -202,6 +221,7 @@ def gemm_mma_partition(a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, c
                 _gemm_epilogue(acc2, c2_desc, c2_smem, bias_ptr, residual_ptr, preact_ptr, off_m, off_n + BLOCK_N1,
                                M, N, stride_rm, stride_rn, stride_pm, HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT)
         tile_count += 1
+    _trace(preact_ptr, 1, WG, CONSUMERS)
     if STREAM_K:
         gl.static_assert(not (ACCUMULATE or HAS_B2), "stream-K: plain tiles of one B part")
         first, a, last, b = stream_k_run(gl.program_id(0), sk_tiles, k_tiles, NUM_PROGRAMS)
@@ -214,6 +234,7 @@ def gemm_mma_partition(a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, c
             _stream_k_epilogue(acc, dp_tiles + t, num_pid_m, num_pid_n, c_desc, c_smem, bias_ptr, residual_ptr,
                                preact_ptr, M, N, stride_rm, stride_rn, stride_pm, WG, HAS_BIAS, ACT, HAS_RESIDUAL,
                                SAVE_PREACT, GROUP_M, BLOCK_N1, CONSUMERS)
+        _trace(preact_ptr, 2, WG, CONSUMERS)
         # 2. the head of the tile it ends in: a partial for the next program
         if b < k_tiles:
             acc = _plain_k_steps(a_bufs, b_bufs, ready, empty, it, b, c_smem, mma_layout, WG, BLOCK_N1, STAGES,
@@ -222,16 +243,22 @@ def gemm_mma_partition(a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, c
             if HAS_BIAS:        # the head carries the tile's bias, so the tail's epilogue loads none
                 acc += _bias_row(acc, bias_ptr, dp_tiles + last, num_pid_m, num_pid_n, N, GROUP_M, BLOCK_N1)
             stream_k_publish(acc, ws_ptr, flag_ptr, slot)
+        _trace(preact_ptr, 3, WG, CONSUMERS)
         # 3. the tail of the tile it starts in, plus the previous program's head of it
         if a > 0:
             acc = _plain_k_steps(a_bufs, b_bufs, ready, empty, it, k_tiles - a, c_smem, mma_layout, WG, BLOCK_N1,
                                  STAGES, CONSUMERS, B_K_MAJOR, A_M_MAJOR)
             it += k_tiles - a
-            acc = stream_k_collect(acc, ws_ptr, flag_ptr, slot - CONSUMERS)
+            _trace(preact_ptr, 4, WG, CONSUMERS)
+            stream_k_wait(flag_ptr, slot - CONSUMERS)
+            _trace(preact_ptr, 5, WG, CONSUMERS)
+            acc = stream_k_add(acc, ws_ptr, slot - CONSUMERS)
             _stream_k_epilogue(acc, dp_tiles + first, num_pid_m, num_pid_n, c_desc, c_smem, bias_ptr,
                                residual_ptr, preact_ptr, M, N, stride_rm, stride_rn, stride_pm, WG, False, ACT,
                                HAS_RESIDUAL, SAVE_PREACT, GROUP_M, BLOCK_N1, CONSUMERS)
+    _trace(preact_ptr, 7, WG, CONSUMERS)
     tma.store_wait(pendings=0)
+    _trace(preact_ptr, 6, WG, CONSUMERS)
 
 
 @gluon.jit

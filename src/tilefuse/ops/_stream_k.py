@@ -146,17 +146,29 @@ def stream_k_publish(acc, ws_ptr, flag_ptr, slot):
 
 
 @gluon.jit
-def stream_k_collect(acc, ws_ptr, flag_ptr, slot):
-    """``acc`` + the partial in workspace slot ``slot``, once its flag is up; the flag is lowered
-    as it is taken (compare-and-swap 1 -> 0), so the kernel leaves every flag zero. The loads
-    bypass L1 (.cg): the partial was written by another SM."""
+def stream_k_wait(flag_ptr, slot):
+    """Wait until workspace slot ``slot``'s flag is up, and lower it as it is taken (compare-and-swap
+    1 -> 0), so the kernel leaves every flag zero."""
     seen = gl.atomic_cas(flag_ptr + slot, 1, 0, sem="acquire", scope="gpu")
     while seen != 1:
         seen = gl.atomic_cas(flag_ptr + slot, 1, 0, sem="acquire", scope="gpu")
     gl.thread_barrier()
+
+
+@gluon.jit
+def stream_k_add(acc, ws_ptr, slot):
+    """``acc`` + the partial in workspace slot ``slot`` (after :func:`stream_k_wait`). The loads
+    bypass L1 (.cg): the partial was written by another SM."""
     part = gl.load(ws_ptr + slot.to(gl.int64) * (acc.shape[0] * acc.shape[1]) + _slot_offsets(acc),
                    cache_modifier=".cg")
     return acc + part
+
+
+@gluon.jit
+def stream_k_collect(acc, ws_ptr, flag_ptr, slot):
+    """``acc`` + the partial in workspace slot ``slot``, once its flag is up (the flag lowered again)."""
+    stream_k_wait(flag_ptr, slot)
+    return stream_k_add(acc, ws_ptr, slot)
 
 
 # the tl kernels' forms (fp8_gemm_kernel): the same protocol, with tl's barrier and layouts
