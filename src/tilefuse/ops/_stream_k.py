@@ -136,13 +136,26 @@ def _slot_offsets(acc):
 
 
 @gluon.jit
-def stream_k_publish(acc, ws_ptr, flag_ptr, slot):
-    """Store the fp32 partial ``acc`` in workspace slot ``slot`` and raise its flag. The barrier
-    before the release makes every thread's stores visible with it (CUTLASS's semaphore pattern,
-    as the tl kernel's split-K fixup)."""
+def stream_k_store(acc, ws_ptr, slot):
+    """Store the fp32 partial ``acc`` in workspace slot ``slot`` (its flag raised later by
+    :func:`stream_k_raise`)."""
     gl.store(ws_ptr + slot.to(gl.int64) * (acc.shape[0] * acc.shape[1]) + _slot_offsets(acc), acc)
+
+
+@gluon.jit
+def stream_k_raise(flag_ptr, slot):
+    """Raise slot ``slot``'s flag once every thread's partial stores are visible: the barrier
+    before the release makes them so (CUTLASS's semaphore pattern, as the tl kernel's split-K
+    fixup). The release waits for the stores to drain (MEMBAR.GPU)."""
     gl.thread_barrier()
     gl.atomic_xchg(flag_ptr + slot, 1, sem="release", scope="gpu")
+
+
+@gluon.jit
+def stream_k_publish(acc, ws_ptr, flag_ptr, slot):
+    """Store the fp32 partial ``acc`` in workspace slot ``slot`` and raise its flag."""
+    stream_k_store(acc, ws_ptr, slot)
+    stream_k_raise(flag_ptr, slot)
 
 
 @gluon.jit
