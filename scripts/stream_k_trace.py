@@ -5,18 +5,20 @@
 Session 48 measured stream-K's time as the even share of the work plus ~14 µs; session 49's ncu
 counters (``stream_k_ncu.py``) put it at ~0.37 of a tile-time at K = 4096 and K = 8192 alike. This
 sets ``_matmul_gluon.TRACE`` before anything compiles, so every consumer group stores the global
-timer (ns) at: 0 its start, 1 the end of its data-parallel tiles, 2 after publishing its stream-K
-run's head, 3 after its whole tiles, 5 once the previous program's flag is up, 4 after its tail's
-K steps (the partial loaded first), 7 its last epilogue issued, 6 its end (after the TMA store
-wait). Per shape, stream-K and whole tiles (STREAM_K off) are launched after an L2 flush; the
-last of ``--reps`` launches is read. Printed: the kernel's span, the spread of the data-parallel
-part's end, each stream-K segment's time per K step against the data-parallel part's, the flag
-wait, the last program's path, and the span past the even share of the work.
+timer (ns) at: 0 its start, 1 the end of its data-parallel tiles, 2 the end of its stream-K run's
+whole tiles, 3 after publishing its head's partial, 4 before collecting the previous program's
+partial (after its tail's K steps), 5 once that partial's flag is up, 7 its last epilogue issued
+(before the final TMA store wait), 6 its end (a timer after the partial's add made the consumer
+spill: the add and the epilogue are timed together, 5 to 7). Per shape, stream-K and whole tiles (STREAM_K off) are launched after
+an L2 flush; the last of ``--reps`` launches is read. Printed: the kernel's span, the spread of
+the data-parallel part's end, the stream-K segments' time per K step against the data-parallel
+part's, the collect-to-end time, and the last program's path.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 
 from triton.experimental.gluon import language as gl
@@ -24,6 +26,8 @@ from triton.experimental.gluon import language as gl
 from tilefuse.ops import _matmul_gluon as g
 
 g.TRACE = gl.constexpr(True)        # before the first compile of gemm_ws_kernel in this process
+if os.environ.get("SK_FLAG_STEPS"):   # A/B of _matmul_gluon.SK_FLAG_STEPS (one value per process)
+    g.SK_FLAG_STEPS = gl.constexpr(int(os.environ["SK_FLAG_STEPS"]))
 
 import torch  # noqa: E402
 
@@ -70,29 +74,31 @@ def summarize(name, trace, programs, sk_tiles, m, n, k):
     if not sk_tiles:
         print(f"  {'':9s} last epilogue issued to end (median): {statistics.median((rel[:, 6] - rel[:, 7]).tolist()):.1f} µs")
         return
-    head_s, whole_s, tail_s, waits, epis = [], [], [], [], []
+    whole_s, head_s, tail_s, ends, waits, adds, stores = [], [], [], [], [], [], []
     for p in range(programs):
         segs = sk.stream_k_segments(sk_tiles, k_tiles, programs, p)
-        head = sum(e - s for role, _, s, e in segs if role == "publish")
         whole = sum(e - s for role, _, s, e in segs if role == "whole")
+        head = sum(e - s for role, _, s, e in segs if role == "publish")
         tail = sum(e - s for role, _, s, e in segs if role == "collect")
-        if head:
-            head_s.append((rel[p, 2] - rel[p, 1]).item() * 1000 / head)
         if whole:
-            whole_s.append((rel[p, 3] - rel[p, 2]).item() * 1000 / whole)
+            whole_s.append((rel[p, 2] - rel[p, 1]).item() * 1000 / whole)
+        if head:
+            head_s.append((rel[p, 3] - rel[p, 2]).item() * 1000 / head)
         if tail:
-            waits.append((rel[p, 5] - rel[p, 3]).item())
-            tail_s.append((rel[p, 4] - rel[p, 5]).item() * 1000 / tail)
-            epis.append((rel[p, 6] - rel[p, 4]).item())
+            tail_s.append((rel[p, 4] - rel[p, 3]).item() * 1000 / tail)
+            ends.append((rel[p, 6] - rel[p, 4]).item())
+            waits.append((rel[p, 5] - rel[p, 4]).item())
+            adds.append((rel[p, 7] - rel[p, 5]).item())
+            stores.append((rel[p, 6] - rel[p, 7]).item())
     med = lambda xs: statistics.median(xs) if xs else float("nan")  # noqa: E731
-    print(f"  {'':9s} stream-K ns per K step (median): heads (with the publish) {med(head_s):.0f}, whole tiles "
-          f"{med(whole_s):.0f}, tails (with the partial's load) {med(tail_s):.0f}; flag wait {med(waits):.1f} µs "
-          f"(max {max(waits) if waits else 0:.1f}); tail done to end {med(epis):.1f} µs")
+    print(f"  {'':9s} stream-K ns per K step (median): whole tiles {med(whole_s):.0f}, heads {med(head_s):.0f}, "
+          f"tails {med(tail_s):.0f}; collect to end {med(ends):.1f} µs (max {max(ends) if ends else 0:.1f}): "
+          f"flag wait {med(waits):.1f} (max {max(waits) if waits else 0:.1f}), add + epilogue {med(adds):.1f}, "
+          f"last store {med(stores):.1f}")
     last = int(rel[:, 6].argmax())
     r = rel[last]
-    print(f"  {'':9s} last program {last}: start {r[0]:.1f}, dp end {r[1]:.1f}, published {r[2]:.1f}, whole "
-          f"{r[3]:.1f}, flag {r[5]:.1f}, tail done {r[4]:.1f}, end {r[6]:.1f}; segments "
-          f"{sk.stream_k_segments(sk_tiles, k_tiles, programs, last)}")
+    print(f"  {'':9s} last program {last}: start {r[0]:.1f}, dp end {r[1]:.1f}, whole {r[2]:.1f}, published "
+          f"{r[3]:.1f}, tail done {r[4]:.1f}, flag {r[5]:.1f}, epilogue {r[7]:.1f}, end {r[6]:.1f}; segments {sk.stream_k_segments(sk_tiles, k_tiles, programs, last)}")
     ideal = rel[:, 1].median().item() + (sk_tiles * k_tiles / programs) * step_us
     print(f"  {'':9s} even share after the median data-parallel end: {ideal:.1f} µs; span - that = {end - ideal:.1f} µs")
 
@@ -102,7 +108,8 @@ def main() -> None:
     ap.add_argument("--shapes", default="4096x4096x4096,8192x4096x4096,8192x8192x8192,8192x6144x4096")
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
-    print(torch.cuda.get_device_name(), "bf16 x @ w.t(), 128x256 tiles, one traced launch after an L2 flush")
+    print(torch.cuda.get_device_name(), "bf16 x @ w.t(), 128x256 tiles, one traced launch after an L2 flush;",
+          f"SK_FLAG_STEPS {g.SK_FLAG_STEPS.value}")
     for text in args.shapes.split(","):
         m, n, k = (int(v) for v in text.split("x"))
         a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)

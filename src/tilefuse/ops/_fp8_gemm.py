@@ -100,11 +100,6 @@ def fp8_gemm_kernel(
         dp_tiles = num_tiles - sk_tiles
         pid = tl.program_id(0)
         first, a, last, b = stream_k_run(pid, sk_tiles, k_tiles, NUM_PROGRAMS)
-        if b < k_tiles:     # the head of the tile the run ends in: its partial for the next program
-            acc = _fp8_tile_sum(a_desc, b_desc, a_ptr, b_ptr, dp_tiles + last, 0, b, num_pid_m, num_pid_n, M, N, K,
-                                stride_am, stride_ak, stride_bn, stride_bk, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                                EVEN_K, PROMOTE_EVERY, USE_TMA, MAX_IMPRECISE_ACC, UPCAST)
-            stream_k_publish_tl(acc, ws_ptr, flag_ptr, pid)
         for t in range(first + (a > 0).to(tl.int32), last + (b == k_tiles).to(tl.int32)):
             acc = _fp8_tile_sum(a_desc, b_desc, a_ptr, b_ptr, dp_tiles + t, 0, k_tiles, num_pid_m, num_pid_n, M, N,
                                 K, stride_am, stride_ak, stride_bn, stride_bk, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
@@ -112,6 +107,11 @@ def fp8_gemm_kernel(
             _fp8_epilogue(acc, dp_tiles + t, c_ptr, scale_a_ptr, scale_b_ptr, bias_ptr, scale_a, scale_b,
                           num_pid_m, num_pid_n, M, N, stride_cm, stride_cn, SCALE_A_ROWWISE, SCALE_B_ROWWISE,
                           HAS_BIAS, BLOCK_M, BLOCK_N, GROUP_M)
+        if b < k_tiles:     # the head of the tile the run ends in: its partial for the next program
+            acc = _fp8_tile_sum(a_desc, b_desc, a_ptr, b_ptr, dp_tiles + last, 0, b, num_pid_m, num_pid_n, M, N, K,
+                                stride_am, stride_ak, stride_bn, stride_bk, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                                EVEN_K, PROMOTE_EVERY, USE_TMA, MAX_IMPRECISE_ACC, UPCAST)
+            stream_k_publish_tl(acc, ws_ptr, flag_ptr, pid)
         if a > 0:           # the tail of the tile it starts in, plus the previous program's head
             acc = _fp8_tile_sum(a_desc, b_desc, a_ptr, b_ptr, dp_tiles + first, a, k_tiles, num_pid_m, num_pid_n, M,
                                 N, K, stride_am, stride_ak, stride_bn, stride_bk, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,

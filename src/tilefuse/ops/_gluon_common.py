@@ -180,12 +180,12 @@ def gemm_load_partition(a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready,
     if STREAM_K:
         gl.static_assert(not (ACCUMULATE or HAS_B2), "stream-K: plain tiles of one B part")
         first, a, last, b = stream_k_run(gl.program_id(0), sk_tiles, k_tiles, NUM_PROGRAMS)
-        if b < k_tiles:     # the head, the whole tiles, the tail: the consumers' order
-            it = _load_steps(a_desc, b_desc, a_bufs, b_bufs, ready, empty, it, dp_tiles + last, 0, b,
-                             num_pid_m, num_pid_n, GROUP_M, BLOCK_N, BLOCK_K, STAGES, CONSUMERS, B_K_MAJOR,
-                             A_M_MAJOR)
         for t in range(first + (a > 0).to(gl.int32), last + (b == k_tiles).to(gl.int32)):
             it = _load_steps(a_desc, b_desc, a_bufs, b_bufs, ready, empty, it, dp_tiles + t, 0, k_tiles,
+                             num_pid_m, num_pid_n, GROUP_M, BLOCK_N, BLOCK_K, STAGES, CONSUMERS, B_K_MAJOR,
+                             A_M_MAJOR)
+        if b < k_tiles:
+            it = _load_steps(a_desc, b_desc, a_bufs, b_bufs, ready, empty, it, dp_tiles + last, 0, b,
                              num_pid_m, num_pid_n, GROUP_M, BLOCK_N, BLOCK_K, STAGES, CONSUMERS, B_K_MAJOR,
                              A_M_MAJOR)
         if a > 0:

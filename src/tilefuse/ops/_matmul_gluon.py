@@ -44,8 +44,8 @@ from ._gluon_common import (LOADER_REGS_KERNEL, ROWS_PER_GROUP, SMEM_BYTES, WG_R
                              consumer_regs, gemm_load_partition, gemm_ring, release_stage)
 from ._activation_math import activation_fwd
 from ._matmul_kernels import _tile_coords, split_k_buffers
-from ._stream_k import (stream_k_epilogue_ok, stream_k_partial, stream_k_publish, stream_k_run, stream_k_tiles,
-                        stream_k_wait)
+from ._stream_k import (stream_k_add, stream_k_epilogue_ok, stream_k_raise, stream_k_run, stream_k_store,
+                        stream_k_tiles, stream_k_wait)
 
 
 @gluon.jit
@@ -83,6 +83,9 @@ def _accumulate_epilogue(acc, old, c_desc, c_smem, off_m, off_n, scale_ptr, HAS_
 # preact_ptr (an int64 buffer there; the traced launches save no pre-activation). Off: no code.
 TRACE = gl.constexpr(False)
 TRACE_EVENTS = 8
+# stream-K: raise the head's flag after this many of the tail's K steps (0: right after its stores),
+# so the release's wait for 64 KB of stores to drain overlaps the tail's wgmmas
+SK_FLAG_STEPS = gl.constexpr(0)
 
 
 @gluon.jit
@@ -226,18 +229,7 @@ def gemm_mma_partition(a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, c
         gl.static_assert(not (ACCUMULATE or HAS_B2), "stream-K: plain tiles of one B part")
         first, a, last, b = stream_k_run(gl.program_id(0), sk_tiles, k_tiles, NUM_PROGRAMS)
         slot = gl.program_id(0) * CONSUMERS + WG
-        # 1. the head of the tile the run ends in: its partial (with the tile's bias, so the tail's
-        # epilogue loads none) for the next program, published first so that it is up long before
-        # the next program's tail needs it
-        if b < k_tiles:
-            acc = _plain_k_steps(a_bufs, b_bufs, ready, empty, it, b, c_smem, mma_layout, WG, BLOCK_N1, STAGES,
-                                 CONSUMERS, B_K_MAJOR, A_M_MAJOR)
-            it += b
-            if HAS_BIAS:
-                acc += _bias_row(acc, bias_ptr, dp_tiles + last, num_pid_m, num_pid_n, N, GROUP_M, BLOCK_N1)
-            stream_k_publish(acc, ws_ptr, flag_ptr, slot)
-        _trace(preact_ptr, 2, WG, CONSUMERS)
-        # 2. the tiles the run covers whole
+        # 1. the tiles this run covers whole
         for t in range(first + (a > 0).to(gl.int32), last + (b == k_tiles).to(gl.int32)):
             acc = _plain_k_steps(a_bufs, b_bufs, ready, empty, it, k_tiles, c_smem, mma_layout, WG, BLOCK_N1,
                                  STAGES, CONSUMERS, B_K_MAJOR, A_M_MAJOR)
@@ -245,18 +237,44 @@ def gemm_mma_partition(a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, c
             _stream_k_epilogue(acc, dp_tiles + t, num_pid_m, num_pid_n, c_desc, c_smem, bias_ptr, residual_ptr,
                                preact_ptr, M, N, stride_rm, stride_rn, stride_pm, WG, HAS_BIAS, ACT, HAS_RESIDUAL,
                                SAVE_PREACT, GROUP_M, BLOCK_N1, CONSUMERS)
+        _trace(preact_ptr, 2, WG, CONSUMERS)
+        # 2. the head of the tile it ends in: a partial for the next program
+        if b < k_tiles:
+            acc = _plain_k_steps(a_bufs, b_bufs, ready, empty, it, b, c_smem, mma_layout, WG, BLOCK_N1, STAGES,
+                                 CONSUMERS, B_K_MAJOR, A_M_MAJOR)
+            it += b
+            if HAS_BIAS:        # the head carries the tile's bias, so the tail's epilogue loads none
+                acc += _bias_row(acc, bias_ptr, dp_tiles + last, num_pid_m, num_pid_n, N, GROUP_M, BLOCK_N1)
+            stream_k_store(acc, ws_ptr, slot)
+            if SK_FLAG_STEPS == 0:
+                stream_k_raise(flag_ptr, slot)
+            else:
+                if a == 0:
+                    stream_k_raise(flag_ptr, slot)
         _trace(preact_ptr, 3, WG, CONSUMERS)
-        # 3. the tail of the tile it starts in, accumulated on top of the previous program's head:
-        # the partial is loaded while no accumulator is live (one round trip, s49), and the sum runs
-        # in the whole tile's order (bitwise the data-parallel result without a bias)
+        # 3. the tail of the tile it starts in, plus the previous program's head of it
         if a > 0:
+            tail = k_tiles - a
+            if SK_FLAG_STEPS == 0:
+                acc = _plain_k_steps(a_bufs, b_bufs, ready, empty, it, tail, c_smem, mma_layout, WG, BLOCK_N1,
+                                     STAGES, CONSUMERS, B_K_MAJOR, A_M_MAJOR)
+                it += tail
+            else:
+                early = gl.minimum(tail, SK_FLAG_STEPS)
+                acc = _plain_k_steps(a_bufs, b_bufs, ready, empty, it, early, c_smem, mma_layout, WG, BLOCK_N1,
+                                     STAGES, CONSUMERS, B_K_MAJOR, A_M_MAJOR)
+                it += early
+                if b < k_tiles:
+                    stream_k_raise(flag_ptr, slot)
+                if tail > early:
+                    acc, _ = _mma_k_steps(acc, acc, a_bufs, b_bufs, b_bufs, ready, empty, it, tail - early, c_smem,
+                                          ready, empty, False, 0, WG, STAGES, CONSUMERS, B_K_MAJOR, False,
+                                          A_M_MAJOR, False)
+                    it += tail - early
+            _trace(preact_ptr, 4, WG, CONSUMERS)
             stream_k_wait(flag_ptr, slot - CONSUMERS)
             _trace(preact_ptr, 5, WG, CONSUMERS)
-            acc = stream_k_partial(ws_ptr, slot - CONSUMERS, WG_ROWS, BLOCK_N1, mma_layout)
-            acc, _ = _mma_k_steps(acc, acc, a_bufs, b_bufs, b_bufs, ready, empty, it, k_tiles - a, c_smem, ready,
-                                  empty, False, 0, WG, STAGES, CONSUMERS, B_K_MAJOR, False, A_M_MAJOR, False)
-            it += k_tiles - a
-            _trace(preact_ptr, 4, WG, CONSUMERS)
+            acc = stream_k_add(acc, ws_ptr, slot - CONSUMERS)
             _stream_k_epilogue(acc, dp_tiles + first, num_pid_m, num_pid_n, c_desc, c_smem, bias_ptr,
                                residual_ptr, preact_ptr, M, N, stride_rm, stride_rn, stride_pm, WG, False, ACT,
                                HAS_RESIDUAL, SAVE_PREACT, GROUP_M, BLOCK_N1, CONSUMERS)

@@ -13,24 +13,20 @@ Every run is at least one tile long (S >= P), so a tile of that region is covere
 (whole) or by two: the head ``[0, b)`` of its K steps ends run p, the tail ``[a, k_tiles)``
 starts run p + 1. Program p then walks its run in this order:
 
-1. the head of the tile its run ends in: the fp32 partial sum (plus the tile's bias, so that the
+1. the tiles its run covers whole (their epilogue as usual);
+2. the head of the tile its run ends in: the fp32 partial sum (plus the tile's bias, so that the
    tail's epilogue loads none) goes to the workspace slot of (p, consumer group) and a flag is
    raised (``stream_k_publish``);
-2. the tiles its run covers whole (their epilogue as usual);
-3. the tail of the tile its run starts in: once program p - 1's flag is up (``stream_k_wait``,
-   which also lowers it again for the next launch), its partial is loaded as the accumulator
-   (``stream_k_partial``), the tail's K steps are added to it and the epilogue runs on the sum.
+3. the tail of the tile its run starts in: once program p - 1's flag is up, its partial is added
+   to this one (``stream_k_collect``, which also lowers the flag again for the next launch) and the
+   epilogue runs on the sum.
 
 A program waits only on the program before it, and only after publishing its own partial, so
 the waits form a chain towards program 0 (which never waits): the kernel finishes whenever
 programs start in grid order (as the hardware dispatches a 1-D grid), even when fewer SMs than
-programs are free. Program p - 1 publishes b_{p-1} steps into its run and program p needs it
-b_p + (whole tiles) · k_tiles steps into its own, which is never earlier (S < 2P makes a run
-without whole tiles end past where the previous one does: ``test_matmul_stream_k`` checks it), so
-the wait is only the programs' skew. Session 48's order (whole tiles, head, then the tail
-collecting at the end) added the partial to a live accumulator: 7.7-8.4 µs per program at the end
-of the kernel (s49 timeline). The tail continues the head's fp32 sum in the whole tile's K order:
-without a bias the result is bitwise the data-parallel one, and every launch is reproducible.
+programs are free. Program p - 1 publishes before the end of its run and program p collects at the
+end of its own, so the wait is short. The sum is ``head + tail`` in a fixed order: a launch is
+bitwise reproducible (not bitwise equal to the data-parallel kernel: a different fp32 association).
 
 Workspace: one [64, BLOCK_N] fp32 tile per (program, consumer group) and one int32 flag per slot,
 left zero by the kernel (the split-K buffers of ``_matmul_kernels.split_k_buffers``, per stream).
@@ -106,8 +102,9 @@ def stream_k_segments(sk_tiles: int, k_tiles: int, programs: int, pid: int) -> l
     first, a = divmod(lo, k_tiles)
     last = (hi - 1) // k_tiles
     b = hi - last * k_tiles
-    out = [("publish", last, 0, b)] if b < k_tiles else []
-    out += [("whole", t, 0, k_tiles) for t in range(first + (a > 0), last + (b == k_tiles))]
+    out = [("whole", t, 0, k_tiles) for t in range(first + (a > 0), last + (b == k_tiles))]
+    if b < k_tiles:
+        out.append(("publish", last, 0, b))
     if a > 0:
         out.append(("collect", first, a, k_tiles))
     return out
@@ -130,24 +127,35 @@ def stream_k_run(pid, sk_tiles, k_tiles, NUM_PROGRAMS: tl.constexpr):
 
 
 @gluon.jit
-def _slot_offsets(ROWS: gl.constexpr, COLS: gl.constexpr, layout: gl.constexpr):
-    """Offsets of a [ROWS, COLS] tensor's elements (in ``layout``) in its row-major workspace slot."""
-    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
-    cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
-    return rows[:, None] * COLS + cols[None, :]
+def _slot_offsets(acc):
+    """Offsets of an accumulator's elements in its row-major [rows, cols] workspace slot."""
+    layout: gl.constexpr = acc.type.layout
+    rows = gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, layout))
+    return rows[:, None] * acc.shape[1] + cols[None, :]
+
+
+@gluon.jit
+def stream_k_store(acc, ws_ptr, slot):
+    """Store the fp32 partial ``acc`` in workspace slot ``slot`` (its flag raised later by
+    :func:`stream_k_raise`)."""
+    gl.store(ws_ptr + slot.to(gl.int64) * (acc.shape[0] * acc.shape[1]) + _slot_offsets(acc), acc)
+
+
+@gluon.jit
+def stream_k_raise(flag_ptr, slot):
+    """Raise slot ``slot``'s flag once every thread's partial stores are visible: the barrier
+    before the release makes them so (CUTLASS's semaphore pattern, as the tl kernel's split-K
+    fixup). The release waits for the stores to drain (MEMBAR.GPU)."""
+    gl.thread_barrier()
+    gl.atomic_xchg(flag_ptr + slot, 1, sem="release", scope="gpu")
 
 
 @gluon.jit
 def stream_k_publish(acc, ws_ptr, flag_ptr, slot):
-    """Store the fp32 partial ``acc`` in workspace slot ``slot`` and raise its flag. The barrier
-    before the release makes every thread's stores visible with it (CUTLASS's semaphore pattern,
-    as the tl kernel's split-K fixup)."""
-    ROWS: gl.constexpr = acc.shape[0]
-    COLS: gl.constexpr = acc.shape[1]
-    layout: gl.constexpr = acc.type.layout
-    gl.store(ws_ptr + slot.to(gl.int64) * (ROWS * COLS) + _slot_offsets(ROWS, COLS, layout), acc)
-    gl.thread_barrier()
-    gl.atomic_xchg(flag_ptr + slot, 1, sem="release", scope="gpu")
+    """Store the fp32 partial ``acc`` in workspace slot ``slot`` and raise its flag."""
+    stream_k_store(acc, ws_ptr, slot)
+    stream_k_raise(flag_ptr, slot)
 
 
 @gluon.jit
@@ -161,14 +169,19 @@ def stream_k_wait(flag_ptr, slot):
 
 
 @gluon.jit
-def stream_k_partial(ws_ptr, slot, ROWS: gl.constexpr, COLS: gl.constexpr, layout: gl.constexpr):
-    """The fp32 partial in workspace slot ``slot`` as a [ROWS, COLS] tensor in ``layout`` (after
-    :func:`stream_k_wait`): the accumulator the tail continues. Loaded while no other accumulator
-    is live, so all of its loads are in flight at once (added to a live accumulator after the
-    tail, ptxas issued them in register-sized batches: 7.7-8.4 µs for the add and the epilogue,
-    H200 s49, scripts/stream_k_trace.py). The loads bypass L1 (.cg): another SM wrote them."""
-    return gl.load(ws_ptr + slot.to(gl.int64) * (ROWS * COLS) + _slot_offsets(ROWS, COLS, layout),
+def stream_k_add(acc, ws_ptr, slot):
+    """``acc`` + the partial in workspace slot ``slot`` (after :func:`stream_k_wait`). The loads
+    bypass L1 (.cg): the partial was written by another SM."""
+    part = gl.load(ws_ptr + slot.to(gl.int64) * (acc.shape[0] * acc.shape[1]) + _slot_offsets(acc),
                    cache_modifier=".cg")
+    return acc + part
+
+
+@gluon.jit
+def stream_k_collect(acc, ws_ptr, flag_ptr, slot):
+    """``acc`` + the partial in workspace slot ``slot``, once its flag is up (the flag lowered again)."""
+    stream_k_wait(flag_ptr, slot)
+    return stream_k_add(acc, ws_ptr, slot)
 
 
 # the tl kernels' forms (fp8_gemm_kernel): the same protocol, with tl's barrier and layouts
@@ -185,8 +198,7 @@ def stream_k_publish_tl(acc, ws_ptr, flag_ptr, slot):
 
 @triton.jit
 def stream_k_collect_tl(acc, ws_ptr, flag_ptr, slot):
-    """``acc`` + the partial in slot ``slot`` once its flag is up (lowered again), for a ``tl``
-    kernel: the fp8 kernel adds it after its tail (under the interpreter the programs run one
+    """:func:`stream_k_collect` for a ``tl`` kernel (under the interpreter the programs run one
     after another in grid order, so the flag a program waits for is already up)."""
     seen = tl.atomic_cas(flag_ptr + slot, 1, 0, sem="acquire", scope="gpu")
     while seen != 1:
