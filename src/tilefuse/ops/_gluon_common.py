@@ -19,7 +19,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .._launch import cached_by_view, cached_descriptor
 from ._matmul_kernels import _tile_coords     # the grouped tile order, shared with the tl GEMMs
-from ._stream_k import stream_k_run
+from ._stream_k import stream_k_prefetch, stream_k_run
 
 GLUON_DTYPES = {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5,
                 torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
@@ -134,7 +134,7 @@ def gemm_load_partition(a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready,
                         NUM_PROGRAMS: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_N: gl.constexpr,
                         BLOCK_K: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
                         B_K_MAJOR: gl.constexpr, HAS_B2: gl.constexpr, c_desc, c_bufs, c_ready, c_free,
-                        A_M_MAJOR: gl.constexpr, ACCUMULATE: gl.constexpr, sk_tiles,
+                        A_M_MAJOR: gl.constexpr, ACCUMULATE: gl.constexpr, sk_tiles, ws_ptr,
                         STREAM_K: gl.constexpr):
     """The producer warp: every K step of every tile of this program (grouped order, as the
     consumers walk them) through :func:`load_stage`. BLOCK_N: the tile's width (both B parts).
@@ -146,7 +146,9 @@ def gemm_load_partition(a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready,
     load then has the rest of the K loop to land before the epilogue reads it.
 
     STREAM_K: the last ``sk_tiles`` tiles are cut into even runs of K steps, one per program
-    (``_stream_k``), loaded in the order the consumers walk them."""
+    (``_stream_k``), loaded in the order the consumers walk them; once the tail's loads are
+    issued, the previous program's partials (``ws_ptr``: both consumer groups' slots) are
+    prefetched into L2 for the consumers' collect, ~STAGES K steps later."""
     num_pid_m = gl.cdiv(M, WG_ROWS * CONSUMERS)
     num_pid_n = gl.cdiv(N, BLOCK_N)
     k_tiles = gl.cdiv(K, BLOCK_K)
@@ -192,6 +194,7 @@ def gemm_load_partition(a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready,
             it = _load_steps(a_desc, b_desc, a_bufs, b_bufs, ready, empty, it, dp_tiles + first, a, k_tiles,
                              num_pid_m, num_pid_n, GROUP_M, BLOCK_N, BLOCK_K, STAGES, CONSUMERS, B_K_MAJOR,
                              A_M_MAJOR)
+            stream_k_prefetch(ws_ptr, gl.program_id(0) - 1, CONSUMERS * WG_ROWS * BLOCK_N)
 
 
 @gluon.jit

@@ -44,8 +44,8 @@ from ._gluon_common import (LOADER_REGS_KERNEL, ROWS_PER_GROUP, SMEM_BYTES, WG_R
                              consumer_regs, gemm_load_partition, gemm_ring, release_stage)
 from ._activation_math import activation_fwd
 from ._matmul_kernels import _tile_coords, split_k_buffers
-from ._stream_k import (stream_k_add, stream_k_epilogue_ok, stream_k_raise, stream_k_run, stream_k_store,
-                        stream_k_tiles, stream_k_wait)
+from ._stream_k import (stream_k_add, stream_k_epilogue_ok, stream_k_publish, stream_k_run, stream_k_tiles,
+                        stream_k_wait)
 
 
 @gluon.jit
@@ -83,9 +83,6 @@ def _accumulate_epilogue(acc, old, c_desc, c_smem, off_m, off_n, scale_ptr, HAS_
 # preact_ptr (an int64 buffer there; the traced launches save no pre-activation). Off: no code.
 TRACE = gl.constexpr(False)
 TRACE_EVENTS = 8
-# stream-K: raise the head's flag after this many of the tail's K steps (0: right after its stores),
-# so the release's wait for 64 KB of stores to drain overlaps the tail's wgmmas
-SK_FLAG_STEPS = gl.constexpr(0)
 
 
 @gluon.jit
@@ -245,32 +242,14 @@ def gemm_mma_partition(a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, c
             it += b
             if HAS_BIAS:        # the head carries the tile's bias, so the tail's epilogue loads none
                 acc += _bias_row(acc, bias_ptr, dp_tiles + last, num_pid_m, num_pid_n, N, GROUP_M, BLOCK_N1)
-            stream_k_store(acc, ws_ptr, slot)
-            if SK_FLAG_STEPS == 0:
-                stream_k_raise(flag_ptr, slot)
-            else:
-                if a == 0:
-                    stream_k_raise(flag_ptr, slot)
+            stream_k_publish(acc, ws_ptr, flag_ptr, slot)
         _trace(preact_ptr, 3, WG, CONSUMERS)
-        # 3. the tail of the tile it starts in, plus the previous program's head of it
+        # 3. the tail of the tile it starts in, plus the previous program's head of it (which the
+        # producer has asked L2 for, ~STAGES K steps ahead: gemm_load_partition)
         if a > 0:
-            tail = k_tiles - a
-            if SK_FLAG_STEPS == 0:
-                acc = _plain_k_steps(a_bufs, b_bufs, ready, empty, it, tail, c_smem, mma_layout, WG, BLOCK_N1,
-                                     STAGES, CONSUMERS, B_K_MAJOR, A_M_MAJOR)
-                it += tail
-            else:
-                early = gl.minimum(tail, SK_FLAG_STEPS)
-                acc = _plain_k_steps(a_bufs, b_bufs, ready, empty, it, early, c_smem, mma_layout, WG, BLOCK_N1,
-                                     STAGES, CONSUMERS, B_K_MAJOR, A_M_MAJOR)
-                it += early
-                if b < k_tiles:
-                    stream_k_raise(flag_ptr, slot)
-                if tail > early:
-                    acc, _ = _mma_k_steps(acc, acc, a_bufs, b_bufs, b_bufs, ready, empty, it, tail - early, c_smem,
-                                          ready, empty, False, 0, WG, STAGES, CONSUMERS, B_K_MAJOR, False,
-                                          A_M_MAJOR, False)
-                    it += tail - early
+            acc = _plain_k_steps(a_bufs, b_bufs, ready, empty, it, k_tiles - a, c_smem, mma_layout, WG, BLOCK_N1,
+                                 STAGES, CONSUMERS, B_K_MAJOR, A_M_MAJOR)
+            it += k_tiles - a
             _trace(preact_ptr, 4, WG, CONSUMERS)
             stream_k_wait(flag_ptr, slot - CONSUMERS)
             _trace(preact_ptr, 5, WG, CONSUMERS)
@@ -380,7 +359,7 @@ def gemm_ws_kernel(
             (gemm_load_partition, (a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, M, N, K,
                                    NUM_PROGRAMS, GROUP_M, BLOCK_N1 + BLOCK_N2, BLOCK_K, STAGES, CONSUMERS, B_K_MAJOR,
                                    HAS_B2, c_desc, c_bufs, c_ready, c_free, A_M_MAJOR, ACCUMULATE, sk_tiles,
-                                   STREAM_K)),
+                                   ws_ptr, STREAM_K)),
         ], [1], [LOADER_REGS_KERNEL])
     else:
         gl.static_assert(CONSUMERS == 2, "one or two consumer warp groups")
@@ -398,7 +377,7 @@ def gemm_ws_kernel(
             (gemm_load_partition, (a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, M, N, K,
                                    NUM_PROGRAMS, GROUP_M, BLOCK_N1 + BLOCK_N2, BLOCK_K, STAGES, CONSUMERS, B_K_MAJOR,
                                    HAS_B2, c_desc, c_bufs, c_ready, c_free, A_M_MAJOR, ACCUMULATE, sk_tiles,
-                                   STREAM_K)),
+                                   ws_ptr, STREAM_K)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS_KERNEL])
 
 

@@ -136,26 +136,29 @@ def _slot_offsets(acc):
 
 
 @gluon.jit
-def stream_k_store(acc, ws_ptr, slot):
-    """Store the fp32 partial ``acc`` in workspace slot ``slot`` (its flag raised later by
-    :func:`stream_k_raise`)."""
+def stream_k_publish(acc, ws_ptr, flag_ptr, slot):
+    """Store the fp32 partial ``acc`` in workspace slot ``slot`` and raise its flag. The barrier
+    before the release makes every thread's stores visible with it (CUTLASS's semaphore pattern,
+    as the tl kernel's split-K fixup). Raising it after some of the tail's K steps instead (so the
+    release's wait for the stores overlaps wgmmas) measured no different (H200, s49)."""
     gl.store(ws_ptr + slot.to(gl.int64) * (acc.shape[0] * acc.shape[1]) + _slot_offsets(acc), acc)
-
-
-@gluon.jit
-def stream_k_raise(flag_ptr, slot):
-    """Raise slot ``slot``'s flag once every thread's partial stores are visible: the barrier
-    before the release makes them so (CUTLASS's semaphore pattern, as the tl kernel's split-K
-    fixup). The release waits for the stores to drain (MEMBAR.GPU)."""
     gl.thread_barrier()
     gl.atomic_xchg(flag_ptr + slot, 1, sem="release", scope="gpu")
 
 
 @gluon.jit
-def stream_k_publish(acc, ws_ptr, flag_ptr, slot):
-    """Store the fp32 partial ``acc`` in workspace slot ``slot`` and raise its flag."""
-    stream_k_store(acc, ws_ptr, slot)
-    stream_k_raise(flag_ptr, slot)
+def stream_k_prefetch(ws_ptr, program, ELEMS: gl.constexpr):
+    """Ask L2 for the partials of ``program`` (ELEMS fp32 from ``program · ELEMS``: its consumer
+    groups' slots, contiguous) ahead of their collect: one bulk prefetch
+    (cp.async.bulk.prefetch.L2) from lane 0 of the calling warp (the producer). Without it the
+    collect's add and epilogue took 7.7-8.4 µs a program (H200, s49, scripts/stream_k_trace.py):
+    the partial is written up to a tile-time before and leaves L2 meanwhile. A hint only: issued
+    before the partial is written it fetches old lines, which the partial's stores (through L2)
+    then replace; the collect still reads after the flag's acquire."""
+    gl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .b32 t; mov.u32 t, %laneid; setp.eq.u32 p, t, 0; "
+        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r", [ws_ptr + program.to(gl.int64) * ELEMS, ELEMS * 4], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
