@@ -18,7 +18,6 @@ part's, the collect-to-end time, and the last program's path.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 
 from triton.experimental.gluon import language as gl
@@ -26,8 +25,6 @@ from triton.experimental.gluon import language as gl
 from tilefuse.ops import _matmul_gluon as g
 
 g.TRACE = gl.constexpr(True)        # before the first compile of gemm_ws_kernel in this process
-if os.environ.get("SK_FLAG_STEPS"):   # A/B of _matmul_gluon.SK_FLAG_STEPS (one value per process)
-    g.SK_FLAG_STEPS = gl.constexpr(int(os.environ["SK_FLAG_STEPS"]))
 
 import torch  # noqa: E402
 
@@ -108,8 +105,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="4096x4096x4096,8192x4096x4096,8192x8192x8192,8192x6144x4096")
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
-    print(torch.cuda.get_device_name(), "bf16 x @ w.t(), 128x256 tiles, one traced launch after an L2 flush;",
-          f"SK_FLAG_STEPS {g.SK_FLAG_STEPS.value}")
+    print(torch.cuda.get_device_name(), "bf16 x @ w.t(), 128x256 tiles, one traced launch after an L2 flush")
     for text in args.shapes.split(","):
         m, n, k = (int(v) for v in text.split("x"))
         a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
