@@ -51,17 +51,22 @@ STREAM_K = True
 STREAM_K_MIN_K = 2048
 # the default takes stream-K only where the idle SMs of the last wave cost more than the fixup:
 # measured on the H200 (s48, bf16 128x256 tiles, graph replays), stream-K's time was the even
-# share of the work plus ~14 µs at every shape (4096³ ... 8192x4096x14336), ~18 K steps of 64
+# share of the work plus ~14 µs at every shape (4096³ ... 8192x4096x14336), ~18 K steps of 64.
+# Where it goes (s49, per-program timeline, scripts/stream_k_trace.py): the collect's add and
+# epilogue 7.7-8.4 µs (4.6-4.9 with the partial prefetched into L2, gemm_load_partition), the head's
+# publish 1-3 µs, and the region's K steps 3-7 % slower than the data-parallel ones; after the
+# prefetch the span still exceeds the even share by 10.7-12.5 µs at K = 4096 (24.8 at K = 8192)
 STREAM_K_MIN_IDLE_STEPS = 24
 
 
 def stream_k_pays(m: int, n: int, k: int, block_m: int, block_n: int, block_k: int, sms: int) -> bool:
     """Whether the default plan takes stream-K: the whole-tile kernel's last wave leaves
     ``P - r`` of P SMs idle for a tile-time of ``k_tiles`` K steps, which stream-K recovers for a
-    fixed cost (~14 µs on the H200, ~18 K steps; not profiled apart): the loss must be at least
-    STREAM_K_MIN_IDLE_STEPS K steps of the whole machine, (P - r) · k_tiles >= that · P. At the
-    bench's shapes: 8192³, 8192x14336x4096 and 8192x4096x14336 take it; 4096³, 8192x4096x4096 and
-    8192x6144x4096 (idle 7.8, 15.5 and 23.3 steps) keep whole tiles."""
+    fixed cost (~11-14 µs on the H200 at K = 4096, ~18 K steps: STREAM_K_MIN_IDLE_STEPS' note):
+    the loss must be at least STREAM_K_MIN_IDLE_STEPS K steps of the whole machine,
+    (P - r) · k_tiles >= that · P. At the bench's shapes: 8192³, 8192x14336x4096 and
+    8192x4096x14336 take it; 4096³, 8192x4096x4096 and 8192x6144x4096 (idle 7.8, 15.5 and 23.3
+    steps) keep whole tiles."""
     tiles = cdiv(m, block_m) * cdiv(n, block_n)
     programs = min(sms, tiles)          # the persistent grid
     if not stream_k_tiles(m, n, k, block_m, block_n, block_k, programs):
