@@ -9,10 +9,10 @@ timer (ns) at: 0 its start, 1 the end of its data-parallel tiles, 2 the end of i
 whole tiles, 3 after publishing its head's partial, 4 before collecting the previous program's
 partial (after its tail's K steps), 5 once that partial's flag is up, 7 its last epilogue issued
 (before the final TMA store wait), 6 its end (a timer after the partial's add made the consumer
-spill: the add and the epilogue are timed together, 5 to 7). Per shape, stream-K and whole tiles (STREAM_K off) are launched after
-an L2 flush; the last of ``--reps`` launches is read. Printed: the kernel's span, the spread of
-the data-parallel part's end, the stream-K segments' time per K step against the data-parallel
-part's, the collect-to-end time, and the last program's path.
+spill: the add and the epilogue are timed together, 5 to 7). Per shape, stream-K and whole tiles
+(STREAM_K off) are launched after an L2 flush; the last of ``--reps`` launches is read. Printed:
+the kernel's span, the spread of the data-parallel part's end, the stream-K segments' time per K
+step against the data-parallel part's, the collect-to-end time, and the last program's path.
 """
 
 from __future__ import annotations
@@ -69,7 +69,8 @@ def summarize(name, trace, programs, sk_tiles, m, n, k):
                                  for p in range(programs) if dp_tiles[p]])
     print(f"  {'':9s} data-parallel: {step_us * 1000:.0f} ns per K step ({step_us * k_tiles:.1f} µs a tile)")
     if not sk_tiles:
-        print(f"  {'':9s} last epilogue issued to end (median): {statistics.median((rel[:, 6] - rel[:, 7]).tolist()):.1f} µs")
+        tail_us = statistics.median((rel[:, 6] - rel[:, 7]).tolist())
+        print(f"  {'':9s} last epilogue issued to end (median): {tail_us:.1f} µs")
         return
     whole_s, head_s, tail_s, ends, waits, adds, stores = [], [], [], [], [], [], []
     for p in range(programs):
@@ -95,9 +96,11 @@ def summarize(name, trace, programs, sk_tiles, m, n, k):
     last = int(rel[:, 6].argmax())
     r = rel[last]
     print(f"  {'':9s} last program {last}: start {r[0]:.1f}, dp end {r[1]:.1f}, whole {r[2]:.1f}, published "
-          f"{r[3]:.1f}, tail done {r[4]:.1f}, flag {r[5]:.1f}, epilogue {r[7]:.1f}, end {r[6]:.1f}; segments {sk.stream_k_segments(sk_tiles, k_tiles, programs, last)}")
+          f"{r[3]:.1f}, tail done {r[4]:.1f}, flag {r[5]:.1f}, epilogue {r[7]:.1f}, end {r[6]:.1f}; segments "
+          f"{sk.stream_k_segments(sk_tiles, k_tiles, programs, last)}")
     ideal = rel[:, 1].median().item() + (sk_tiles * k_tiles / programs) * step_us
-    print(f"  {'':9s} even share after the median data-parallel end: {ideal:.1f} µs; span - that = {end - ideal:.1f} µs")
+    print(f"  {'':9s} even share after the median data-parallel end: {ideal:.1f} µs; "
+          f"span - that = {end - ideal:.1f} µs")
 
 
 def main() -> None:
