@@ -108,7 +108,8 @@ def peak_extra_mib(step) -> float:
 
 def ab(rounds: int, h, w, target, variants: list[str]) -> None:
     """Interleaved rounds of the named variants: "default", "nodefer" (no deferred last chunk),
-    "nocheck" (no target range test), "chunkN" (N tokens per chunk), "tlgemm" (the chunks' own
+    "nocheck" (no target range test), "gluonwg" (the grad_weight GEMMs on the Gluon accumulate
+    kernel), "chunkN" (N tokens per chunk), "tlgemm" (the chunks' own
     GEMMs on the tl kernel, not the Gluon one), "eager"; a "-g1" suffix takes grad_output 1.
     (s37 also had "streams": each chunk's grad_hidden GEMM on a side stream beside its grad_weight
     GEMM; 45.85 against 44.53 ms do_bench, slower, removed.)"""
@@ -133,12 +134,15 @@ def ab(rounds: int, h, w, target, variants: list[str]) -> None:
         def step():
             # "nodefer": the whole grad_weight in the forward, then the scale pass (s41 and before)
             lce.DEFER_LAST_WEIGHT_GRAD = base != "nodefer"
+            # "gluonwg": every accumulating grad_weight GEMM on the Gluon accumulate kernel (GLUON_WEIGHT_GRAD)
+            lce.GLUON_WEIGHT_GRAD = base == "gluonwg"
             try:
                 # "nocheck": check_targets=False (no range test, so no host wait on it)
                 loss = linear_cross_entropy(h, w, target, chunk_tokens=chunk, check_targets=base != "nocheck")
                 return torch.autograd.grad(loss, (h, w), g)
             finally:
                 lce.DEFER_LAST_WEIGHT_GRAD = True
+                lce.GLUON_WEIGHT_GRAD = False
         return step
 
     times = {name: [] for name in variants}
