@@ -265,8 +265,11 @@ def compile_gemm(case):
     _check(compiled)
     sass = _ptxas_and_sass(compiled)[1]
     assert "HGMMA" in sass and "UTMALDG" in sass and "UTMASTG" in sass
-    # the fixup: the flag raised with a release, taken with an acquiring compare-and-swap
+    # the fixup: the flag raised with a release, taken with an acquiring compare-and-swap, and the
+    # producer's L2 prefetch of the partials before the collect (_stream_k.stream_k_prefetch)
     assert ("ATOM" in sass or "ATOMG" in sass) == stream_k
+    assert ("UBLKPF.L2" in sass) == stream_k
+    assert "globaltimer" not in compiled.asm["ptx"]      # _matmul_gluon.TRACE is compiled out by default
 
 
 ACCUMULATE_CASES = {   # name: (tile of _matmul_gluon.ACCUMULATE_TILES, a given as aᵀ [K, M], b as wᵀ, out +=)
