@@ -41,7 +41,7 @@ def traced_launch(a, b, out, stream_k: bool, reps: int):
     plan = g._ws_plan(m, n, k, 2, 2, b.stride(0) == 1, sms, (False, "none", False, False), (n, 1),
                       tuple(cfg.items()))
     programs = plan.grid[0]
-    trace = torch.full((programs, cfg["CONSUMERS"], 8), -1, dtype=torch.int64, device="cuda")
+    trace = torch.full((programs, cfg["CONSUMERS"], g.TRACE_EVENTS.value), -1, dtype=torch.int64, device="cuda")
     flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
     for _ in range(reps):
         flush.zero_()

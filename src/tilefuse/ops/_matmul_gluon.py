@@ -82,7 +82,7 @@ def _accumulate_epilogue(acc, old, c_desc, c_smem, off_m, off_n, scale_ptr, HAS_
 # first compile, each consumer group stores %globaltimer at TRACE_EVENTS points of its run into
 # preact_ptr (an int64 buffer there; the traced launches save no pre-activation). Off: no code.
 TRACE = gl.constexpr(False)
-TRACE_EVENTS = 8
+TRACE_EVENTS = gl.constexpr(8)
 
 
 @gluon.jit
@@ -92,7 +92,7 @@ def _trace(ptr, event: gl.constexpr, WG: gl.constexpr, CONSUMERS: gl.constexpr):
         now = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False,
                                         pack=1)
         slot = gl.program_id(0) * CONSUMERS + WG
-        gl.store(ptr.to(gl.pointer_type(gl.int64), bitcast=True) + slot * 8 + event, now)
+        gl.store(ptr.to(gl.pointer_type(gl.int64), bitcast=True) + slot * TRACE_EVENTS + event, now)
 
 
 @gluon.jit

@@ -17,8 +17,9 @@ starts run p + 1. Program p then walks its run in this order:
 2. the head of the tile its run ends in: the fp32 partial sum (plus the tile's bias, so that the
    tail's epilogue loads none) goes to the workspace slot of (p, consumer group) and a flag is
    raised (``stream_k_publish``);
-3. the tail of the tile its run starts in: once program p - 1's flag is up, its partial is added
-   to this one (``stream_k_collect``, which also lowers the flag again for the next launch) and the
+3. the tail of the tile its run starts in: once program p - 1's flag is up (``stream_k_wait``,
+   which also lowers it again for the next launch), its partial is added to this one
+   (``stream_k_add``; the producer has prefetched it into L2, ``stream_k_prefetch``) and the
    epilogue runs on the sum.
 
 A program waits only on the program before it, and only after publishing its own partial, so
@@ -185,13 +186,6 @@ def stream_k_add(acc, ws_ptr, slot):
     return acc + part
 
 
-@gluon.jit
-def stream_k_collect(acc, ws_ptr, flag_ptr, slot):
-    """``acc`` + the partial in workspace slot ``slot``, once its flag is up (the flag lowered again)."""
-    stream_k_wait(flag_ptr, slot)
-    return stream_k_add(acc, ws_ptr, slot)
-
-
 # the tl kernels' forms (fp8_gemm_kernel): the same protocol, with tl's barrier and layouts
 
 
@@ -206,8 +200,9 @@ def stream_k_publish_tl(acc, ws_ptr, flag_ptr, slot):
 
 @triton.jit
 def stream_k_collect_tl(acc, ws_ptr, flag_ptr, slot):
-    """:func:`stream_k_collect` for a ``tl`` kernel (under the interpreter the programs run one
-    after another in grid order, so the flag a program waits for is already up)."""
+    """:func:`stream_k_wait` then :func:`stream_k_add` for a ``tl`` kernel (under the interpreter
+    the programs run one after another in grid order, so the flag a program waits for is already
+    up; no L2 prefetch: the fp8 tl kernel's stream-K is off by default)."""
     seen = tl.atomic_cas(flag_ptr + slot, 1, 0, sem="acquire", scope="gpu")
     while seen != 1:
         seen = tl.atomic_cas(flag_ptr + slot, 1, 0, sem="acquire", scope="gpu")
