@@ -108,8 +108,9 @@ def peak_extra_mib(step) -> float:
 
 def ab(rounds: int, h, w, target, variants: list[str]) -> None:
     """Interleaved rounds of the named variants: "default", "nodefer" (no deferred last chunk),
-    "nocheck" (no target range test), "gluonwg" (the grad_weight GEMMs on the Gluon accumulate
-    kernel), "chunkN" (N tokens per chunk), "tlgemm" (the chunks' own
+    "nocheck" (no target range test), "gluonwg" / "gluonpp" (the grad_weight GEMMs on the Gluon accumulate
+    kernel, its 128x256 / ping-pong tile), "pplast" (only the deferred last chunk's on the ping-pong
+    tile), "chunkN" (N tokens per chunk), "tlgemm" (the chunks' own
     GEMMs on the tl kernel, not the Gluon one), "eager"; a "-g1" suffix takes grad_output 1.
     (s37 also had "streams": each chunk's grad_hidden GEMM on a side stream beside its grad_weight
     GEMM; 45.85 against 44.53 ms do_bench, slower, removed.)"""
@@ -134,8 +135,10 @@ def ab(rounds: int, h, w, target, variants: list[str]) -> None:
         def step():
             # "nodefer": the whole grad_weight in the forward, then the scale pass (s41 and before)
             lce.DEFER_LAST_WEIGHT_GRAD = base != "nodefer"
-            # "gluonwg": every accumulating grad_weight GEMM on the Gluon accumulate kernel (GLUON_WEIGHT_GRAD)
-            lce.GLUON_WEIGHT_GRAD = base == "gluonwg"
+            # "gluonwg": every accumulating grad_weight GEMM on the Gluon accumulate kernel (GLUON_WEIGHT_GRAD);
+            # "gluonpp": the same on its ping-pong tile; "pplast": only the deferred last chunk's on it
+            lce.GLUON_WEIGHT_GRAD = base in ("gluonwg", "gluonpp")
+            lce.WEIGHT_GRAD_TILE = "128x128-pingpong" if base in ("gluonpp", "pplast") else "128x256"
             try:
                 # "nocheck": check_targets=False (no range test, so no host wait on it)
                 loss = linear_cross_entropy(h, w, target, chunk_tokens=chunk, check_targets=base != "nocheck")
@@ -143,6 +146,7 @@ def ab(rounds: int, h, w, target, variants: list[str]) -> None:
             finally:
                 lce.DEFER_LAST_WEIGHT_GRAD = True
                 lce.GLUON_WEIGHT_GRAD = False
+                lce.WEIGHT_GRAD_TILE = "128x256"
         return step
 
     times = {name: [] for name in variants}

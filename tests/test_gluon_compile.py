@@ -221,6 +221,10 @@ GEMM_CASES = {   # name: (tile of _matmul_gluon.WS_TILES, activation, bias / res
     "large-128x256-row-major-b-stream-k": ("large-128x256", "none", False, torch.bfloat16, False, False, True),
     "large-128x256-a-m-major-stream-k": ("large-128x256", "none", False, torch.bfloat16, False, True, True),
     "large-128x128-epilogue-fp32-stream-k": ("large-128x128", "silu", True, torch.float32, True, False, True),
+    # ping-pong (each consumer group on its own 128x128 tile: _matmul_gluon.gemm_pingpong_partition)
+    "large-128x128-pingpong-bias-gelu": ("large-128x128-pingpong", "gelu", "bias", torch.bfloat16, True),
+    "large-128x128-pingpong-a-m-major": ("large-128x128-pingpong", "none", False, torch.bfloat16, False, True),
+    "large-128x128-pingpong-epilogue-fp32": ("large-128x128-pingpong", "silu", True, torch.float32, True),
 }
 
 
@@ -235,7 +239,7 @@ def compile_gemm(case):
     from tilefuse.ops import _matmul_gluon as g
     tile, act, epilogue, out_dtype, b_k_major, *rest = GEMM_CASES[case]
     a_m_major, stream_k = (list(rest) + [False, False])[:2]
-    cfg = (g.LARGE_WS_TILES[tile.removeprefix("large-")] if tile.startswith("large-")
+    cfg = (g.ACCUMULATE_TILES[tile.removeprefix("large-")] if tile.startswith("large-")
            else g.WS_TILES.get(tile) or dict(g.WS_TILES["64x128"], BLOCK_N=96))      # 96 = 64 + 32: two B parts
     m, n, k = 2000, 1000, 3000
     dtype = torch.float16 if out_dtype == torch.float16 else torch.bfloat16
@@ -255,12 +259,13 @@ def compile_gemm(case):
                 bias_ptr=torch.empty(n, dtype=dtype), residual_ptr=out, preact_ptr=out, scale_ptr=out,
                 ws_ptr=torch.empty(1, dtype=torch.float32), flag_ptr=torch.empty(1, dtype=torch.int32), M=m, N=n, K=k,
                 stride_rm=n, stride_rn=1, stride_pm=n, sk_tiles=200 if stream_k else 0)
-    stages = g.fit_ring(cfg["STAGES"], cfg["CONSUMERS"], cfg["BLOCK_N"], cfg["BLOCK_K"], 2, out.element_size())
+    stages = g.fit_ring(cfg["STAGES"], cfg["CONSUMERS"], cfg["BLOCK_N"], cfg["BLOCK_K"], 2, out.element_size(),
+                        cfg.get("PINGPONG", False))
     full = epilogue is True     # "bias": the bias alone (no residual / preact)
     constexprs = dict(HAS_BIAS=bool(epilogue), ACT=act, HAS_RESIDUAL=full, SAVE_PREACT=full, NUM_PROGRAMS=132,
                       GROUP_M=cfg["GROUP_M"], STAGES=stages, CONSUMERS=cfg["CONSUMERS"], CONSUMER_REGS=worker_regs,
                       B_K_MAJOR=b_k_major, HAS_B2=bn2 > 0, A_M_MAJOR=a_m_major, ACCUMULATE=False,
-                      HAS_SCALE=False, STREAM_K=stream_k)
+                      HAS_SCALE=False, STREAM_K=stream_k, PINGPONG=cfg.get("PINGPONG", False))
     compiled = _compile_sm90(g.gemm_ws_kernel, args, constexprs, launch_regs)
     _check(compiled)
     sass = _ptxas_and_sass(compiled)[1]
@@ -278,6 +283,9 @@ ACCUMULATE_CASES = {   # name: (tile of _matmul_gluon.ACCUMULATE_TILES, a given 
     "128x256-row-major-a-k-major-b": ("128x256", False, True, True),
     "128x256-k-major-b-no-accumulator": ("128x256", False, True, False),    # linear cross-entropy's logits
     "128x256-a-m-major-scaled": ("128x256", True, False, "scaled"),         # its deferred last chunk
+    "128x128-pingpong-a-m-major": ("128x128-pingpong", True, False, True),
+    "128x128-pingpong-a-m-major-scaled": ("128x128-pingpong", True, False, "scaled"),
+    "128x128-pingpong-k-major-b-no-accumulator": ("128x128-pingpong", False, True, False),
 }
 
 
@@ -303,11 +311,12 @@ def compile_gemm_accumulate(case):
     args = dict(a_desc=a_desc, b_desc=b_desc, b2_desc=b_desc, c_desc=c_desc, c2_desc=c_desc, bias_ptr=out,
                 residual_ptr=out, preact_ptr=out, scale_ptr=torch.empty(1), ws_ptr=out, flag_ptr=out, M=m, N=n, K=k,
                 stride_rm=n, stride_rn=1, stride_pm=n, sk_tiles=0)
-    stages = g.fit_ring(cfg["STAGES"], cfg["CONSUMERS"], bn, bk, 2, 2)
+    pingpong = cfg.get("PINGPONG", False)
+    stages = g.fit_ring(cfg["STAGES"], cfg["CONSUMERS"], bn, bk, 2, 2, pingpong)
     constexprs = dict(HAS_BIAS=False, ACT="none", HAS_RESIDUAL=False, SAVE_PREACT=False, NUM_PROGRAMS=132,
                       GROUP_M=cfg["GROUP_M"], STAGES=stages, CONSUMERS=cfg["CONSUMERS"], CONSUMER_REGS=worker_regs,
                       B_K_MAJOR=b_k_major, HAS_B2=False, A_M_MAJOR=a_m_major, ACCUMULATE=bool(accumulate),
-                      HAS_SCALE=accumulate == "scaled", STREAM_K=False)
+                      HAS_SCALE=accumulate == "scaled", STREAM_K=False, PINGPONG=pingpong)
     compiled = _compile_sm90(g.gemm_ws_kernel, args, constexprs, launch_regs)
     _check(compiled)
     report, sass = _ptxas_and_sass(compiled)

@@ -99,7 +99,7 @@ def test_gpu_gluon_small_m(tile, dtype, out_dtype, row_major_b):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile", ["128x256", "128x128"])
+@pytest.mark.parametrize("tile", ["128x256", "128x128", "128x128-pingpong"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("layout", ["a-m-major", "row-major", "b-k-major"])
 def test_gpu_gluon_large_m(tile, dtype, layout):
@@ -111,8 +111,8 @@ def test_gpu_gluon_large_m(tile, dtype, layout):
     from tilefuse.ops import _matmul_gluon as g
     if not torch.cuda.get_device_capability()[0] == 9:
         pytest.skip("wgmma kernel: sm_90 only")
-    cfg = dict(g.LARGE_WS_TILES[tile], GLUON=True)
-    full = tile == "128x128"            # residual / preact / fp32 out fit its registers and shared memory
+    cfg = dict(g.ACCUMULATE_TILES[tile], GLUON=True)     # (the large-M tiles and the ping-pong one)
+    full = tile != "128x256"            # residual / preact / fp32 out fit its registers and shared memory
     for (m, n, k), act in zip([(1000, 768, 3000), (300, 136, 40), (4104, 520, 1032), (2049, 4096, 8)],
                               ["gelu", "silu", None, "relu"]):
         if layout == "a-m-major":       # descriptors read aᵀ [K, M]: 16-byte rows (M a multiple of 8)
@@ -235,7 +235,7 @@ def test_gpu_gluon_large_m_by_default_fwd_bwd(act):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile", ["128x256", "128x128"])
+@pytest.mark.parametrize("tile", ["128x256", "128x128", "128x128-pingpong"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("layout", ["a-m-major", "row-major", "b-k-major"])
 def test_gpu_gluon_accumulate(tile, dtype, layout):

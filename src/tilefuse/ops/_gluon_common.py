@@ -79,17 +79,24 @@ WG_ROWS = gl.constexpr(ROWS_PER_GROUP)
 
 
 @gluon.jit
-def gemm_ring(a_desc, b_desc, c_desc, STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
+def gemm_ring(a_desc, b_desc, c_desc, STAGES: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr):
     """(a_bufs, b_bufs, c_bufs, ready, empty): the ring's STAGES stages of CONSUMERS A pieces and
-    one B tile, one output tile per consumer group, and the ring's mbarriers, initialized."""
+    one B tile, one output tile per consumer group, and the ring's mbarriers, initialized.
+    PINGPONG: each stage belongs to one group's tile (all its A pieces; one release) and each
+    group stages all CONSUMERS row pieces of its own output tile."""
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [CONSUMERS * STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-    c_bufs = gl.allocate_shared_memory(c_desc.dtype, [CONSUMERS] + c_desc.block_type.shape, c_desc.layout)
+    if PINGPONG:
+        c_bufs = gl.allocate_shared_memory(c_desc.dtype, [CONSUMERS * CONSUMERS] + c_desc.block_type.shape,
+                                           c_desc.layout)
+    else:
+        c_bufs = gl.allocate_shared_memory(c_desc.dtype, [CONSUMERS] + c_desc.block_type.shape, c_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=CONSUMERS)     # every consumer group releases a stage
+        # every consumer group releases a stage (ping-pong: the one group whose tile it holds)
+        mbarrier.init(empty.index(i), count=1 if PINGPONG else CONSUMERS)
     return a_bufs, b_bufs, c_bufs, ready, empty
 
 
@@ -135,7 +142,7 @@ def gemm_load_partition(a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready,
                         BLOCK_K: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
                         B_K_MAJOR: gl.constexpr, HAS_B2: gl.constexpr, c_desc, c_bufs, c_ready, c_free,
                         A_M_MAJOR: gl.constexpr, ACCUMULATE: gl.constexpr, sk_tiles, ws_ptr,
-                        STREAM_K: gl.constexpr):
+                        STREAM_K: gl.constexpr, PINGPONG: gl.constexpr):
     """The producer warp: every K step of every tile of this program (grouped order, as the
     consumers walk them) through :func:`load_stage`. BLOCK_N: the tile's width (both B parts).
 
@@ -143,7 +150,9 @@ def gemm_load_partition(a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready,
     tiles (``c_bufs``; ``c_ready`` / ``c_free``: one mbarrier each per consumer group). It is
     issued after the tile's first STAGES K steps: those go out while the consumers still finish
     the previous tile, whose TMA store must have left the staging tile (``c_free``) first; the
-    load then has the rest of the K loop to land before the epilogue reads it.
+    load then has the rest of the K loop to land before the epilogue reads it. PINGPONG: tile j of
+    this program is group j % 2's, whole: its old output (all CONSUMERS row pieces) goes into
+    that group's staging tiles.
 
     STREAM_K: the last ``sk_tiles`` tiles are cut into even runs of K steps, one per program
     (``_stream_k``), loaded in the order the consumers walk them; once the tail's loads are
@@ -167,13 +176,21 @@ def gemm_load_partition(a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready,
             load_stage(a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, it, off_m, off_n,
                        ki * BLOCK_K, STAGES, CONSUMERS, B_K_MAJOR, HAS_B2, A_M_MAJOR)
             it += 1
-        if ACCUMULATE:
+        if ACCUMULATE and PINGPONG:
+            g = tile_count % 2
+            mbarrier.wait(c_free.index(g), ((tile_count // 2) & 1) ^ 1)
+            mbarrier.expect(c_ready.index(g), CONSUMERS * c_desc.block_type.nbytes)
+            for h in gl.static_range(CONSUMERS):
+                tma.async_copy_global_to_shared(c_desc, [off_m + h * WG_ROWS, off_n], c_ready.index(g),
+                                                c_bufs.index(CONSUMERS * g + h))
+        elif ACCUMULATE:
             for g in gl.static_range(CONSUMERS):
                 # a fresh mbarrier counts as phase 1 complete: the first tile does not wait
                 mbarrier.wait(c_free.index(g), (tile_count & 1) ^ 1)
                 mbarrier.expect(c_ready.index(g), c_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(c_desc, [off_m + g * WG_ROWS, off_n], c_ready.index(g),
                                                 c_bufs.index(g))
+        if ACCUMULATE:
             for ki in range(head, k_tiles):
                 load_stage(a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, it, off_m, off_n,
                            ki * BLOCK_K, STAGES, CONSUMERS, B_K_MAJOR, HAS_B2, A_M_MAJOR)

@@ -120,13 +120,32 @@ def _epilogue_value(acc, c_desc, bias_ptr, residual_ptr, preact_ptr, off_m, off_
 
 
 @gluon.jit
+def _a_piece(a_bufs, i, A_M_MAJOR: gl.constexpr):
+    """The ring's ``i``-th 64-row A piece as wgmma's A operand ([BLOCK_K, 64] pieces of an M-major
+    A are read transposed: wgmma takes an M-major 16-bit A from shared memory)."""
+    if A_M_MAJOR:
+        return a_bufs.index(i).permute((1, 0))
+    else:
+        return a_bufs.index(i)
+
+
+@gluon.jit
+def _b_tile(bufs, s, B_K_MAJOR: gl.constexpr):
+    """Stage ``s``'s B tile as wgmma's B operand ([BLOCK_N, BLOCK_K] of a K-major b, transposed)."""
+    if B_K_MAJOR:
+        return bufs.index(s).permute((1, 0))
+    else:
+        return bufs.index(s)
+
+
+@gluon.jit
 def _mma_k_steps(acc, acc2, a_bufs, b_bufs, b2_bufs, ready, empty, it, steps, c_smem, c_ready, c_free,
                  free_staging, phase, WG: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr, B_K_MAJOR: gl.constexpr,
-                 HAS_B2: gl.constexpr, A_M_MAJOR: gl.constexpr, ACCUMULATE: gl.constexpr):
+                 HAS_B2: gl.constexpr, A_M_MAJOR: gl.constexpr, ACCUMULATE: gl.constexpr, PINGPONG: gl.constexpr):
     """(acc, acc2) + the ring's ``steps`` (>= 1) K steps from step ``it`` (acc2: the B tile's second
-    part, HAS_B2), one step's wgmmas in flight; each stage goes back to the producer once the
-    wgmmas that read it have finished. A_M_MAJOR: the A pieces are [BLOCK_K, 64], read transposed
-    (wgmma takes an M-major 16-bit A from shared memory).
+    part, HAS_B2; PINGPONG: the tile's second 64-row A piece against the same B), one step's
+    wgmmas in flight; each stage goes back to the producer once the wgmmas that read it have
+    finished (PINGPONG: the stages are this group's alone). A_M_MAJOR: see :func:`_a_piece`.
 
     ACCUMULATE and ``free_staging`` (the previous tile's TMA store is out): once the first step's
     wgmmas are issued, wait for that store to have read the output staging tile and hand it to the
@@ -134,24 +153,24 @@ def _mma_k_steps(acc, acc2, a_bufs, b_bufs, b2_bufs, ready, empty, it, steps, c_
     instead idled the tensor cores: 1.145 against 0.880 ms without the accumulator at M = 128256,
     N = 4096, K = 512 (H200, 2026-11-25, scripts/gemm_accumulate_probe.py; 1.010 after). And
     while the last step's wgmmas run, wait for the old tile (``c_ready``, ``phase``) and read it
-    from ``c_smem`` into registers, returned in place of acc2 (in the output dtype)."""
+    from ``c_smem`` into registers, returned in place of acc2 (in the output dtype; not PINGPONG,
+    whose epilogue reads its staging tiles itself while the other group's wgmmas run)."""
+    TWO: gl.constexpr = HAS_B2 or PINGPONG      # two accumulators
     for ki in range(steps):
         s = (it + ki) % STAGES
         mbarrier.wait(ready.index(s), ((it + ki) // STAGES) & 1)
-        if A_M_MAJOR:
-            a = a_bufs.index(CONSUMERS * s + WG).permute((1, 0))
+        if PINGPONG:
+            a = _a_piece(a_bufs, CONSUMERS * s, A_M_MAJOR)
+            acc = warpgroup_mma(a, _b_tile(b_bufs, s, B_K_MAJOR), acc, is_async=True)
+            a2 = _a_piece(a_bufs, CONSUMERS * s + 1, A_M_MAJOR)
+            acc2 = warpgroup_mma(a2, _b_tile(b_bufs, s, B_K_MAJOR), acc2, is_async=True)
         else:
-            a = a_bufs.index(CONSUMERS * s + WG)
-        if B_K_MAJOR:
-            acc = warpgroup_mma(a, b_bufs.index(s).permute((1, 0)), acc, is_async=True)
+            a = _a_piece(a_bufs, CONSUMERS * s + WG, A_M_MAJOR)
+            acc = warpgroup_mma(a, _b_tile(b_bufs, s, B_K_MAJOR), acc, is_async=True)
             if HAS_B2:
-                acc2 = warpgroup_mma(a, b2_bufs.index(s).permute((1, 0)), acc2, is_async=True)
-        else:
-            acc = warpgroup_mma(a, b_bufs.index(s), acc, is_async=True)
-            if HAS_B2:
-                acc2 = warpgroup_mma(a, b2_bufs.index(s), acc2, is_async=True)
+                acc2 = warpgroup_mma(a, _b_tile(b2_bufs, s, B_K_MAJOR), acc2, is_async=True)
         # the previous step's wgmmas are done once at most this step's are outstanding: free its stage
-        if HAS_B2:
+        if TWO:
             acc, acc2 = warpgroup_mma_wait(num_outstanding=2, deps=(acc, acc2))
         else:
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
@@ -161,10 +180,10 @@ def _mma_k_steps(acc, acc2, a_bufs, b_bufs, b2_bufs, ready, empty, it, steps, c_
             if free_staging:
                 tma.store_wait(pendings=0)
                 release_stage(c_free, WG)
-    if ACCUMULATE:
+    if ACCUMULATE and not PINGPONG:
         mbarrier.wait(c_ready.index(WG), phase)
         acc2 = c_smem.load(acc.type.layout)
-    if HAS_B2:
+    if TWO:
         acc, acc2 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc2))
     else:
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
@@ -210,7 +229,7 @@ def gemm_mma_partition(a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, c
             acc2 = acc
         acc, acc2 = _mma_k_steps(acc, acc2, a_bufs, b_bufs, b2_bufs, ready, empty, it, k_tiles, c_smem, c_ready,
                                  c_free, tile_count > 0, tile_count & 1, WG, STAGES, CONSUMERS, B_K_MAJOR, HAS_B2,
-                                 A_M_MAJOR, ACCUMULATE)
+                                 A_M_MAJOR, ACCUMULATE, False)
         it += k_tiles
         if ACCUMULATE:
             _accumulate_epilogue(acc, acc2, c_desc, c_smem, off_m, off_n, scale_ptr, HAS_SCALE)
@@ -263,6 +282,51 @@ def gemm_mma_partition(a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, c
 
 
 @gluon.jit
+def gemm_pingpong_partition(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, c_ready, c_free, bias_ptr, residual_ptr,
+                            preact_ptr, scale_ptr, M, N, K, stride_rm, stride_rn, stride_pm, WG: gl.constexpr,
+                            HAS_BIAS: gl.constexpr, ACT: gl.constexpr, HAS_RESIDUAL: gl.constexpr,
+                            SAVE_PREACT: gl.constexpr, NUM_PROGRAMS: gl.constexpr, GROUP_M: gl.constexpr,
+                            BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                            B_K_MAJOR: gl.constexpr, A_M_MAJOR: gl.constexpr, ACCUMULATE: gl.constexpr,
+                            HAS_SCALE: gl.constexpr):
+    """One consumer warp group of a ping-pong schedule: tiles WG, WG + 2, ... of this program's
+    walk, each whole (128 rows as two 64-row accumulators against the stage's one B tile), so
+    that one group's epilogue (and, ACCUMULATE, its read of the old tile) runs while the other
+    group's wgmmas keep the tensor cores busy; the cooperative schedule (both groups on one tile)
+    leaves them idle for every epilogue. Tile j's K steps are ring steps [j·k, (j+1)·k) of the
+    producer's walk, k = cdiv(K, BLOCK_K); staging tiles c_bufs[2·WG], c_bufs[2·WG + 1]."""
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BLOCK_N, 16])
+    num_pid_m = gl.cdiv(M, 2 * WG_ROWS)
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    k_tiles = gl.cdiv(K, BLOCK_K)
+    lo = c_bufs.index(2 * WG)
+    hi = c_bufs.index(2 * WG + 1)
+    t = 0
+    for tile_id in range(gl.program_id(0) + WG * NUM_PROGRAMS, num_pid_m * num_pid_n, 2 * NUM_PROGRAMS):
+        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * (2 * WG_ROWS)
+        off_n = pid_n * BLOCK_N
+        acc = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, mma_layout)
+        acc2 = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, mma_layout)
+        acc, acc2 = _mma_k_steps(acc, acc2, a_bufs, b_bufs, b_bufs, ready, empty, (2 * t + WG) * k_tiles, k_tiles,
+                                 lo, c_ready, c_free, t > 0, 0, WG, STAGES, 2, B_K_MAJOR, False, A_M_MAJOR,
+                                 ACCUMULATE, True)
+        if ACCUMULATE:
+            mbarrier.wait(c_ready.index(WG), t & 1)
+            _accumulate_epilogue(acc, lo.load(mma_layout), c_desc, lo, off_m, off_n, scale_ptr, HAS_SCALE)
+            _accumulate_epilogue(acc2, hi.load(mma_layout), c_desc, hi, off_m + WG_ROWS, off_n, scale_ptr,
+                                 HAS_SCALE)
+        else:
+            _gemm_epilogue(acc, c_desc, lo, bias_ptr, residual_ptr, preact_ptr, off_m, off_n, M, N,
+                           stride_rm, stride_rn, stride_pm, HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT)
+            _gemm_epilogue(acc2, c_desc, hi, bias_ptr, residual_ptr, preact_ptr, off_m + WG_ROWS, off_n, M, N,
+                           stride_rm, stride_rn, stride_pm, HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT)
+        t += 1
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
 def _bias_row(acc, bias_ptr, tile_id, num_pid_m, num_pid_n, N, GROUP_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """bias[cols] of tile ``tile_id`` as a [1, BLOCK_N] fp32 row in ``acc``'s layout."""
     _, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
@@ -278,7 +342,7 @@ def _plain_k_steps(a_bufs, b_bufs, ready, empty, it, steps, c_smem, layout: gl.c
     the stream-K region's whole tiles, heads and tails."""
     acc = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, layout)
     acc, _ = _mma_k_steps(acc, acc, a_bufs, b_bufs, b_bufs, ready, empty, it, steps, c_smem, ready, empty, False, 0,
-                          WG, STAGES, CONSUMERS, B_K_MAJOR, False, A_M_MAJOR, False)
+                          WG, STAGES, CONSUMERS, B_K_MAJOR, False, A_M_MAJOR, False, False)
     return acc
 
 
@@ -330,6 +394,7 @@ def gemm_ws_kernel(
     ACCUMULATE: gl.constexpr,       # out += a @ b (the old out TMA-loaded during the K loop)
     HAS_SCALE: gl.constexpr,        # ACCUMULATE only: out = scale · (out + a @ b)
     STREAM_K: gl.constexpr,         # sk_tiles > 0: the stream-K region is compiled in
+    PINGPONG: gl.constexpr,         # CONSUMERS == 2 take alternate tiles whole (gemm_pingpong_partition)
 ):
     BLOCK_N1: gl.constexpr = b_desc.block_type.shape[0] if B_K_MAJOR else b_desc.block_type.shape[1]
     BLOCK_N2: gl.constexpr = (b2_desc.block_type.shape[0] if B_K_MAJOR else b2_desc.block_type.shape[1]) if HAS_B2 else 0
@@ -337,7 +402,9 @@ def gemm_ws_kernel(
     gl.static_assert(not (ACCUMULATE and (HAS_B2 or HAS_BIAS or HAS_RESIDUAL or SAVE_PREACT or ACT != "none")),
                      "ACCUMULATE is out += a @ b alone")
     gl.static_assert(ACCUMULATE or not HAS_SCALE, "HAS_SCALE scales an accumulating GEMM only")
-    a_bufs, b_bufs, c_bufs, ready, empty = gemm_ring(a_desc, b_desc, c_desc, STAGES, CONSUMERS)
+    gl.static_assert(not PINGPONG or (CONSUMERS == 2 and not (HAS_B2 or STREAM_K)),
+                     "ping-pong: two consumer groups, tiles of one B part, no stream-K")
+    a_bufs, b_bufs, c_bufs, ready, empty = gemm_ring(a_desc, b_desc, c_desc, STAGES, CONSUMERS, PINGPONG)
     if HAS_B2:
         b2_bufs = gl.allocate_shared_memory(b2_desc.dtype, [STAGES] + b2_desc.block_type.shape, b2_desc.layout)
         c2_bufs = gl.allocate_shared_memory(c2_desc.dtype, [CONSUMERS] + c2_desc.block_type.shape, c2_desc.layout)
@@ -359,8 +426,23 @@ def gemm_ws_kernel(
             (gemm_load_partition, (a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, M, N, K,
                                    NUM_PROGRAMS, GROUP_M, BLOCK_N1 + BLOCK_N2, BLOCK_K, STAGES, CONSUMERS, B_K_MAJOR,
                                    HAS_B2, c_desc, c_bufs, c_ready, c_free, A_M_MAJOR, ACCUMULATE, sk_tiles,
-                                   ws_ptr, STREAM_K)),
+                                   ws_ptr, STREAM_K, False)),
         ], [1], [LOADER_REGS_KERNEL])
+    elif PINGPONG:
+        gl.warp_specialize([
+            (gemm_pingpong_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, c_ready, c_free, bias_ptr,
+                                       residual_ptr, preact_ptr, scale_ptr, M, N, K, stride_rm, stride_rn, stride_pm,
+                                       0, HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT, NUM_PROGRAMS, GROUP_M, BLOCK_N1,
+                                       BLOCK_K, STAGES, B_K_MAJOR, A_M_MAJOR, ACCUMULATE, HAS_SCALE)),
+            (gemm_pingpong_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, c_ready, c_free, bias_ptr,
+                                       residual_ptr, preact_ptr, scale_ptr, M, N, K, stride_rm, stride_rn, stride_pm,
+                                       1, HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT, NUM_PROGRAMS, GROUP_M, BLOCK_N1,
+                                       BLOCK_K, STAGES, B_K_MAJOR, A_M_MAJOR, ACCUMULATE, HAS_SCALE)),
+            (gemm_load_partition, (a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, M, N, K,
+                                   NUM_PROGRAMS, GROUP_M, BLOCK_N1, BLOCK_K, STAGES, CONSUMERS, B_K_MAJOR, False,
+                                   c_desc, c_bufs, c_ready, c_free, A_M_MAJOR, ACCUMULATE, sk_tiles, ws_ptr, False,
+                                   True)),
+        ], [4, 1], [CONSUMER_REGS, LOADER_REGS_KERNEL])
     else:
         gl.static_assert(CONSUMERS == 2, "one or two consumer warp groups")
         gl.warp_specialize([
@@ -377,7 +459,7 @@ def gemm_ws_kernel(
             (gemm_load_partition, (a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, M, N, K,
                                    NUM_PROGRAMS, GROUP_M, BLOCK_N1 + BLOCK_N2, BLOCK_K, STAGES, CONSUMERS, B_K_MAJOR,
                                    HAS_B2, c_desc, c_bufs, c_ready, c_free, A_M_MAJOR, ACCUMULATE, sk_tiles,
-                                   ws_ptr, STREAM_K)),
+                                   ws_ptr, STREAM_K, False)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS_KERNEL])
 
 
@@ -445,10 +527,13 @@ def tail_split_rows(m: int, n: int, k: int, tile: dict, epilogue: tuple, sms: in
     return m - (row_blocks - split) * rows
 
 
-def fit_ring(requested: int, consumers: int, block_n: int, block_k: int, elem: int, out_elem: int) -> int:
-    """The ring depth that fits beside the output tiles (one [64, BLOCK_N] per consumer group)."""
+def fit_ring(requested: int, consumers: int, block_n: int, block_k: int, elem: int, out_elem: int,
+             pingpong: bool = False) -> int:
+    """The ring depth that fits beside the output tiles (one [64, BLOCK_N] per consumer group;
+    ``pingpong``: each group stages its whole tile, ``consumers`` of them)."""
     stage = (consumers * ROWS_PER_GROUP + block_n) * block_k * elem
-    free = SMEM_BYTES - consumers * ROWS_PER_GROUP * block_n * out_elem - 1024
+    staging = consumers * (consumers if pingpong else 1)
+    free = SMEM_BYTES - staging * ROWS_PER_GROUP * block_n * out_elem - 1024
     return max(2, min(requested, free // stage))
 
 
@@ -527,12 +612,15 @@ def _ws_plan(m: int, n: int, k: int, elem: int, out_elem: int, b_k_major: bool, 
     ``epilogue``: (HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT)."""
     cfg = dict(config) if config else choose_ws_tile(m, n, sms) or dict(WS_TILES["64x64"])
     block_n, block_k, consumers = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["CONSUMERS"]
+    if cfg.get("PINGPONG", False) and (consumers != 2 or block_n & (block_n - 1)):
+        raise ValueError(f"config: PINGPONG takes two consumer groups and a power-of-two BLOCK_N, got {cfg}")
     b_k_major = cfg.get("B_K_MAJOR", b_k_major)
     a_m_major = cfg.get("A_M_MAJOR", False)
+    pingpong = cfg.get("PINGPONG", False)
     tiles = cdiv(m, ROWS_PER_GROUP * consumers) * cdiv(n, block_n)
     programs = max(1, min(sms, tiles))
     launch_regs, worker_regs = ws_regs(consumers)
-    stages = fit_ring(cfg["STAGES"], consumers, block_n, block_k, elem, out_elem)
+    stages = fit_ring(cfg["STAGES"], consumers, block_n, block_k, elem, out_elem, pingpong)
     # a tile width that is not a power of two (96) is two parts that are (64 + 32)
     block_n1 = 1 << (block_n.bit_length() - 1)
     block_n2 = block_n - block_n1
@@ -542,12 +630,13 @@ def _ws_plan(m: int, n: int, k: int, elem: int, out_elem: int, b_k_major: bool, 
     # the last waves cut along K when the tile says STREAM_K (_matmul_kernels._ws_tile: large M, and
     # _stream_k.STREAM_K or the caller's config) and the epilogue leaves the registers for it
     sk_tiles = (stream_k_tiles(m, n, k, ROWS_PER_GROUP * consumers, block_n, block_k, programs)
-                if cfg.get("STREAM_K", False) and not block_n2 and stream_k_epilogue_ok(block_n, epilogue) else 0)
+                if cfg.get("STREAM_K", False) and not (block_n2 or pingpong) and stream_k_epilogue_ok(block_n, epilogue)
+                else 0)
     kwargs = dict(
         HAS_BIAS=has_bias, ACT=act, HAS_RESIDUAL=has_res, SAVE_PREACT=save_preact,
         NUM_PROGRAMS=programs, GROUP_M=cfg["GROUP_M"], STAGES=stages, CONSUMERS=consumers,
         CONSUMER_REGS=worker_regs, B_K_MAJOR=b_k_major, HAS_B2=block_n2 > 0, A_M_MAJOR=a_m_major, ACCUMULATE=False,
-        HAS_SCALE=False, STREAM_K=sk_tiles > 0, num_warps=4, maxnreg=launch_regs,
+        HAS_SCALE=False, STREAM_K=sk_tiles > 0, PINGPONG=pingpong, num_warps=4, maxnreg=launch_regs,
     )
     prepared = gemm_ws_kernel.prepare((m, n, k, res_strides[0], res_strides[1], n, sk_tiles), kwargs)
     slots = programs * consumers if sk_tiles else 0
@@ -605,8 +694,12 @@ def launch_gemm_ws(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: to
 
 
 # out += a @ b with a short K (linear cross-entropy's grad_weight: M = V, N = H, K = 512 tokens per
-# chunk): compute-bound tiles, the old output loaded by the producer during the K loop.
-ACCUMULATE_TILES = LARGE_WS_TILES
+# chunk): compute-bound tiles, the old output loaded by the producer during the K loop. The
+# ping-pong 128x128 (each consumer group on its own tile: gemm_pingpong_partition) hides the
+# epilogue that a short K cannot amortize.
+ACCUMULATE_TILES = {**LARGE_WS_TILES,
+                    "128x128-pingpong": dict(CONSUMERS=2, BLOCK_N=128, BLOCK_K=64, STAGES=5, GROUP_M=8,
+                                             PINGPONG=True)}
 
 
 def launch_gemm_accumulate(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, config: dict | None = None,
@@ -622,12 +715,13 @@ def launch_gemm_accumulate(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, 
     (m, k), n = a.shape, b.shape[1]
     cfg = dict(config) if config else dict(ACCUMULATE_TILES["128x256"])
     block_n, block_k, consumers = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["CONSUMERS"]
+    pingpong = cfg.get("PINGPONG", False)
     a_m_major = a.stride(0) == 1 and a.stride(1) != 1
     b_k_major = b.stride(0) == 1 and b.stride(1) != 1
     tiles = cdiv(m, ROWS_PER_GROUP * consumers) * cdiv(n, block_n)
     programs = max(1, min(num_sms(a), tiles))
     launch_regs, worker_regs = ws_regs(consumers)
-    stages = fit_ring(cfg["STAGES"], consumers, block_n, block_k, a.element_size(), out.element_size())
+    stages = fit_ring(cfg["STAGES"], consumers, block_n, block_k, a.element_size(), out.element_size(), pingpong)
     a_desc = _descriptor_t(a, (block_k, ROWS_PER_GROUP)) if a_m_major else _descriptor(a, (ROWS_PER_GROUP, block_k))
     b_desc = _descriptor_t(b, (block_n, block_k)) if b_k_major else _descriptor(b, (block_k, block_n))
     c_desc = _descriptor(out, (ROWS_PER_GROUP, block_n))
@@ -639,6 +733,6 @@ def launch_gemm_accumulate(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, 
         HAS_BIAS=False, ACT="none", HAS_RESIDUAL=False, SAVE_PREACT=False,
         NUM_PROGRAMS=programs, GROUP_M=cfg["GROUP_M"], STAGES=stages, CONSUMERS=consumers,
         CONSUMER_REGS=worker_regs, B_K_MAJOR=b_k_major, HAS_B2=False, A_M_MAJOR=a_m_major, ACCUMULATE=accumulate,
-        HAS_SCALE=scale is not None, STREAM_K=False, num_warps=4, maxnreg=launch_regs,
+        HAS_SCALE=scale is not None, STREAM_K=False, PINGPONG=pingpong, num_warps=4, maxnreg=launch_regs,
     )
     return out

@@ -328,7 +328,7 @@ def _ws_tile(m: int, n: int, k: int, dtype: torch.dtype, out_dtype: torch.dtype,
     - M > MID_MAX_M: also a transposed a (dyᵀ @ x, the weight gradient), with the tile of
       ``choose_large_ws_tile`` (None: the tl kernel).
     ``config``: GLUON False never takes it, True whenever eligible (at any M, 64x64 tiles if none
-    fills the SMs; the tile keys BLOCK_N, BLOCK_K, STAGES, CONSUMERS, GROUP_M override); any other
+    fills the SMs; the tile keys BLOCK_N, BLOCK_K, STAGES, CONSUMERS, GROUP_M and PINGPONG override); any other
     config without GLUON is a tl kernel config, and keeps the tl kernel."""
     from . import _stream_k
     from ._matmul_gluon import WS_TILES, choose_large_ws_tile, choose_ws_tile     # (imports this module)
@@ -347,7 +347,7 @@ def _ws_tile(m: int, n: int, k: int, dtype: torch.dtype, out_dtype: torch.dtype,
         tile = choose_ws_tile(m, n, sms)
     tile = tile or (dict(WS_TILES["64x64"]) if forced else None)
     if tile and forced:
-        tile.update({key: config[key] for key in tile if key in config})
+        tile.update({key: config[key] for key in (*tile, "PINGPONG") if key in config})
     if not tile:
         return ()
     # large M: the last waves cut along K when _stream_k.STREAM_K and the idle SMs it recovers

@@ -99,6 +99,9 @@ TILEFUSE_GEMMS = True
 # do_bench 45.74 (Gluon logits) / 45.58 (both) / 45.58 ms (neither); so both stay off.
 GLUON_LOGITS = False
 GLUON_WEIGHT_GRAD = False
+# the accumulate GEMM's tile (_matmul_gluon.ACCUMULATE_TILES) for grad_weight: GLUON_WEIGHT_GRAD's
+# chunks and the deferred last chunk (_finish_weight_grad_op)
+WEIGHT_GRAD_TILE = "128x256"
 
 # Eager calls leave the last chunk's grad_weight GEMM to the backward (_finish_weight_grad_op),
 # which folds grad_output into it: the 1 GiB [V, H] bf16 gradient is read and written once there
@@ -185,7 +188,7 @@ def _weight_grad_gemm(grad_weight, dlogits, h_c, first: bool, tilefuse_gemm: boo
     if tilefuse_gemm and GLUON_WEIGHT_GRAD and _tma_ready(dlogits, h_c, grad_weight):
         from ._matmul_gluon import launch_gemm_accumulate     # Gluon: GPU only, imported there
 
-        launch_gemm_accumulate(dlogits.t(), h_c, grad_weight, accumulate=not first)
+        launch_gemm_accumulate(dlogits.t(), h_c, grad_weight, _weight_grad_tile(), accumulate=not first)
     elif first and tilefuse_gemm:
         launch_matmul(dlogits.t(), h_c, out=grad_weight)
     elif first:
@@ -194,6 +197,13 @@ def _weight_grad_gemm(grad_weight, dlogits, h_c, first: bool, tilefuse_gemm: boo
         grad_weight.t().addmm_(h_c.t(), dlogits)     # faster kernel (H200, C = 512: 0.96-1.02 vs 1.02-1.06 ms)
     else:   # H = 1: the [1, V] view has strides (1, 1), which cuBLASLt rejects (INVALID_VALUE, H200)
         grad_weight.addmm_(dlogits.t(), h_c)
+
+
+def _weight_grad_tile() -> dict:
+    """The accumulate GEMM's config for grad_weight (WEIGHT_GRAD_TILE)."""
+    from ._matmul_gluon import ACCUMULATE_TILES     # Gluon: GPU only, imported there
+
+    return ACCUMULATE_TILES[WEIGHT_GRAD_TILE]
 
 
 def _deferred_rows(n_tokens: int, vocab: int, elem_size: int, chunk: int) -> int:
@@ -307,7 +317,7 @@ def _finish_weight_grad_op(grad_weight: torch.Tensor, dlogits: torch.Tensor, h_l
     if tilefuse_gemm and _tma_ready(dlogits, h_last, grad_weight):
         from ._matmul_gluon import launch_gemm_accumulate     # Gluon: GPU only, imported there
 
-        launch_gemm_accumulate(dlogits.t(), h_last, grad_weight, scale=go / applied)
+        launch_gemm_accumulate(dlogits.t(), h_last, grad_weight, _weight_grad_tile(), scale=go / applied)
     else:
         _weight_grad_gemm(grad_weight, dlogits, h_last, False, tilefuse_gemm)
         rescale_(grad_weight, applied, go)
