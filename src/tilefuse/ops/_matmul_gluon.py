@@ -139,13 +139,15 @@ def _b_tile(bufs, s, B_K_MAJOR: gl.constexpr):
 
 
 @gluon.jit
-def _mma_k_steps(acc, acc2, a_bufs, b_bufs, b2_bufs, ready, empty, it, steps, c_smem, c_ready, c_free,
+def _mma_k_steps(acc, acc2, a_bufs, b_bufs, b2_bufs, ready, empty, it, steps, c_smem, c_ready, c_free, order,
                  free_staging, phase, WG: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr, B_K_MAJOR: gl.constexpr,
                  HAS_B2: gl.constexpr, A_M_MAJOR: gl.constexpr, ACCUMULATE: gl.constexpr, PINGPONG: gl.constexpr):
     """(acc, acc2) + the ring's ``steps`` (>= 1) K steps from step ``it`` (acc2: the B tile's second
     part, HAS_B2; PINGPONG: the tile's second 64-row A piece against the same B), one step's
     wgmmas in flight; each stage goes back to the producer once the wgmmas that read it have
-    finished (PINGPONG: the stages are this group's alone). A_M_MAJOR: see :func:`_a_piece`.
+    finished (PINGPONG: the stages are this group's alone, and once the last step's wgmmas are
+    issued the other group may start its tile: ``order``, see gemm_pingpong_partition).
+    A_M_MAJOR: see :func:`_a_piece`.
 
     ACCUMULATE and ``free_staging`` (the previous tile's TMA store is out): once the first step's
     wgmmas are issued, wait for that store to have read the output staging tile and hand it to the
@@ -164,6 +166,8 @@ def _mma_k_steps(acc, acc2, a_bufs, b_bufs, b2_bufs, ready, empty, it, steps, c_
             acc = warpgroup_mma(a, _b_tile(b_bufs, s, B_K_MAJOR), acc, is_async=True)
             a2 = _a_piece(a_bufs, CONSUMERS * s + 1, A_M_MAJOR)
             acc2 = warpgroup_mma(a2, _b_tile(b_bufs, s, B_K_MAJOR), acc2, is_async=True)
+            if ki == steps - 1:
+                release_stage(order, 1 - WG)
         else:
             a = _a_piece(a_bufs, CONSUMERS * s + WG, A_M_MAJOR)
             acc = warpgroup_mma(a, _b_tile(b_bufs, s, B_K_MAJOR), acc, is_async=True)
@@ -228,7 +232,7 @@ def gemm_mma_partition(a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, c
         else:
             acc2 = acc
         acc, acc2 = _mma_k_steps(acc, acc2, a_bufs, b_bufs, b2_bufs, ready, empty, it, k_tiles, c_smem, c_ready,
-                                 c_free, tile_count > 0, tile_count & 1, WG, STAGES, CONSUMERS, B_K_MAJOR, HAS_B2,
+                                 c_free, ready, tile_count > 0, tile_count & 1, WG, STAGES, CONSUMERS, B_K_MAJOR, HAS_B2,
                                  A_M_MAJOR, ACCUMULATE, False)
         it += k_tiles
         if ACCUMULATE:
@@ -282,7 +286,8 @@ def gemm_mma_partition(a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, c
 
 
 @gluon.jit
-def gemm_pingpong_partition(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, c_ready, c_free, bias_ptr, residual_ptr,
+def gemm_pingpong_partition(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, c_ready, c_free, order, bias_ptr,
+                            residual_ptr,
                             preact_ptr, scale_ptr, M, N, K, stride_rm, stride_rn, stride_pm, WG: gl.constexpr,
                             HAS_BIAS: gl.constexpr, ACT: gl.constexpr, HAS_RESIDUAL: gl.constexpr,
                             SAVE_PREACT: gl.constexpr, NUM_PROGRAMS: gl.constexpr, GROUP_M: gl.constexpr,
@@ -294,7 +299,12 @@ def gemm_pingpong_partition(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, c_read
     that one group's epilogue (and, ACCUMULATE, its read of the old tile) runs while the other
     group's wgmmas keep the tensor cores busy; the cooperative schedule (both groups on one tile)
     leaves them idle for every epilogue. Tile j's K steps are ring steps [j·k, (j+1)·k) of the
-    producer's walk, k = cdiv(K, BLOCK_K); staging tiles c_bufs[2·WG], c_bufs[2·WG + 1]."""
+    producer's walk, k = cdiv(K, BLOCK_K); staging tiles c_bufs[2·WG], c_bufs[2·WG + 1].
+
+    The groups' K loops take turns (``order``: one mbarrier per group, raised by the other once
+    it has issued its tile's last wgmmas): a ring slot's ``ready`` phase names its lap only
+    modulo 2, so a group that waited on a step whose slot's previous lap (the other group's
+    tile) had not yet landed would pass on the wrong lap. Group 0's first tile does not wait."""
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_N, 16])
     num_pid_m = gl.cdiv(M, 2 * WG_ROWS)
@@ -309,8 +319,10 @@ def gemm_pingpong_partition(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, c_read
         off_n = pid_n * BLOCK_N
         acc = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, mma_layout)
         acc2 = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, mma_layout)
+        # a fresh mbarrier counts as phase 1 complete: group 0's first wait passes
+        mbarrier.wait(order.index(WG), (t & 1) ^ (1 - WG))
         acc, acc2 = _mma_k_steps(acc, acc2, a_bufs, b_bufs, b_bufs, ready, empty, (2 * t + WG) * k_tiles, k_tiles,
-                                 lo, c_ready, c_free, t > 0, 0, WG, STAGES, 2, B_K_MAJOR, False, A_M_MAJOR,
+                                 lo, c_ready, c_free, order, t > 0, 0, WG, STAGES, 2, B_K_MAJOR, False, A_M_MAJOR,
                                  ACCUMULATE, True)
         if ACCUMULATE:
             mbarrier.wait(c_ready.index(WG), t & 1)
@@ -341,7 +353,8 @@ def _plain_k_steps(a_bufs, b_bufs, ready, empty, it, steps, c_smem, layout: gl.c
     """A fresh accumulator through ``steps`` ring steps from ``it`` (one B part, no old output):
     the stream-K region's whole tiles, heads and tails."""
     acc = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, layout)
-    acc, _ = _mma_k_steps(acc, acc, a_bufs, b_bufs, b_bufs, ready, empty, it, steps, c_smem, ready, empty, False, 0,
+    acc, _ = _mma_k_steps(acc, acc, a_bufs, b_bufs, b_bufs, ready, empty, it, steps, c_smem, ready, empty, ready,
+                          False, 0,
                           WG, STAGES, CONSUMERS, B_K_MAJOR, False, A_M_MAJOR, False, False)
     return acc
 
@@ -429,12 +442,15 @@ def gemm_ws_kernel(
                                    ws_ptr, STREAM_K, False)),
         ], [1], [LOADER_REGS_KERNEL])
     elif PINGPONG:
+        order = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(order.index(i), count=1)
         gl.warp_specialize([
-            (gemm_pingpong_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, c_ready, c_free, bias_ptr,
+            (gemm_pingpong_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, c_ready, c_free, order, bias_ptr,
                                        residual_ptr, preact_ptr, scale_ptr, M, N, K, stride_rm, stride_rn, stride_pm,
                                        0, HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT, NUM_PROGRAMS, GROUP_M, BLOCK_N1,
                                        BLOCK_K, STAGES, B_K_MAJOR, A_M_MAJOR, ACCUMULATE, HAS_SCALE)),
-            (gemm_pingpong_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, c_ready, c_free, bias_ptr,
+            (gemm_pingpong_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, c_ready, c_free, order, bias_ptr,
                                        residual_ptr, preact_ptr, scale_ptr, M, N, K, stride_rm, stride_rn, stride_pm,
                                        1, HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT, NUM_PROGRAMS, GROUP_M, BLOCK_N1,
                                        BLOCK_K, STAGES, B_K_MAJOR, A_M_MAJOR, ACCUMULATE, HAS_SCALE)),
