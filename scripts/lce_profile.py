@@ -42,12 +42,17 @@ def step_fn(impl: str, h, w, target):
     def step():
         if impl.startswith("tilefuse"):
             # "tilefuse-nodefer": the whole grad_weight in the forward, then the scale pass;
-            # "tilefuse-nocheck": check_targets=False
+            # "tilefuse-nocheck": check_targets=False; "tilefuse-gluonpp": every grad_weight GEMM on
+            # the Gluon accumulate kernel's ping-pong tile
             lce.DEFER_LAST_WEIGHT_GRAD = impl != "tilefuse-nodefer"
+            lce.GLUON_WEIGHT_GRAD = impl == "tilefuse-gluonpp"
+            lce.WEIGHT_GRAD_TILE = "128x128-pingpong" if impl == "tilefuse-gluonpp" else "128x256"
             try:
                 loss = linear_cross_entropy(h, w, target, check_targets=impl != "tilefuse-nocheck")
             finally:
                 lce.DEFER_LAST_WEIGHT_GRAD = True
+                lce.GLUON_WEIGHT_GRAD = False
+                lce.WEIGHT_GRAD_TILE = "128x256"
         else:
             loss = F.cross_entropy((h @ w.t()).float(), target) if impl == "eager-fp32" else \
                 F.cross_entropy(h @ w.t(), target)
