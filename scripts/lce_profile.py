@@ -42,17 +42,17 @@ def step_fn(impl: str, h, w, target):
     def step():
         if impl.startswith("tilefuse"):
             # "tilefuse-nodefer": the whole grad_weight in the forward, then the scale pass;
-            # "tilefuse-nocheck": check_targets=False; "tilefuse-gluonpp": every grad_weight GEMM on
-            # the Gluon accumulate kernel's ping-pong tile
+            # "tilefuse-nocheck": check_targets=False; "tilefuse-cublaswg": the accumulating grad_weight
+            # GEMMs on cuBLAS, the deferred one on the 128x256 Gluon tile (s49 and before)
             lce.DEFER_LAST_WEIGHT_GRAD = impl != "tilefuse-nodefer"
-            lce.GLUON_WEIGHT_GRAD = impl == "tilefuse-gluonpp"
-            lce.WEIGHT_GRAD_TILE = "128x128-pingpong" if impl == "tilefuse-gluonpp" else "128x256"
+            lce.GLUON_WEIGHT_GRAD = impl != "tilefuse-cublaswg"
+            lce.WEIGHT_GRAD_TILE = "128x256" if impl == "tilefuse-cublaswg" else "128x128-pingpong"
             try:
                 loss = linear_cross_entropy(h, w, target, check_targets=impl != "tilefuse-nocheck")
             finally:
                 lce.DEFER_LAST_WEIGHT_GRAD = True
-                lce.GLUON_WEIGHT_GRAD = False
-                lce.WEIGHT_GRAD_TILE = "128x256"
+                lce.GLUON_WEIGHT_GRAD = True
+                lce.WEIGHT_GRAD_TILE = "128x128-pingpong"
         else:
             loss = F.cross_entropy((h @ w.t()).float(), target) if impl == "eager-fp32" else \
                 F.cross_entropy(h @ w.t(), target)
@@ -113,8 +113,8 @@ def peak_extra_mib(step) -> float:
 
 def ab(rounds: int, h, w, target, variants: list[str]) -> None:
     """Interleaved rounds of the named variants: "default", "nodefer" (no deferred last chunk),
-    "nocheck" (no target range test), "gluonwg" / "gluonpp" (the grad_weight GEMMs on the Gluon accumulate
-    kernel, its 128x256 / ping-pong tile), "pplast" (only the deferred last chunk's on the ping-pong
+    "nocheck" (no target range test), "cublaswg" (the accumulating grad_weight GEMMs on cuBLAS, as
+    up to s49), "gluonwg" (on the Gluon accumulate kernel's 128x256 tile; the default: its ping-pong
     tile), "chunkN" (N tokens per chunk), "tlgemm" (the chunks' own
     GEMMs on the tl kernel, not the Gluon one), "eager"; a "-g1" suffix takes grad_output 1.
     (s37 also had "streams": each chunk's grad_hidden GEMM on a side stream beside its grad_weight
@@ -140,18 +140,19 @@ def ab(rounds: int, h, w, target, variants: list[str]) -> None:
         def step():
             # "nodefer": the whole grad_weight in the forward, then the scale pass (s41 and before)
             lce.DEFER_LAST_WEIGHT_GRAD = base != "nodefer"
-            # "gluonwg": every accumulating grad_weight GEMM on the Gluon accumulate kernel (GLUON_WEIGHT_GRAD);
-            # "gluonpp": the same on its ping-pong tile; "pplast": only the deferred last chunk's on it
-            lce.GLUON_WEIGHT_GRAD = base in ("gluonwg", "gluonpp")
-            lce.WEIGHT_GRAD_TILE = "128x128-pingpong" if base in ("gluonpp", "pplast") else "128x256"
+            # "cublaswg": the accumulating grad_weight GEMMs on cuBLAS (GLUON_WEIGHT_GRAD off) and the
+            # deferred last one on the 128x256 Gluon tile (s49 and before); "gluonwg": all on that tile;
+            # default: all on the ping-pong tile
+            lce.GLUON_WEIGHT_GRAD = base != "cublaswg"
+            lce.WEIGHT_GRAD_TILE = "128x256" if base in ("gluonwg", "cublaswg") else "128x128-pingpong"
             try:
                 # "nocheck": check_targets=False (no range test, so no host wait on it)
                 loss = linear_cross_entropy(h, w, target, chunk_tokens=chunk, check_targets=base != "nocheck")
                 return torch.autograd.grad(loss, (h, w), g)
             finally:
                 lce.DEFER_LAST_WEIGHT_GRAD = True
-                lce.GLUON_WEIGHT_GRAD = False
-                lce.WEIGHT_GRAD_TILE = "128x256"
+                lce.GLUON_WEIGHT_GRAD = True
+                lce.WEIGHT_GRAD_TILE = "128x128-pingpong"
         return step
 
     times = {name: [] for name in variants}

@@ -412,13 +412,16 @@ def test_chunk_tokens_bad_values():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_gpu_gluon_gemms(monkeypatch, dtype):
-    """The Gluon GEMM paths (off by default, lce_mod.GLUON_LOGITS / GLUON_WEIGHT_GRAD) on sm_90:
-    several chunks, so grad_weight is written by the first chunk and accumulated by the others."""
+@pytest.mark.parametrize("tile", ["128x128-pingpong", "128x256"])
+def test_gpu_gluon_gemms(monkeypatch, dtype, tile):
+    """The Gluon GEMM paths on sm_90 (lce_mod.GLUON_LOGITS, off by default, and GLUON_WEIGHT_GRAD
+    with each WEIGHT_GRAD_TILE; the default is the ping-pong one): several chunks, so grad_weight
+    is written by the first chunk and accumulated by the others."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("wgmma kernel: sm_90 only")
     monkeypatch.setattr(lce_mod, "GLUON_LOGITS", True)
     monkeypatch.setattr(lce_mod, "GLUON_WEIGHT_GRAD", True)
+    monkeypatch.setattr(lce_mod, "WEIGHT_GRAD_TILE", tile)
     hidden, weight, _, target = _inputs(1000, 264, 4104, dtype=dtype)
     for chunk in (128, None):
         _check(hidden, weight, None, target, grads=("hidden", "weight"), chunk_tokens=chunk)

@@ -96,12 +96,17 @@ TILEFUSE_GEMMS = True
 # (scripts/gemm_accumulate_probe.py, H200 s29): 0.983 ms accumulating against cuBLAS's 0.978 /
 # 1.089 (its two operand orders), 0.879 without the accumulator against 0.911. In whole steps
 # (scripts/lce_profile.py --ab 4, two calls) neither moved the step outside the run-to-run spread:
-# do_bench 45.74 (Gluon logits) / 45.58 (both) / 45.58 ms (neither); so both stay off.
+# do_bench 45.74 (Gluon logits) / 45.58 (both) / 45.58 ms (neither); so GLUON_LOGITS stays off.
+# The accumulating grad_weight GEMMs take the ping-pong tile (each consumer group on its own
+# 128x128 tile, so one group's epilogue with its old-tile add runs under the other's wgmmas):
+# H200 2026-12-02, M = 128256, N = 4096, K = 640 (scripts/gemm_accumulate_probe.py, 5 rounds,
+# -s50-acc-probe-pingpong.log): 1.170 ms against 1.232 for 128x256 and cuBLAS's 1.236 / 1.203
+# (its two operand orders; the first is LCE's); whole steps in the notes (NOTES s50).
 GLUON_LOGITS = False
-GLUON_WEIGHT_GRAD = False
+GLUON_WEIGHT_GRAD = True
 # the accumulate GEMM's tile (_matmul_gluon.ACCUMULATE_TILES) for grad_weight: GLUON_WEIGHT_GRAD's
 # chunks and the deferred last chunk (_finish_weight_grad_op)
-WEIGHT_GRAD_TILE = "128x256"
+WEIGHT_GRAD_TILE = "128x128-pingpong"
 
 # Eager calls leave the last chunk's grad_weight GEMM to the backward (_finish_weight_grad_op),
 # which folds grad_output into it: the 1 GiB [V, H] bf16 gradient is read and written once there
@@ -185,10 +190,10 @@ def _tilefuse_gemms(h2: torch.Tensor) -> bool:
 
 def _weight_grad_gemm(grad_weight, dlogits, h_c, first: bool, tilefuse_gemm: bool) -> None:
     """grad_weight (+)= dlogitsᵀ @ h_c (``first``: no old value to add)."""
-    if tilefuse_gemm and GLUON_WEIGHT_GRAD and _tma_ready(dlogits, h_c, grad_weight):
+    if not first and tilefuse_gemm and GLUON_WEIGHT_GRAD and _tma_ready(dlogits, h_c, grad_weight):
         from ._matmul_gluon import launch_gemm_accumulate     # Gluon: GPU only, imported there
 
-        launch_gemm_accumulate(dlogits.t(), h_c, grad_weight, _weight_grad_tile(), accumulate=not first)
+        launch_gemm_accumulate(dlogits.t(), h_c, grad_weight, _weight_grad_tile())
     elif first and tilefuse_gemm:
         launch_matmul(dlogits.t(), h_c, out=grad_weight)
     elif first:
