@@ -41,6 +41,7 @@ def main() -> None:
     ap.add_argument("--shape", nargs=3, type=int, default=[128256, 4096, 512])
     ap.add_argument("--long-k", action="store_true", help="also the one-GEMM equivalent at 16x the K")
     ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--pingpong-variants", action="store_true", help="also the ping-pong tile's GROUP_M / ring variants")
     args = ap.parse_args()
     print(torch.cuda.get_device_name())
     for tile in [] if args.no_check else g.ACCUMULATE_TILES:
@@ -65,6 +66,12 @@ def main() -> None:
         variants[f"tilefuse accumulate {tile}"] = lambda cfg=cfg: g.launch_gemm_accumulate(dl.t(), h, gw, config=cfg)
         variants[f"tilefuse {tile} (no accumulator)"] = lambda cfg=cfg: g.launch_gemm_accumulate(
             dl.t(), h, tmp, config=cfg, accumulate=False)
+    if args.pingpong_variants:     # the ping-pong tile's tile order and ring depth
+        base = g.ACCUMULATE_TILES["128x128-pingpong"]
+        for name, cfg in {"g4": dict(base, GROUP_M=4), "g16": dict(base, GROUP_M=16), "g32": dict(base, GROUP_M=32),
+                          "s4": dict(base, STAGES=4), "k32-s10": dict(base, BLOCK_K=32, STAGES=10)}.items():
+            variants[f"tilefuse accumulate pingpong {name}"] = lambda cfg=cfg: g.launch_gemm_accumulate(
+                dl.t(), h, gw, config=cfg)
     if args.long_k:     # the same FLOPs in one GEMM of K x16 (eager's grad_weight at T = 8192), time / 16
         dl16 = torch.randn(16 * k, m, device="cuda", dtype=torch.bfloat16) * 1e-2
         h16 = torch.randn(16 * k, n, device="cuda", dtype=torch.bfloat16)
