@@ -265,7 +265,7 @@ def compile_gemm(case):
     constexprs = dict(HAS_BIAS=bool(epilogue), ACT=act, HAS_RESIDUAL=full, SAVE_PREACT=full, NUM_PROGRAMS=132,
                       GROUP_M=cfg["GROUP_M"], STAGES=stages, CONSUMERS=cfg["CONSUMERS"], CONSUMER_REGS=worker_regs,
                       B_K_MAJOR=b_k_major, HAS_B2=bn2 > 0, A_M_MAJOR=a_m_major, ACCUMULATE=False,
-                      HAS_SCALE=False, STREAM_K=stream_k, PINGPONG=cfg.get("PINGPONG", False), FREE_STEP=0)
+                      HAS_SCALE=False, STREAM_K=stream_k, PINGPONG=cfg.get("PINGPONG", False))
     compiled = _compile_sm90(g.gemm_ws_kernel, args, constexprs, launch_regs)
     _check(compiled)
     sass = _ptxas_and_sass(compiled)[1]
@@ -286,7 +286,6 @@ ACCUMULATE_CASES = {   # name: (tile of _matmul_gluon.ACCUMULATE_TILES, a given 
     "128x128-pingpong-a-m-major": ("128x128-pingpong", True, False, True),
     "128x128-pingpong-a-m-major-scaled": ("128x128-pingpong", True, False, "scaled"),
     "128x128-pingpong-k-major-b-no-accumulator": ("128x128-pingpong", False, True, False),
-    "128x256-a-m-major-free-step-2": ({"tile": "128x256", "FREE_STEP": 2}, True, False, True),
 }
 
 
@@ -300,8 +299,7 @@ def compile_gemm_accumulate(case):
     no spills, within shared memory, wgmma and TMA loads and stores in the SASS."""
     from tilefuse.ops import _matmul_gluon as g
     tile, a_m_major, b_k_major, accumulate = ACCUMULATE_CASES[case]
-    cfg = (dict(g.ACCUMULATE_TILES[tile["tile"]], **{k: v for k, v in tile.items() if k != "tile"})
-           if isinstance(tile, dict) else g.ACCUMULATE_TILES[tile])
+    cfg = g.ACCUMULATE_TILES[tile]
     m, n, k = 1000, 768, 512
     a_t, b = torch.empty(k, m, dtype=torch.bfloat16), torch.empty(k, n, dtype=torch.bfloat16)
     out = torch.empty(m, n, dtype=torch.bfloat16)
@@ -318,8 +316,7 @@ def compile_gemm_accumulate(case):
     constexprs = dict(HAS_BIAS=False, ACT="none", HAS_RESIDUAL=False, SAVE_PREACT=False, NUM_PROGRAMS=132,
                       GROUP_M=cfg["GROUP_M"], STAGES=stages, CONSUMERS=cfg["CONSUMERS"], CONSUMER_REGS=worker_regs,
                       B_K_MAJOR=b_k_major, HAS_B2=False, A_M_MAJOR=a_m_major, ACCUMULATE=bool(accumulate),
-                      HAS_SCALE=accumulate == "scaled", STREAM_K=False, PINGPONG=pingpong,
-                      FREE_STEP=cfg.get("FREE_STEP", 0))
+                      HAS_SCALE=accumulate == "scaled", STREAM_K=False, PINGPONG=pingpong)
     compiled = _compile_sm90(g.gemm_ws_kernel, args, constexprs, launch_regs)
     _check(compiled)
     report, sass = _ptxas_and_sass(compiled)

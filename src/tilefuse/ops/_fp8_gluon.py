@@ -141,7 +141,7 @@ def fp8_gemm_ws_kernel(
                              GROUP_M, BLOCK_N, BLOCK_K, STAGES, PROMOTE_EVERY, CONSUMERS)),
         (gemm_load_partition, (a_desc, b_desc, b_desc, a_bufs, b_bufs, b_bufs, ready, empty, M, N, K, NUM_PROGRAMS,
                               GROUP_M, BLOCK_N, BLOCK_K, STAGES, CONSUMERS, True, False, c_desc, c_bufs, ready,
-                              empty, False, False, 0, bias_ptr, False, False, 0)),
+                              empty, False, False, 0, bias_ptr, False, False)),
     ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS_KERNEL])
 
 

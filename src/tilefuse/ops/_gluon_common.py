@@ -142,16 +142,15 @@ def gemm_load_partition(a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready,
                         BLOCK_K: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
                         B_K_MAJOR: gl.constexpr, HAS_B2: gl.constexpr, c_desc, c_bufs, c_ready, c_free,
                         A_M_MAJOR: gl.constexpr, ACCUMULATE: gl.constexpr, sk_tiles, ws_ptr,
-                        STREAM_K: gl.constexpr, PINGPONG: gl.constexpr, FREE_STEP: gl.constexpr):
+                        STREAM_K: gl.constexpr, PINGPONG: gl.constexpr):
     """The producer warp: every K step of every tile of this program (grouped order, as the
     consumers walk them) through :func:`load_stage`. BLOCK_N: the tile's width (both B parts).
 
     ACCUMULATE (out += a @ b): also each tile's old output, into the consumers' output staging
     tiles (``c_bufs``; ``c_ready`` / ``c_free``: one mbarrier each per consumer group). It is
-    issued after the tile's first STAGES + FREE_STEP K steps: those go out while the consumers
-    still finish the previous tile, whose TMA store must have left the staging tile (``c_free``,
-    handed back at K step FREE_STEP) first; the load then has the rest of the K loop to land
-    before the epilogue reads it. PINGPONG: tile j of
+    issued after the tile's first STAGES K steps: those go out while the consumers still finish
+    the previous tile, whose TMA store must have left the staging tile (``c_free``) first; the
+    load then has the rest of the K loop to land before the epilogue reads it. PINGPONG: tile j of
     this program is group j % 2's, whole: its old output (all CONSUMERS row pieces) goes into
     that group's staging tiles.
 
@@ -163,7 +162,7 @@ def gemm_load_partition(a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready,
     num_pid_n = gl.cdiv(N, BLOCK_N)
     k_tiles = gl.cdiv(K, BLOCK_K)
     if ACCUMULATE:
-        head = gl.minimum(k_tiles, STAGES + FREE_STEP)
+        head = gl.minimum(k_tiles, STAGES)
     else:
         head = k_tiles
     it = 0

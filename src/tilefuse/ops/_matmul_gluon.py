@@ -140,7 +140,7 @@ def _b_tile(bufs, s, B_K_MAJOR: gl.constexpr):
 
 @gluon.jit
 def _mma_k_steps(acc, acc2, a_bufs, b_bufs, b2_bufs, ready, empty, it, steps, c_smem, c_ready, c_free, order,
-                 free_at, phase, WG: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr, B_K_MAJOR: gl.constexpr,
+                 free_staging, phase, WG: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr, B_K_MAJOR: gl.constexpr,
                  HAS_B2: gl.constexpr, A_M_MAJOR: gl.constexpr, ACCUMULATE: gl.constexpr, PINGPONG: gl.constexpr):
     """(acc, acc2) + the ring's ``steps`` (>= 1) K steps from step ``it`` (acc2: the B tile's second
     part, HAS_B2; PINGPONG: the tile's second 64-row A piece against the same B), one step's
@@ -149,12 +149,11 @@ def _mma_k_steps(acc, acc2, a_bufs, b_bufs, b2_bufs, ready, empty, it, steps, c_
     issued the other group may start its tile: ``order``, see gemm_pingpong_partition).
     A_M_MAJOR: see :func:`_a_piece`.
 
-    ACCUMULATE: once step ``free_at``'s wgmmas are issued (-1: never; the first tile has no
-    previous store), wait for the previous tile's TMA store to have read the output staging tile
-    and hand it to the producer (``c_free``) for this tile's old output. Waiting right after
-    issuing the store instead idled the tensor cores: 1.145 against 0.880 ms without the
-    accumulator at M = 128256, N = 4096, K = 512 (H200, 2026-11-25,
-    scripts/gemm_accumulate_probe.py; 1.010 at step 0). And
+    ACCUMULATE and ``free_staging`` (the previous tile's TMA store is out): once the first step's
+    wgmmas are issued, wait for that store to have read the output staging tile and hand it to the
+    producer (``c_free``) for this tile's old output. Waiting right after issuing the store
+    instead idled the tensor cores: 1.145 against 0.880 ms without the accumulator at M = 128256,
+    N = 4096, K = 512 (H200, 2026-11-25, scripts/gemm_accumulate_probe.py; 1.010 after). And
     while the last step's wgmmas run, wait for the old tile (``c_ready``, ``phase``) and read it
     from ``c_smem`` into registers, returned in place of acc2 (in the output dtype; not PINGPONG,
     whose epilogue reads its staging tiles itself while the other group's wgmmas run)."""
@@ -181,8 +180,8 @@ def _mma_k_steps(acc, acc2, a_bufs, b_bufs, b2_bufs, ready, empty, it, steps, c_
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
         if ki > 0:
             release_stage(empty, (it + ki + STAGES - 1) % STAGES)
-        if ACCUMULATE:
-            if ki == free_at:
+        elif ACCUMULATE:
+            if free_staging:
                 tma.store_wait(pendings=0)
                 release_stage(c_free, WG)
     if ACCUMULATE and not PINGPONG:
@@ -197,13 +196,6 @@ def _mma_k_steps(acc, acc2, a_bufs, b_bufs, b2_bufs, ready, empty, it, steps, c_
 
 
 @gluon.jit
-def _free_step(tile_count, FREE_STEP: gl.constexpr, k_tiles):
-    """The K step of a group's ``tile_count``-th tile at which it hands its staging tile back
-    (ACCUMULATE): FREE_STEP, or the tile's last step if it has fewer; -1 for its first tile."""
-    return (tile_count > 0).to(gl.int32) * (gl.minimum(k_tiles - 1, FREE_STEP) + 1) - 1
-
-
-@gluon.jit
 def gemm_mma_partition(a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, c_smem, c2_smem, c_ready, c_free,
                        bias_ptr, residual_ptr, preact_ptr, scale_ptr, ws_ptr, flag_ptr, M, N, K, stride_rm,
                        stride_rn, stride_pm, sk_tiles, WG: gl.constexpr,
@@ -212,7 +204,7 @@ def gemm_mma_partition(a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, c
                        BLOCK_N1: gl.constexpr, BLOCK_N2: gl.constexpr, BLOCK_K: gl.constexpr,
                        STAGES: gl.constexpr, CONSUMERS: gl.constexpr, B_K_MAJOR: gl.constexpr,
                        A_M_MAJOR: gl.constexpr, ACCUMULATE: gl.constexpr, HAS_SCALE: gl.constexpr,
-                       STREAM_K: gl.constexpr, FREE_STEP: gl.constexpr):
+                       STREAM_K: gl.constexpr):
     """One consumer warp group: rows [WG·64, WG·64 + 64) of each tile of this program, columns
     [0, BLOCK_N1) in one accumulator and, when BLOCK_N2 > 0, [BLOCK_N1, BLOCK_N1 + BLOCK_N2) in a
     second (a tile of two power-of-two widths, e.g. 96 = 64 + 32). ACCUMULATE: out += a @ b, the
@@ -240,7 +232,7 @@ def gemm_mma_partition(a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, c
         else:
             acc2 = acc
         acc, acc2 = _mma_k_steps(acc, acc2, a_bufs, b_bufs, b2_bufs, ready, empty, it, k_tiles, c_smem, c_ready,
-                                 c_free, ready, _free_step(tile_count, FREE_STEP, k_tiles), tile_count & 1, WG, STAGES, CONSUMERS, B_K_MAJOR, HAS_B2,
+                                 c_free, ready, tile_count > 0, tile_count & 1, WG, STAGES, CONSUMERS, B_K_MAJOR, HAS_B2,
                                  A_M_MAJOR, ACCUMULATE, False)
         it += k_tiles
         if ACCUMULATE:
@@ -301,7 +293,7 @@ def gemm_pingpong_partition(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, c_read
                             SAVE_PREACT: gl.constexpr, NUM_PROGRAMS: gl.constexpr, GROUP_M: gl.constexpr,
                             BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
                             B_K_MAJOR: gl.constexpr, A_M_MAJOR: gl.constexpr, ACCUMULATE: gl.constexpr,
-                            HAS_SCALE: gl.constexpr, FREE_STEP: gl.constexpr):
+                            HAS_SCALE: gl.constexpr):
     """One consumer warp group of a ping-pong schedule: tiles WG, WG + 2, ... of this program's
     walk, each whole (128 rows as two 64-row accumulators against the stage's one B tile), so
     that one group's epilogue (and, ACCUMULATE, its read of the old tile) runs while the other
@@ -330,7 +322,7 @@ def gemm_pingpong_partition(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, c_read
         # a fresh mbarrier counts as phase 1 complete: group 0's first wait passes
         mbarrier.wait(order.index(WG), (t & 1) ^ (1 - WG))
         acc, acc2 = _mma_k_steps(acc, acc2, a_bufs, b_bufs, b_bufs, ready, empty, (2 * t + WG) * k_tiles, k_tiles,
-                                 lo, c_ready, c_free, order, _free_step(t, FREE_STEP, k_tiles), 0, WG, STAGES, 2, B_K_MAJOR, False, A_M_MAJOR,
+                                 lo, c_ready, c_free, order, t > 0, 0, WG, STAGES, 2, B_K_MAJOR, False, A_M_MAJOR,
                                  ACCUMULATE, True)
         if ACCUMULATE:
             mbarrier.wait(c_ready.index(WG), t & 1)
@@ -362,7 +354,7 @@ def _plain_k_steps(a_bufs, b_bufs, ready, empty, it, steps, c_smem, layout: gl.c
     the stream-K region's whole tiles, heads and tails."""
     acc = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, layout)
     acc, _ = _mma_k_steps(acc, acc, a_bufs, b_bufs, b_bufs, ready, empty, it, steps, c_smem, ready, empty, ready,
-                          -1, 0,
+                          False, 0,
                           WG, STAGES, CONSUMERS, B_K_MAJOR, False, A_M_MAJOR, False, False)
     return acc
 
@@ -416,7 +408,6 @@ def gemm_ws_kernel(
     HAS_SCALE: gl.constexpr,        # ACCUMULATE only: out = scale · (out + a @ b)
     STREAM_K: gl.constexpr,         # sk_tiles > 0: the stream-K region is compiled in
     PINGPONG: gl.constexpr,         # CONSUMERS == 2 take alternate tiles whole (gemm_pingpong_partition)
-    FREE_STEP: gl.constexpr,        # ACCUMULATE: the K step at which a group hands its staging tile back
 ):
     BLOCK_N1: gl.constexpr = b_desc.block_type.shape[0] if B_K_MAJOR else b_desc.block_type.shape[1]
     BLOCK_N2: gl.constexpr = (b2_desc.block_type.shape[0] if B_K_MAJOR else b2_desc.block_type.shape[1]) if HAS_B2 else 0
@@ -444,12 +435,11 @@ def gemm_ws_kernel(
                                   c2_bufs.index(0), c_ready, c_free, bias_ptr, residual_ptr, preact_ptr, scale_ptr,
                                   ws_ptr, flag_ptr, M, N, K, stride_rm, stride_rn, stride_pm, sk_tiles, 0, HAS_BIAS,
                                   ACT, HAS_RESIDUAL, SAVE_PREACT, NUM_PROGRAMS, GROUP_M, BLOCK_N1, BLOCK_N2, BLOCK_K,
-                                  STAGES, CONSUMERS, B_K_MAJOR, A_M_MAJOR, ACCUMULATE, HAS_SCALE, STREAM_K,
-                                  FREE_STEP)),
+                                  STAGES, CONSUMERS, B_K_MAJOR, A_M_MAJOR, ACCUMULATE, HAS_SCALE, STREAM_K)),
             (gemm_load_partition, (a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, M, N, K,
                                    NUM_PROGRAMS, GROUP_M, BLOCK_N1 + BLOCK_N2, BLOCK_K, STAGES, CONSUMERS, B_K_MAJOR,
                                    HAS_B2, c_desc, c_bufs, c_ready, c_free, A_M_MAJOR, ACCUMULATE, sk_tiles,
-                                   ws_ptr, STREAM_K, False, FREE_STEP)),
+                                   ws_ptr, STREAM_K, False)),
         ], [1], [LOADER_REGS_KERNEL])
     elif PINGPONG:
         order = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -459,17 +449,15 @@ def gemm_ws_kernel(
             (gemm_pingpong_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, c_ready, c_free, order, bias_ptr,
                                        residual_ptr, preact_ptr, scale_ptr, M, N, K, stride_rm, stride_rn, stride_pm,
                                        0, HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT, NUM_PROGRAMS, GROUP_M, BLOCK_N1,
-                                       BLOCK_K, STAGES, B_K_MAJOR, A_M_MAJOR, ACCUMULATE, HAS_SCALE,
-                                       FREE_STEP)),
+                                       BLOCK_K, STAGES, B_K_MAJOR, A_M_MAJOR, ACCUMULATE, HAS_SCALE)),
             (gemm_pingpong_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, c_ready, c_free, order, bias_ptr,
                                        residual_ptr, preact_ptr, scale_ptr, M, N, K, stride_rm, stride_rn, stride_pm,
                                        1, HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT, NUM_PROGRAMS, GROUP_M, BLOCK_N1,
-                                       BLOCK_K, STAGES, B_K_MAJOR, A_M_MAJOR, ACCUMULATE, HAS_SCALE,
-                                       FREE_STEP)),
+                                       BLOCK_K, STAGES, B_K_MAJOR, A_M_MAJOR, ACCUMULATE, HAS_SCALE)),
             (gemm_load_partition, (a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, M, N, K,
                                    NUM_PROGRAMS, GROUP_M, BLOCK_N1, BLOCK_K, STAGES, CONSUMERS, B_K_MAJOR, False,
                                    c_desc, c_bufs, c_ready, c_free, A_M_MAJOR, ACCUMULATE, sk_tiles, ws_ptr, False,
-                                   True, FREE_STEP)),
+                                   True)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS_KERNEL])
     else:
         gl.static_assert(CONSUMERS == 2, "one or two consumer warp groups")
@@ -478,18 +466,16 @@ def gemm_ws_kernel(
                                   c2_bufs.index(0), c_ready, c_free, bias_ptr, residual_ptr, preact_ptr, scale_ptr,
                                   ws_ptr, flag_ptr, M, N, K, stride_rm, stride_rn, stride_pm, sk_tiles, 0, HAS_BIAS,
                                   ACT, HAS_RESIDUAL, SAVE_PREACT, NUM_PROGRAMS, GROUP_M, BLOCK_N1, BLOCK_N2, BLOCK_K,
-                                  STAGES, CONSUMERS, B_K_MAJOR, A_M_MAJOR, ACCUMULATE, HAS_SCALE, STREAM_K,
-                                  FREE_STEP)),
+                                  STAGES, CONSUMERS, B_K_MAJOR, A_M_MAJOR, ACCUMULATE, HAS_SCALE, STREAM_K)),
             (gemm_mma_partition, (a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, c_bufs.index(1),
                                   c2_bufs.index(1), c_ready, c_free, bias_ptr, residual_ptr, preact_ptr, scale_ptr,
                                   ws_ptr, flag_ptr, M, N, K, stride_rm, stride_rn, stride_pm, sk_tiles, 1, HAS_BIAS,
                                   ACT, HAS_RESIDUAL, SAVE_PREACT, NUM_PROGRAMS, GROUP_M, BLOCK_N1, BLOCK_N2, BLOCK_K,
-                                  STAGES, CONSUMERS, B_K_MAJOR, A_M_MAJOR, ACCUMULATE, HAS_SCALE, STREAM_K,
-                                  FREE_STEP)),
+                                  STAGES, CONSUMERS, B_K_MAJOR, A_M_MAJOR, ACCUMULATE, HAS_SCALE, STREAM_K)),
             (gemm_load_partition, (a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, M, N, K,
                                    NUM_PROGRAMS, GROUP_M, BLOCK_N1 + BLOCK_N2, BLOCK_K, STAGES, CONSUMERS, B_K_MAJOR,
                                    HAS_B2, c_desc, c_bufs, c_ready, c_free, A_M_MAJOR, ACCUMULATE, sk_tiles,
-                                   ws_ptr, STREAM_K, False, FREE_STEP)),
+                                   ws_ptr, STREAM_K, False)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS_KERNEL])
 
 
@@ -666,7 +652,7 @@ def _ws_plan(m: int, n: int, k: int, elem: int, out_elem: int, b_k_major: bool, 
         HAS_BIAS=has_bias, ACT=act, HAS_RESIDUAL=has_res, SAVE_PREACT=save_preact,
         NUM_PROGRAMS=programs, GROUP_M=cfg["GROUP_M"], STAGES=stages, CONSUMERS=consumers,
         CONSUMER_REGS=worker_regs, B_K_MAJOR=b_k_major, HAS_B2=block_n2 > 0, A_M_MAJOR=a_m_major, ACCUMULATE=False,
-        HAS_SCALE=False, STREAM_K=sk_tiles > 0, PINGPONG=pingpong, FREE_STEP=0, num_warps=4, maxnreg=launch_regs,
+        HAS_SCALE=False, STREAM_K=sk_tiles > 0, PINGPONG=pingpong, num_warps=4, maxnreg=launch_regs,
     )
     prepared = gemm_ws_kernel.prepare((m, n, k, res_strides[0], res_strides[1], n, sk_tiles), kwargs)
     slots = programs * consumers if sk_tiles else 0
@@ -763,7 +749,6 @@ def launch_gemm_accumulate(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, 
         HAS_BIAS=False, ACT="none", HAS_RESIDUAL=False, SAVE_PREACT=False,
         NUM_PROGRAMS=programs, GROUP_M=cfg["GROUP_M"], STAGES=stages, CONSUMERS=consumers,
         CONSUMER_REGS=worker_regs, B_K_MAJOR=b_k_major, HAS_B2=False, A_M_MAJOR=a_m_major, ACCUMULATE=accumulate,
-        HAS_SCALE=scale is not None, STREAM_K=False, PINGPONG=pingpong, FREE_STEP=cfg.get("FREE_STEP", 0),
-        num_warps=4, maxnreg=launch_regs,
+        HAS_SCALE=scale is not None, STREAM_K=False, PINGPONG=pingpong, num_warps=4, maxnreg=launch_regs,
     )
     return out
