@@ -80,6 +80,23 @@ def test_gluon_large_m_plan():
     assert not plan(128, a_strides=(1, 128)).ws_tile            # mid M reads a row-major only
 
 
+def test_gluon_pingpong_plan():
+    """A config's PINGPONG reaches the Gluon kernel's constexprs (forced GLUON, large M), without
+    stream-K; each group stages its whole tile, so the ring is shallower (5 stages of 128x128 bf16,
+    3 with an fp32 output); a ping-pong config the kernel cannot run raises ValueError."""
+    from tilefuse.ops import _matmul_gluon as g
+    cfg = dict(g.ACCUMULATE_TILES["128x128-pingpong"], GLUON=True, STREAM_K=True)
+    p = mk._matmul_plan(8192, 14336, 4096, torch.bfloat16, torch.bfloat16, (4096, 1), (1, 4096), (14336, 1), True,
+                        132, True, True, (False, "none", False, False), mk.config_key(cfg))
+    assert dict(p.ws_tile)["PINGPONG"] is True and p.ws_plan.sk_slots == 0
+    assert g.fit_ring(5, 2, 128, 64, 2, 2, pingpong=True) == 5 and g.fit_ring(5, 2, 128, 64, 2, 2) == 5
+    assert g.fit_ring(6, 2, 128, 64, 2, 4, pingpong=True) == 3 and g.fit_ring(6, 2, 128, 64, 2, 4) == 5
+    for bad in [dict(cfg, CONSUMERS=1), dict(cfg, BLOCK_N=96)]:
+        with pytest.raises(ValueError, match="PINGPONG"):
+            g._ws_plan(8192, 4096, 4096, 2, 2, True, 132, (False, "none", False, False), (4096, 1),
+                       tuple(bad.items()))
+
+
 @pytest.mark.parametrize("a_m_major", [False, True])
 @pytest.mark.parametrize("b_k_major", [True, False])
 @pytest.mark.parametrize("width", [256, 96])
