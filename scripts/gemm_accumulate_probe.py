@@ -19,7 +19,7 @@ import statistics
 import torch
 import triton.testing
 
-from tilefuse.ops import _matmul_gluon as g
+from tilefuse.ops import _matmul_gluon_plan as gp
 from tilefuse.ops._matmul_kernels import launch_matmul
 from tilefuse.testing import rel_err
 
@@ -31,7 +31,7 @@ def check(m: int, n: int, k: int, a_m_major: bool, b_k_major: bool, tile: str) -
         torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
     out = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
     ref = out.double() + a.double() @ b.double()
-    g.launch_gemm_accumulate(a, b, out, config=g.ACCUMULATE_TILES[tile])
+    gp.launch_gemm_accumulate(a, b, out, config=gp.ACCUMULATE_TILES[tile])
     return rel_err(out, ref)
 
 
@@ -44,7 +44,7 @@ def main() -> None:
     ap.add_argument("--pingpong-variants", action="store_true", help="also the ping-pong tile's GROUP_M / ring variants")
     args = ap.parse_args()
     print(torch.cuda.get_device_name())
-    for tile in [] if args.no_check else g.ACCUMULATE_TILES:
+    for tile in [] if args.no_check else gp.ACCUMULATE_TILES:
         for (m, n, k) in [(1000, 768, 512), (136, 200, 40), (128256, 4096, 512), (64, 256, 8)]:
             for a_m_major, b_k_major in [(True, False), (False, False), (False, True)]:
                 err = check(m, n, k, a_m_major, b_k_major, tile)
@@ -62,22 +62,22 @@ def main() -> None:
         "cuBLAS mm(dlᵀ, h) (no accumulator)": lambda: torch.mm(dl.t(), h, out=tmp),
         "tilefuse tl mm(dlᵀ, h) (no accumulator)": lambda: launch_matmul(dl.t(), h, out=tmp),
     }
-    for tile, cfg in g.ACCUMULATE_TILES.items():
-        variants[f"tilefuse accumulate {tile}"] = lambda cfg=cfg: g.launch_gemm_accumulate(dl.t(), h, gw, config=cfg)
-        variants[f"tilefuse {tile} (no accumulator)"] = lambda cfg=cfg: g.launch_gemm_accumulate(
+    for tile, cfg in gp.ACCUMULATE_TILES.items():
+        variants[f"tilefuse accumulate {tile}"] = lambda cfg=cfg: gp.launch_gemm_accumulate(dl.t(), h, gw, config=cfg)
+        variants[f"tilefuse {tile} (no accumulator)"] = lambda cfg=cfg: gp.launch_gemm_accumulate(
             dl.t(), h, tmp, config=cfg, accumulate=False)
     if args.pingpong_variants:     # the ping-pong tile's tile order and ring depth
-        base = g.ACCUMULATE_TILES["128x128-pingpong"]
+        base = gp.ACCUMULATE_TILES["128x128-pingpong"]
         for name, cfg in {"g4": dict(base, GROUP_M=4), "g16": dict(base, GROUP_M=16), "g32": dict(base, GROUP_M=32),
                           "s4": dict(base, STAGES=4), "k32-s10": dict(base, BLOCK_K=32, STAGES=10)}.items():
-            variants[f"tilefuse accumulate pingpong {name}"] = lambda cfg=cfg: g.launch_gemm_accumulate(
+            variants[f"tilefuse accumulate pingpong {name}"] = lambda cfg=cfg: gp.launch_gemm_accumulate(
                 dl.t(), h, gw, config=cfg)
     if args.long_k:     # the same FLOPs in one GEMM of K x16 (eager's grad_weight at T = 8192), time / 16
         dl16 = torch.randn(16 * k, m, device="cuda", dtype=torch.bfloat16) * 1e-2
         h16 = torch.randn(16 * k, n, device="cuda", dtype=torch.bfloat16)
         variants["cuBLAS mm(dlᵀ, h), K x16, / 16"] = lambda: torch.mm(dl16.t(), h16, out=tmp)
-        for tile, cfg in g.ACCUMULATE_TILES.items():
-            variants[f"tilefuse {tile}, K x16, / 16"] = lambda cfg=cfg: g.launch_gemm_accumulate(
+        for tile, cfg in gp.ACCUMULATE_TILES.items():
+            variants[f"tilefuse {tile}, K x16, / 16"] = lambda cfg=cfg: gp.launch_gemm_accumulate(
                 dl16.t(), h16, tmp, config=cfg, accumulate=False)
     times = {name: [] for name in variants}
     for _ in range(args.rounds):

@@ -18,7 +18,7 @@ import argparse
 import torch
 import triton.testing
 
-from tilefuse.ops import _matmul_gluon as g
+from tilefuse.ops import _matmul_gluon_plan as gp
 from tilefuse.ops import _matmul_kernels as mk
 from tilefuse.testing import rel_err
 
@@ -61,9 +61,9 @@ ALTERNATIVES = {
     "ptr": dict(USE_TMA=False),
     # the Gluon warp-specialized kernel (_matmul_gluon.gemm_ws_kernel): a TMA loader warp and two
     # consumer groups of 64 rows (linear cross-entropy's 128x256 accumulate tile; 128x128)
-    **{f"g{name}": dict(cfg, GLUON=True) for name, cfg in g.ACCUMULATE_TILES.items()},
-    "g128x256-g16": dict(g.ACCUMULATE_TILES["128x256"], GROUP_M=16, GLUON=True),
-    "g128x256-g4": dict(g.ACCUMULATE_TILES["128x256"], GROUP_M=4, GLUON=True),
+    **{f"g{name}": dict(cfg, GLUON=True) for name, cfg in gp.ACCUMULATE_TILES.items()},
+    "g128x256-g16": dict(gp.ACCUMULATE_TILES["128x256"], GROUP_M=16, GLUON=True),
+    "g128x256-g4": dict(gp.ACCUMULATE_TILES["128x256"], GROUP_M=4, GLUON=True),
 }
 SMALL_ALTERNATIVES = {
     "ptr": dict(USE_TMA=False),
@@ -80,16 +80,16 @@ MID_ALTERNATIVES = {
     "tl": dict(GLUON=False),        # the tl kernel's default config (the Gluon kernel is the default on sm_90)
     "ptr": dict(USE_TMA=False),
     # the Gluon warp-specialized kernel (_matmul_gluon) with each declared tile, and deeper / shallower rings
-    **{f"g{name}": dict(cfg, GLUON=True) for name, cfg in g.WS_TILES.items()},
-    "g64x64-k64-s12": dict(g.WS_TILES["64x64"], BLOCK_K=64, STAGES=12, GLUON=True),
-    "g64x128-k128-s4": dict(g.WS_TILES["64x128"], BLOCK_K=128, STAGES=4, GLUON=True),
-    "g128x128-k32-s12": dict(g.WS_TILES["128x128"], BLOCK_K=32, STAGES=12, GLUON=True),
-    "g128x128-k128-s3": dict(g.WS_TILES["128x128"], BLOCK_K=128, STAGES=3, GLUON=True),
+    **{f"g{name}": dict(cfg, GLUON=True) for name, cfg in gp.WS_TILES.items()},
+    "g64x64-k64-s12": dict(gp.WS_TILES["64x64"], BLOCK_K=64, STAGES=12, GLUON=True),
+    "g64x128-k128-s4": dict(gp.WS_TILES["64x128"], BLOCK_K=128, STAGES=4, GLUON=True),
+    "g128x128-k32-s12": dict(gp.WS_TILES["128x128"], BLOCK_K=32, STAGES=12, GLUON=True),
+    "g128x128-k128-s3": dict(gp.WS_TILES["128x128"], BLOCK_K=128, STAGES=3, GLUON=True),
     # tiles 96 wide (a 64- and a 32-column B part): 128 tiles at N = 6144 (cuBLAS's nvjet 96x64 tile there)
-    "g64x96": dict(g.WS_TILES["64x128"], BLOCK_N=96, GLUON=True),
-    "g64x96-s10": dict(g.WS_TILES["64x128"], BLOCK_N=96, STAGES=10, GLUON=True),
-    "g64x96-k128-s5": dict(g.WS_TILES["64x128"], BLOCK_N=96, BLOCK_K=128, STAGES=5, GLUON=True),
-    "g128x96": dict(g.WS_TILES["128x128"], BLOCK_N=96, GLUON=True),
+    "g64x96": dict(gp.WS_TILES["64x128"], BLOCK_N=96, GLUON=True),
+    "g64x96-s10": dict(gp.WS_TILES["64x128"], BLOCK_N=96, STAGES=10, GLUON=True),
+    "g64x96-k128-s5": dict(gp.WS_TILES["64x128"], BLOCK_N=96, BLOCK_K=128, STAGES=5, GLUON=True),
+    "g128x96": dict(gp.WS_TILES["128x128"], BLOCK_N=96, GLUON=True),
     "flatten": dict(FLATTEN=True),
     "128x32-k128-s5-w4": dict(BLOCK_M=128, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=5),
     "128x64-k128-s4-w4": dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4),
@@ -245,9 +245,9 @@ def main() -> None:
                       "cuBLAS-a-transposed": lambda: torch.matmul(dy.t(), x)}
         if m > 256 and not args.quick:     # the Gluon kernel on the weight gradient's layout (A M-major)
             gl_out = torch.empty(m, n, device="cuda", dtype=dtype)
-            layout_fns["gluon-a-transposed"] = lambda: g.launch_gemm_accumulate(dy.t(), x, gl_out, accumulate=False)
+            layout_fns["gluon-a-transposed"] = lambda: gp.launch_gemm_accumulate(dy.t(), x, gl_out, accumulate=False)
             layout_fns["gluon-rowmajor"] = lambda: mk.launch_matmul(a, b_row, config=dict(
-                g.ACCUMULATE_TILES["128x256"], GLUON=True))[0]
+                gp.ACCUMULATE_TILES["128x256"], GLUON=True))[0]
             for name, ref_l in (("gluon-a-transposed", dy.t().float() @ x.float()), ("gluon-rowmajor", ref)):
                 err = rel_err(layout_fns[name](), ref_l)
                 if err > 1e-2:

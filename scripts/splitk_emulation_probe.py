@@ -26,11 +26,11 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from matmul_sweep import graphed, interleaved_ms  # noqa: E402
 
-from tilefuse.ops import _matmul_gluon as g  # noqa: E402
+from tilefuse.ops import _matmul_gluon_plan as gp  # noqa: E402
 from tilefuse.ops import _matmul_kernels as mk  # noqa: E402
 from tilefuse.testing import rel_err  # noqa: E402
 
-T128 = g.WS_TILES["128x128"]
+T128 = gp.WS_TILES["128x128"]
 T256 = dict(CONSUMERS=2, BLOCK_N=256, BLOCK_K=64, STAGES=4, GROUP_M=8)
 # real shape -> [(label, emulated (m, n, k), tile config, split)]
 CASES = {
@@ -61,7 +61,7 @@ def main() -> None:
             ea = torch.randn(em, ek, device="cuda", dtype=dt)
             ew = torch.randn(en, ek, device="cuda", dtype=dt)
             eout = torch.empty(em, en, device="cuda", dtype=dt)
-            fn = (lambda ea=ea, ew=ew, eout=eout, cfg=cfg: g.launch_gemm_ws(ea, ew.t(), eout, config=cfg))
+            fn = (lambda ea=ea, ew=ew, eout=eout, cfg=cfg: gp.launch_gemm_ws(ea, ew.t(), eout, config=cfg))
             err = rel_err(fn(), ea.float() @ ew.float().t())
             assert err < 1e-2, (label, err)
             fns[f"{label} (no fixup)"] = fn

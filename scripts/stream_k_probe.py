@@ -20,7 +20,7 @@ import contextlib
 import torch
 
 from matmul_sweep import SHAPES, interleaved_ms, valid_fns
-from tilefuse.ops import _matmul_gluon as g
+from tilefuse.ops import _matmul_gluon_plan as gp
 from tilefuse.ops import _matmul_kernels as mk
 from tilefuse.ops import _stream_k as sk
 
@@ -28,17 +28,17 @@ from tilefuse.ops import _stream_k as sk
 @contextlib.contextmanager
 def switches(stream_k: bool, tail_split: bool):
     """Plans made with the module switches set (graphs are captured inside, so they keep them)."""
-    old = sk.STREAM_K, g.TAIL_SPLIT, sk.STREAM_K_MIN_IDLE_STEPS
+    old = sk.STREAM_K, gp.TAIL_SPLIT, sk.STREAM_K_MIN_IDLE_STEPS
     # stream-K at every shape it can take (not only where stream_k_pays expects a gain)
-    sk.STREAM_K, g.TAIL_SPLIT, sk.STREAM_K_MIN_IDLE_STEPS = stream_k, tail_split, 0
+    sk.STREAM_K, gp.TAIL_SPLIT, sk.STREAM_K_MIN_IDLE_STEPS = stream_k, tail_split, 0
     mk._matmul_plan.cache_clear()
-    g._ws_plan.cache_clear()
+    gp._ws_plan.cache_clear()
     try:
         yield
     finally:
-        sk.STREAM_K, g.TAIL_SPLIT, sk.STREAM_K_MIN_IDLE_STEPS = old
+        sk.STREAM_K, gp.TAIL_SPLIT, sk.STREAM_K_MIN_IDLE_STEPS = old
         mk._matmul_plan.cache_clear()
-        g._ws_plan.cache_clear()
+        gp._ws_plan.cache_clear()
 
 
 def operands(m: int, n: int, k: int, layout: str):

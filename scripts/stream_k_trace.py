@@ -23,6 +23,7 @@ import statistics
 from triton.experimental.gluon import language as gl
 
 from tilefuse.ops import _matmul_gluon as g
+from tilefuse.ops import _matmul_gluon_plan as gp
 
 g.TRACE = gl.constexpr(True)        # before the first compile of gemm_ws_kernel in this process
 
@@ -36,9 +37,9 @@ def traced_launch(a, b, out, stream_k: bool, reps: int):
     """[programs, consumers, 8] int64 timer values (ns) of the last of ``reps`` launches."""
     (m, k), n = a.shape, b.shape[1]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    cfg = dict(g.LARGE_WS_TILES["128x256"], STREAM_K=stream_k)
+    cfg = dict(gp.LARGE_WS_TILES["128x256"], STREAM_K=stream_k)
     sk.STREAM_K_MIN_IDLE_STEPS = 0
-    plan = g._ws_plan(m, n, k, 2, 2, b.stride(0) == 1, sms, (False, "none", False, False), (n, 1),
+    plan = gp._ws_plan(m, n, k, 2, 2, b.stride(0) == 1, sms, (False, "none", False, False), (n, 1),
                       tuple(cfg.items()))
     programs = plan.grid[0]
     trace = torch.full((programs, cfg["CONSUMERS"], g.TRACE_EVENTS.value), -1, dtype=torch.int64, device="cuda")
@@ -47,7 +48,7 @@ def traced_launch(a, b, out, stream_k: bool, reps: int):
         flush.zero_()
         trace.fill_(-1)
         bufs = split_k_buffers(a.device, plan.sk_slots, plan.sk_workspace) if plan.sk_slots else None
-        g.launch_ws_plan(plan, a, b, out, preact=trace, sk_buffers=bufs)
+        gp.launch_ws_plan(plan, a, b, out, preact=trace, sk_buffers=bufs)
     torch.cuda.synchronize()
     sk_tiles = plan.prepared.ints[-1]
     return trace.cpu(), programs, sk_tiles

@@ -10,7 +10,7 @@ helpers): the default launch; ``split-r``: rows [0, M - 128·r) then the last r 
 second GEMM (its own plan: a mid-M tile) into views of one output; ``split-r-2s``: the second
 GEMM on a side stream forked and joined inside the graph, so it may fill SMs the first leaves
 idle (the block scheduler's order between the two kernels is not fixed: measure); ``one-launch``:
-the default plan with ``_matmul_gluon.TAIL_SPLIT`` off (since s46 the default splits where
+the default plan with ``_matmul_gluon_plan.TAIL_SPLIT`` off (since s46 the default splits where
 ``tail_split_rows`` says so). b = w.t(). Prints the default's wave count and each candidate's ms
 and ratio to cuBLAS.
 """
@@ -22,7 +22,7 @@ import argparse
 import torch
 
 from matmul_sweep import SHAPES, interleaved_ms, valid_fns
-from tilefuse.ops import _matmul_gluon as g
+from tilefuse.ops import _matmul_gluon_plan as gp
 from tilefuse.ops import _matmul_kernels as mk
 
 
@@ -46,13 +46,13 @@ def split_fn(a, b, out, rows: int, side: torch.cuda.Stream | None):
 
 def one_launch(fns: dict, a, b, out) -> None:
     """Adds the default plan without the tail split, captured as a graph while TAIL_SPLIT is off."""
-    g.TAIL_SPLIT = False
+    gp.TAIL_SPLIT = False
     mk._matmul_plan.cache_clear()
     try:
         fns.update(valid_fns({"one-launch": lambda: mk.launch_matmul(a, b, out=out)[0]}, a.float() @ b.float(),
                              graph=True))
     finally:
-        g.TAIL_SPLIT = True
+        gp.TAIL_SPLIT = True
         mk._matmul_plan.cache_clear()
 
 

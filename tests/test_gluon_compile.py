@@ -202,7 +202,7 @@ def compile_fp8(case):
     _check(_compile_sm90(fp8.fp8_gemm_ws_kernel, args, constexprs, launch_regs))
 
 
-GEMM_CASES = {   # name: (tile of _matmul_gluon.WS_TILES, activation, bias / residual / preact, out dtype,
+GEMM_CASES = {   # name: (tile of _matmul_gluon_plan.WS_TILES, activation, bias / residual / preact, out dtype,
     # b K-major (x @ wᵀ) or row-major [K, N], [a M-major (aᵀ given)]); epilogue "bias": the bias alone
     "64x64-plain": ("64x64", "none", False, torch.bfloat16, True),
     "64x128-gelu-epilogue": ("64x128", "gelu", True, torch.bfloat16, True),
@@ -210,7 +210,7 @@ GEMM_CASES = {   # name: (tile of _matmul_gluon.WS_TILES, activation, bias / res
     "64x64-row-major-b": ("64x64", "none", False, torch.bfloat16, False),
     "128x128-row-major-b-epilogue": ("128x128", "relu", True, torch.float16, False),
     "64x96-two-part-tile-epilogue": ("64x96", "gelu", True, torch.bfloat16, True),
-    # the large-M tiles (_matmul_gluon.LARGE_WS_TILES) with the epilogues choose_large_ws_tile gives them
+    # the large-M tiles (_matmul_gluon_plan.LARGE_WS_TILES) with the epilogues choose_large_ws_tile gives them
     "large-128x256-bias-gelu": ("large-128x256", "gelu", "bias", torch.bfloat16, True),
     "large-128x256-a-m-major": ("large-128x256", "none", False, torch.bfloat16, False, True),
     "large-128x128-epilogue-fp32": ("large-128x128", "silu", True, torch.float32, True),
@@ -237,29 +237,30 @@ def compile_gemm(case):
     """The Gluon small-M GEMM with each declared tile, as the launcher builds it: no spills, the
     ring and output tiles within shared memory, wgmma and TMA in the SASS."""
     from tilefuse.ops import _matmul_gluon as g
+    from tilefuse.ops import _matmul_gluon_plan as gp
     tile, act, epilogue, out_dtype, b_k_major, *rest = GEMM_CASES[case]
     a_m_major, stream_k = (list(rest) + [False, False])[:2]
-    cfg = (g.ACCUMULATE_TILES[tile.removeprefix("large-")] if tile.startswith("large-")
-           else g.WS_TILES.get(tile) or dict(g.WS_TILES["64x128"], BLOCK_N=96))      # 96 = 64 + 32: two B parts
+    cfg = (gp.ACCUMULATE_TILES[tile.removeprefix("large-")] if tile.startswith("large-")
+           else gp.WS_TILES.get(tile) or dict(gp.WS_TILES["64x128"], BLOCK_N=96))      # 96 = 64 + 32: two B parts
     m, n, k = 2000, 1000, 3000
     dtype = torch.float16 if out_dtype == torch.float16 else torch.bfloat16
     a, w = torch.empty(m, k, dtype=dtype), torch.empty(n, k, dtype=dtype)
-    a_desc = g._descriptor(a.t().contiguous(), (cfg["BLOCK_K"], g.ROWS_PER_GROUP)) if a_m_major else \
-        g._descriptor(a, (g.ROWS_PER_GROUP, cfg["BLOCK_K"]))
+    a_desc = gp._descriptor(a.t().contiguous(), (cfg["BLOCK_K"], gp.ROWS_PER_GROUP)) if a_m_major else \
+        gp._descriptor(a, (gp.ROWS_PER_GROUP, cfg["BLOCK_K"]))
     out = torch.empty(m, n, dtype=out_dtype)
-    launch_regs, worker_regs = g.ws_regs(cfg["CONSUMERS"])
-    rows = g.ROWS_PER_GROUP
+    launch_regs, worker_regs = gp.ws_regs(cfg["CONSUMERS"])
+    rows = gp.ROWS_PER_GROUP
     bn1 = 1 << (cfg["BLOCK_N"].bit_length() - 1)
     bn2 = cfg["BLOCK_N"] - bn1
     w_t = w.t().contiguous()
-    part = lambda width: (g._descriptor(w, (width, cfg["BLOCK_K"])) if b_k_major  # noqa: E731
-                          else g._descriptor(w_t, (cfg["BLOCK_K"], width)))
+    part = lambda width: (gp._descriptor(w, (width, cfg["BLOCK_K"])) if b_k_major  # noqa: E731
+                          else gp._descriptor(w_t, (cfg["BLOCK_K"], width)))
     args = dict(a_desc=a_desc, b_desc=part(bn1), b2_desc=part(bn2 or bn1),
-                c_desc=g._descriptor(out, (rows, bn1)), c2_desc=g._descriptor(out, (rows, bn2 or bn1)),
+                c_desc=gp._descriptor(out, (rows, bn1)), c2_desc=gp._descriptor(out, (rows, bn2 or bn1)),
                 bias_ptr=torch.empty(n, dtype=dtype), residual_ptr=out, preact_ptr=out, scale_ptr=out,
                 ws_ptr=torch.empty(1, dtype=torch.float32), flag_ptr=torch.empty(1, dtype=torch.int32), M=m, N=n, K=k,
                 stride_rm=n, stride_rn=1, stride_pm=n, sk_tiles=200 if stream_k else 0)
-    stages = g.fit_ring(cfg["STAGES"], cfg["CONSUMERS"], cfg["BLOCK_N"], cfg["BLOCK_K"], 2, out.element_size(),
+    stages = gp.fit_ring(cfg["STAGES"], cfg["CONSUMERS"], cfg["BLOCK_N"], cfg["BLOCK_K"], 2, out.element_size(),
                         cfg.get("PINGPONG", False))
     full = epilogue is True     # "bias": the bias alone (no residual / preact)
     constexprs = dict(HAS_BIAS=bool(epilogue), ACT=act, HAS_RESIDUAL=full, SAVE_PREACT=full, NUM_PROGRAMS=132,
@@ -277,7 +278,7 @@ def compile_gemm(case):
     assert "globaltimer" not in compiled.asm["ptx"]      # _matmul_gluon.TRACE is compiled out by default
 
 
-ACCUMULATE_CASES = {   # name: (tile of _matmul_gluon.ACCUMULATE_TILES, a given as aᵀ [K, M], b as wᵀ, out +=)
+ACCUMULATE_CASES = {   # name: (tile of _matmul_gluon_plan.ACCUMULATE_TILES, a given as aᵀ [K, M], b as wᵀ, out +=)
     "128x256-a-m-major": ("128x256", True, False, True),
     "128x128-a-m-major": ("128x128", True, False, True),
     "128x256-row-major-a-k-major-b": ("128x256", False, True, True),
@@ -298,21 +299,22 @@ def compile_gemm_accumulate(case):
     """out += a @ b (the producer loads the old output tile): as launch_gemm_accumulate builds it,
     no spills, within shared memory, wgmma and TMA loads and stores in the SASS."""
     from tilefuse.ops import _matmul_gluon as g
+    from tilefuse.ops import _matmul_gluon_plan as gp
     tile, a_m_major, b_k_major, accumulate = ACCUMULATE_CASES[case]
-    cfg = g.ACCUMULATE_TILES[tile]
+    cfg = gp.ACCUMULATE_TILES[tile]
     m, n, k = 1000, 768, 512
     a_t, b = torch.empty(k, m, dtype=torch.bfloat16), torch.empty(k, n, dtype=torch.bfloat16)
     out = torch.empty(m, n, dtype=torch.bfloat16)
-    rows, bn, bk = g.ROWS_PER_GROUP, cfg["BLOCK_N"], cfg["BLOCK_K"]
-    a_desc = g._descriptor(a_t, (bk, rows)) if a_m_major else g._descriptor(a_t.t().contiguous(), (rows, bk))
-    b_desc = g._descriptor(b.t().contiguous(), (bn, bk)) if b_k_major else g._descriptor(b, (bk, bn))
-    c_desc = g._descriptor(out, (rows, bn))
-    launch_regs, worker_regs = g.ws_regs(cfg["CONSUMERS"])
+    rows, bn, bk = gp.ROWS_PER_GROUP, cfg["BLOCK_N"], cfg["BLOCK_K"]
+    a_desc = gp._descriptor(a_t, (bk, rows)) if a_m_major else gp._descriptor(a_t.t().contiguous(), (rows, bk))
+    b_desc = gp._descriptor(b.t().contiguous(), (bn, bk)) if b_k_major else gp._descriptor(b, (bk, bn))
+    c_desc = gp._descriptor(out, (rows, bn))
+    launch_regs, worker_regs = gp.ws_regs(cfg["CONSUMERS"])
     args = dict(a_desc=a_desc, b_desc=b_desc, b2_desc=b_desc, c_desc=c_desc, c2_desc=c_desc, bias_ptr=out,
                 residual_ptr=out, preact_ptr=out, scale_ptr=torch.empty(1), ws_ptr=out, flag_ptr=out, M=m, N=n, K=k,
                 stride_rm=n, stride_rn=1, stride_pm=n, sk_tiles=0)
     pingpong = cfg.get("PINGPONG", False)
-    stages = g.fit_ring(cfg["STAGES"], cfg["CONSUMERS"], bn, bk, 2, 2, pingpong)
+    stages = gp.fit_ring(cfg["STAGES"], cfg["CONSUMERS"], bn, bk, 2, 2, pingpong)
     constexprs = dict(HAS_BIAS=False, ACT="none", HAS_RESIDUAL=False, SAVE_PREACT=False, NUM_PROGRAMS=132,
                       GROUP_M=cfg["GROUP_M"], STAGES=stages, CONSUMERS=cfg["CONSUMERS"], CONSUMER_REGS=worker_regs,
                       B_K_MAJOR=b_k_major, HAS_B2=False, A_M_MAJOR=a_m_major, ACCUMULATE=bool(accumulate),

@@ -67,11 +67,11 @@ def test_gpu_gluon_small_m(tile, dtype, out_dtype, row_major_b):
     row-major [K, N]: ragged M / N / K (TMA
     zero fill and clipped stores), every epilogue, output NaN-poisoned first, bit-identical
     relaunches, the residual as the output itself, and a CUDA graph replay."""
-    from tilefuse.ops import _matmul_gluon as g
+    from tilefuse.ops import _matmul_gluon_plan as gp
     if not torch.cuda.get_device_capability()[0] == 9:
         pytest.skip("wgmma kernel: sm_90 only")
     rows, width = (int(v) for v in tile.split("x"))     # 96 wide: a 64- and a 32-column part
-    cfg = dict(g.WS_TILES[f"{rows}x128"] if width == 96 else g.WS_TILES[tile], BLOCK_N=width, GLUON=True)
+    cfg = dict(gp.WS_TILES[f"{rows}x128"] if width == 96 else gp.WS_TILES[tile], BLOCK_N=width, GLUON=True)
     shapes = [(128, 6144, 4096), (200, 1000, 3000), (33, 136, 72), (1, 64, 8)]
     for (m, n, k), act in zip(shapes, ["gelu", "silu", None, "relu"]):
         a = torch.randn(m, k, device="cuda", dtype=dtype)
@@ -108,10 +108,10 @@ def test_gpu_gluon_large_m(tile, dtype, layout):
     (TMA zero fill and clipped stores), K shorter than the ring, the epilogues the tile's heuristic
     allows (128x256: bias + activation; 128x128: also residual and pre-activation, and fp32 out),
     output NaN-poisoned, bit-identical relaunches and a CUDA graph replay."""
-    from tilefuse.ops import _matmul_gluon as g
+    from tilefuse.ops import _matmul_gluon_plan as gp
     if not torch.cuda.get_device_capability()[0] == 9:
         pytest.skip("wgmma kernel: sm_90 only")
-    cfg = dict(g.ACCUMULATE_TILES[tile], GLUON=True)     # (the large-M tiles and the ping-pong one)
+    cfg = dict(gp.ACCUMULATE_TILES[tile], GLUON=True)     # (the large-M tiles and the ping-pong one)
     full = tile != "128x256"            # residual / preact / fp32 out fit its registers and shared memory
     for (m, n, k), act in zip([(1000, 768, 3000), (300, 136, 40), (4104, 520, 1032), (2049, 4096, 8)],
                               ["gelu", "silu", None, "relu"]):
@@ -244,10 +244,10 @@ def test_gpu_gluon_accumulate(tile, dtype, layout):
     and K below, at and over the ring depth; one rounding of the sum (against the fp64 sum of the
     old tile and the product); relaunches give the same bits; accumulate=False writes a @ b into a
     NaN-poisoned out; ``scale`` multiplies the sum; the launch replays in a CUDA graph."""
-    from tilefuse.ops import _matmul_gluon as g
+    from tilefuse.ops import _matmul_gluon_plan as gp
     if not torch.cuda.get_device_capability()[0] == 9:
         pytest.skip("wgmma kernel: sm_90 only")
-    cfg = g.ACCUMULATE_TILES[tile]
+    cfg = gp.ACCUMULATE_TILES[tile]
     for m, n, k in [(1000, 768, 512), (136, 200, 40), (64, 256, 8), (4104, 520, 1032)]:
         a = torch.randn(k, m, device="cuda", dtype=dtype).t() if layout == "a-m-major" else \
             torch.randn(m, k, device="cuda", dtype=dtype)
@@ -255,20 +255,20 @@ def test_gpu_gluon_accumulate(tile, dtype, layout):
             torch.randn(k, n, device="cuda", dtype=dtype)
         old = torch.randn(m, n, device="cuda", dtype=dtype) * 8
         ref = old.double() + a.double() @ b.double()
-        out = g.launch_gemm_accumulate(a, b, old.clone(), config=cfg)
+        out = gp.launch_gemm_accumulate(a, b, old.clone(), config=cfg)
         assert rel_err(out, ref) <= (4e-3 if dtype == torch.bfloat16 else 1e-3), (m, n, k)
-        assert torch.equal(out, g.launch_gemm_accumulate(a, b, old.clone(), config=cfg))
+        assert torch.equal(out, gp.launch_gemm_accumulate(a, b, old.clone(), config=cfg))
         fresh = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
-        g.launch_gemm_accumulate(a, b, fresh, config=cfg, accumulate=False)
+        gp.launch_gemm_accumulate(a, b, fresh, config=cfg, accumulate=False)
         assert rel_err(fresh, a.double() @ b.double()) <= (4e-3 if dtype == torch.bfloat16 else 1e-3)
         scale = torch.rand(1, device="cuda") * 4 - 2      # out = scale · (old + a @ b), one rounding
-        scaled = g.launch_gemm_accumulate(a, b, old.clone(), config=cfg, scale=scale)
+        scaled = gp.launch_gemm_accumulate(a, b, old.clone(), config=cfg, scale=scale)
         assert rel_err(scaled, ref * scale.double()) <= (4e-3 if dtype == torch.bfloat16 else 1e-3), (m, n, k)
     graph_out = old.clone()
 
     def relaunch():
         graph_out.copy_(old)
-        return g.launch_gemm_accumulate(a, b, graph_out, config=cfg)
+        return gp.launch_gemm_accumulate(a, b, graph_out, config=cfg)
     _assert_graph_replays(relaunch, out)
 
 

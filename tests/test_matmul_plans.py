@@ -84,16 +84,16 @@ def test_gluon_pingpong_plan():
     """A config's PINGPONG reaches the Gluon kernel's constexprs (forced GLUON, large M), without
     stream-K; each group stages its whole tile, so the ring is shallower (5 stages of 128x128 bf16,
     3 with an fp32 output); a ping-pong config the kernel cannot run raises ValueError."""
-    from tilefuse.ops import _matmul_gluon as g
-    cfg = dict(g.ACCUMULATE_TILES["128x128-pingpong"], GLUON=True, STREAM_K=True)
+    from tilefuse.ops import _matmul_gluon_plan as gp
+    cfg = dict(gp.ACCUMULATE_TILES["128x128-pingpong"], GLUON=True, STREAM_K=True)
     p = mk._matmul_plan(8192, 14336, 4096, torch.bfloat16, torch.bfloat16, (4096, 1), (1, 4096), (14336, 1), True,
                         132, True, True, (False, "none", False, False), mk.config_key(cfg))
     assert dict(p.ws_tile)["PINGPONG"] is True and p.ws_plan.sk_slots == 0
-    assert g.fit_ring(5, 2, 128, 64, 2, 2, pingpong=True) == 5 and g.fit_ring(5, 2, 128, 64, 2, 2) == 5
-    assert g.fit_ring(6, 2, 128, 64, 2, 4, pingpong=True) == 3 and g.fit_ring(6, 2, 128, 64, 2, 4) == 5
+    assert gp.fit_ring(5, 2, 128, 64, 2, 2, pingpong=True) == 5 and gp.fit_ring(5, 2, 128, 64, 2, 2) == 5
+    assert gp.fit_ring(6, 2, 128, 64, 2, 4, pingpong=True) == 3 and gp.fit_ring(6, 2, 128, 64, 2, 4) == 5
     for bad in [dict(cfg, CONSUMERS=1), dict(cfg, BLOCK_N=96)]:
         with pytest.raises(ValueError, match="PINGPONG"):
-            g._ws_plan(8192, 4096, 4096, 2, 2, True, 132, (False, "none", False, False), (4096, 1),
+            gp._ws_plan(8192, 4096, 4096, 2, 2, True, 132, (False, "none", False, False), (4096, 1),
                        tuple(bad.items()))
 
 
@@ -109,15 +109,16 @@ def test_gluon_planned_launch_passes_the_operands_views(a_m_major, b_k_major, wi
     test_gpu_gluon_large_m / test_gpu_gluon_small_m)."""
     from tilefuse.ops import _gluon_common as gc
     from tilefuse.ops import _matmul_gluon as g
+    from tilefuse.ops import _matmul_gluon_plan as gp
     m, n, k = 512, 1024, 320
     a = torch.randn(k, m, dtype=torch.bfloat16).t() if a_m_major else torch.randn(m, k, dtype=torch.bfloat16)
     b = torch.randn(n, k, dtype=torch.bfloat16).t() if b_k_major else torch.randn(k, n, dtype=torch.bfloat16)
     out, bias = torch.empty(m, n, dtype=torch.bfloat16), torch.randn(n, dtype=torch.bfloat16)
-    tile = dict(g.LARGE_WS_TILES["128x128"], BLOCK_N=width, BLOCK_K=128, B_K_MAJOR=b_k_major, A_M_MAJOR=a_m_major)
-    plan = g._ws_plan(m, n, k, 2, 2, b_k_major, 132, (True, "gelu", False, False), (n, 1), tuple(tile.items()))
+    tile = dict(gp.LARGE_WS_TILES["128x128"], BLOCK_N=width, BLOCK_K=128, B_K_MAJOR=b_k_major, A_M_MAJOR=a_m_major)
+    plan = gp._ws_plan(m, n, k, 2, 2, b_k_major, 132, (True, "gelu", False, False), (n, 1), tuple(tile.items()))
     seen = []
     monkeypatch.setattr(g.gemm_ws_kernel, "launch_prepared", lambda grid, tensors, prepared: seen.append(tensors))
-    g.launch_ws_plan(plan, a, b, out, bias)
+    gp.launch_ws_plan(plan, a, b, out, bias)
     (a_d, b_d, b2_d, c_d, c2_d, *rest), = seen
     parts = [64, 32] if width == 96 else [width, width]
     bk = plan.block_k

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from matmul_cases import _assert_graph_replays
 
-from tilefuse.ops import _matmul_gluon as g
+from tilefuse.ops import _matmul_gluon_plan as gp
 from tilefuse.ops import _matmul_kernels as mk
 from tilefuse.ops import _stream_k as sk
 from tilefuse.ops.matmul import matmul, matmul_reference
@@ -30,7 +30,7 @@ def _plan(m, n, k, epilogue=PLAIN, config=(), sms=132, a_strides=None, b_strides
 
 def _rebuild_plans():
     mk._matmul_plan.cache_clear()
-    g._ws_plan.cache_clear()
+    gp._ws_plan.cache_clear()
 
 
 @pytest.fixture

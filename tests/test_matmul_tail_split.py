@@ -1,4 +1,4 @@
-"""The large-M GEMM's tail split (``_matmul_gluon.tail_split_rows``): a 128x256 launch whose last
+"""The large-M GEMM's tail split (``_matmul_gluon_plan.tail_split_rows``): a 128x256 launch whose last
 wave is short gives its last row blocks to a second GEMM, where stream-K does not apply (here:
 stream-K off). The rule on the CPU; on an sm_90 GPU
 the split launch against the fp64 reference (NaN-poisoned outputs, a caller's ``out``, bias and
@@ -11,13 +11,13 @@ import torch
 from conftest import HAS_CUDA
 from matmul_cases import _assert_graph_replays
 
-from tilefuse.ops import _matmul_gluon as g
+from tilefuse.ops import _matmul_gluon_plan as gp
 from tilefuse.ops import _matmul_kernels as mk
 from tilefuse.ops import _stream_k as sk
 from tilefuse.ops.matmul import matmul, matmul_reference
 from tilefuse.testing import rel_err
 
-WIDE = dict(g.LARGE_WS_TILES["128x256"])
+WIDE = dict(gp.LARGE_WS_TILES["128x256"])
 PLAIN = (False, "none", False, False)
 
 
@@ -27,10 +27,10 @@ def _no_stream_k(monkeypatch):
     precedence where it applies): these tests run with stream-K off."""
     monkeypatch.setattr(sk, "STREAM_K", False)
     mk._matmul_plan.cache_clear()
-    g._ws_plan.cache_clear()
+    gp._ws_plan.cache_clear()
     yield
     mk._matmul_plan.cache_clear()
-    g._ws_plan.cache_clear()
+    gp._ws_plan.cache_clear()
 
 
 def _plan(m, n, k, epilogue=PLAIN, config=(), sms=132, a_strides=None):
@@ -43,19 +43,19 @@ def test_tail_split_rule():
     the 20 of the last wave and is 112 128-column tiles, one wave: split. The bench's other large
     shapes need several row blocks, more than a wave of them: no split; nor at short K, with a
     residual or a saved pre-activation, at full waves, or with TAIL_SPLIT off."""
-    assert g.tail_split_rows(8192, 14336, 4096, WIDE, PLAIN, 132) == 128
-    assert g.tail_split_rows(8192, 14336, 4096, WIDE, (True, "gelu", False, False), 132) == 128
-    assert g.tail_split_rows(8192 - 64, 14336, 4096, WIDE, PLAIN, 132) == 64     # a partial last row block
+    assert gp.tail_split_rows(8192, 14336, 4096, WIDE, PLAIN, 132) == 128
+    assert gp.tail_split_rows(8192, 14336, 4096, WIDE, (True, "gelu", False, False), 132) == 128
+    assert gp.tail_split_rows(8192 - 64, 14336, 4096, WIDE, PLAIN, 132) == 64     # a partial last row block
     for m, n, k in [(4096, 4096, 4096), (8192, 8192, 8192), (8192, 4096, 4096), (8192, 4096, 14336),
                     (8192, 6144, 4096), (14336, 4096, 8192), (8192, 14336, 2048)]:
-        assert g.tail_split_rows(m, n, k, WIDE, PLAIN, 132) == 0, (m, n, k)
+        assert gp.tail_split_rows(m, n, k, WIDE, PLAIN, 132) == 0, (m, n, k)
     for epilogue in [(False, "none", True, False), (False, "gelu", False, True)]:
-        assert g.tail_split_rows(8192, 14336, 4096, WIDE, epilogue, 132) == 0
-    assert g.tail_split_rows(8192, 14336, 4096, dict(g.LARGE_WS_TILES["128x128"]), PLAIN, 132) == 0
-    assert g.tail_split_rows(128 * 33, 1024, 4096, WIDE, PLAIN, 132) == 0         # 33 x 4 tiles: one full wave
+        assert gp.tail_split_rows(8192, 14336, 4096, WIDE, epilogue, 132) == 0
+    assert gp.tail_split_rows(8192, 14336, 4096, dict(gp.LARGE_WS_TILES["128x128"]), PLAIN, 132) == 0
+    assert gp.tail_split_rows(128 * 33, 1024, 4096, WIDE, PLAIN, 132) == 0         # 33 x 4 tiles: one full wave
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(g, "TAIL_SPLIT", False)
-        assert g.tail_split_rows(8192, 14336, 4096, WIDE, PLAIN, 132) == 0
+        mp.setattr(gp, "TAIL_SPLIT", False)
+        assert gp.tail_split_rows(8192, 14336, 4096, WIDE, PLAIN, 132) == 0
 
 
 def test_tail_split_plan():
@@ -110,7 +110,7 @@ def test_gpu_tail_split_launch(epilogue, b_layout):
     assert rows < m
     assert rel_err(got[rows:], ref[rows:]) <= 1e-2           # the second launch's rows alone
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(g, "TAIL_SPLIT", False)
+        mp.setattr(gp, "TAIL_SPLIT", False)
         mk._matmul_plan.cache_clear()
         one, _ = mk.launch_matmul(a, b, bias, None, act)
     mk._matmul_plan.cache_clear()

@@ -1,7 +1,7 @@
 """Runtime autotuning of ``tilefuse.matmul``'s launch config over the declared candidates (opt-in).
 
 By default every GEMM takes the config the declared launch heuristics choose for its shape
-(``_matmul_configs.choose_config`` for the ``tl`` kernel, ``_matmul_gluon.choose_ws_tile`` /
+(``_matmul_configs.choose_config`` for the ``tl`` kernel, ``_matmul_gluon_plan.choose_ws_tile`` /
 ``choose_large_ws_tile`` for the Gluon one: rules fitted to H200 sweeps, no timing at run time).
 With autotuning on (``TILEFUSE_AUTOTUNE=1`` in the environment, or :func:`set_autotune`), the
 first call of each GEMM problem times the heuristic's choice and every declared candidate
@@ -72,7 +72,7 @@ def matmul_candidates(m: int, dtype: torch.dtype, hopper_exact: bool, gluon_ok: 
     2 or 4; small M in each declared column width). A candidate the problem cannot take (a Gluon
     tile for a layout TMA cannot read) falls back to the ``tl`` kernel inside the plan and is timed
     as that."""
-    from ._matmul_gluon import LARGE_WS_TILES, WS_TILES      # (imports _matmul_kernels, which imports this)
+    from ._matmul_gluon_plan import LARGE_WS_TILES, WS_TILES      # (imports _matmul_kernels, which imports this)
 
     bucket = m_bucket(m)
     out = [()]

@@ -306,10 +306,10 @@ class _MatmulPlan(NamedTuple):
     split_tiles: int            # output tiles when split over K (0: not split)
     workspace: int              # fp32 elements of the split-K partials (0: not split)
     ws_tile: tuple = ()         # the Gluon kernel's tile config instead (see _ws_tile)
-    ws_plan: object = None      # its launch plan (_matmul_gluon._ws_plan)
-    ws_launch: object = None    # and _matmul_gluon.launch_ws_plan (imported when the plan is made)
+    ws_plan: object = None      # its launch plan (_matmul_gluon_plan._ws_plan)
+    ws_launch: object = None    # and _matmul_gluon_plan.launch_ws_plan (imported when the plan is made)
     memo: object = None         # the launches kept by address (_address_memo.AddressMemo)
-    tail_rows: int = 0          # the last rows launched as a second GEMM (_matmul_gluon.tail_split_rows)
+    tail_rows: int = 0          # the last rows launched as a second GEMM (_matmul_gluon_plan.tail_split_rows)
 
 
 def _ws_tile(m: int, n: int, k: int, dtype: torch.dtype, out_dtype: torch.dtype, a_strides: tuple,
@@ -331,7 +331,7 @@ def _ws_tile(m: int, n: int, k: int, dtype: torch.dtype, out_dtype: torch.dtype,
     fills the SMs; the tile keys BLOCK_N, BLOCK_K, STAGES, CONSUMERS, GROUP_M and PINGPONG override); any other
     config without GLUON is a tl kernel config, and keeps the tl kernel."""
     from . import _stream_k
-    from ._matmul_gluon import WS_TILES, choose_large_ws_tile, choose_ws_tile     # (imports this module)
+    from ._matmul_gluon_plan import WS_TILES, choose_large_ws_tile, choose_ws_tile     # (imports this module)
 
     forced = config.get("GLUON", False if config else None)
     bucket = m_bucket(m)
@@ -403,7 +403,7 @@ def _matmul_plan(m: int, n: int, k: int, dtype: torch.dtype, out_dtype: torch.dt
     ws_tile = _ws_tile(m, n, k, dtype, out_dtype, a_strides, b_strides, layout, sms, hopper_exact, epilogue,
                        out_aligned, dict(config))
     if ws_tile:
-        from ._matmul_gluon import _ws_plan, launch_ws_plan, tail_split_rows     # (imports this module)
+        from ._matmul_gluon_plan import _ws_plan, launch_ws_plan, tail_split_rows     # (imports this module)
 
         ws = _ws_plan(m, n, k, dtype.itemsize, out_dtype.itemsize, dict(ws_tile)["B_K_MAJOR"], sms, epilogue,
                       res_strides, ws_tile)

@@ -90,7 +90,7 @@ CHUNK_ROWS_ALIGN = 128      # chunk rows rounded down to the GEMMs' 128-row tile
 TILEFUSE_GEMMS = True
 
 # On sm_90 with TMA-aligned operands, tilefuse's warp-specialized Gluon GEMM
-# (_matmul_gluon.launch_gemm_accumulate, 128x256 tiles) can take the logits GEMM (no bias;
+# (_matmul_gluon_plan.launch_gemm_accumulate, 128x256 tiles) can take the logits GEMM (no bias;
 # GLUON_LOGITS) and grad_weight (+)= dlogitsᵀ @ h_c (GLUON_WEIGHT_GRAD; it loads the old [V, H]
 # tile during its K loop) in place of the above. Timed alone at M = 128256, N = 4096, K = 512
 # (scripts/gemm_accumulate_probe.py, H200 s29): 0.983 ms accumulating against cuBLAS's 0.978 /
@@ -104,7 +104,7 @@ TILEFUSE_GEMMS = True
 # (its two operand orders; the first is LCE's); whole steps in the notes (NOTES s50).
 GLUON_LOGITS = False
 GLUON_WEIGHT_GRAD = True
-# the accumulate GEMM's tile (_matmul_gluon.ACCUMULATE_TILES) for grad_weight: GLUON_WEIGHT_GRAD's
+# the accumulate GEMM's tile (_matmul_gluon_plan.ACCUMULATE_TILES) for grad_weight: GLUON_WEIGHT_GRAD's
 # chunks and the deferred last chunk (_finish_weight_grad_op)
 WEIGHT_GRAD_TILE = "128x128-pingpong"
 
@@ -154,7 +154,7 @@ def _chunked_pass(h2, weight, bias, target, row_scale, opts: CEOptions, loss_row
         c1 = min(c0 + chunk, n_tokens)
         h_c, logits = h2[c0:c1], buf[: c1 - c0]
         if tilefuse_gemm and GLUON_LOGITS and bias is None and _tma_ready(h_c, weight, logits):
-            from ._matmul_gluon import launch_gemm_accumulate     # Gluon: GPU only, imported there
+            from ._matmul_gluon_plan import launch_gemm_accumulate     # Gluon: GPU only, imported there
 
             launch_gemm_accumulate(h_c, weight.t(), logits, accumulate=False)
         elif tilefuse_gemm:       # see "Which GEMMs are tilefuse's" above
@@ -191,7 +191,7 @@ def _tilefuse_gemms(h2: torch.Tensor) -> bool:
 def _weight_grad_gemm(grad_weight, dlogits, h_c, first: bool, tilefuse_gemm: bool) -> None:
     """grad_weight (+)= dlogitsᵀ @ h_c (``first``: no old value to add)."""
     if not first and tilefuse_gemm and GLUON_WEIGHT_GRAD and _tma_ready(dlogits, h_c, grad_weight):
-        from ._matmul_gluon import launch_gemm_accumulate     # Gluon: GPU only, imported there
+        from ._matmul_gluon_plan import launch_gemm_accumulate     # Gluon: GPU only, imported there
 
         launch_gemm_accumulate(dlogits.t(), h_c, grad_weight, _weight_grad_tile())
     elif first and tilefuse_gemm:
@@ -206,7 +206,7 @@ def _weight_grad_gemm(grad_weight, dlogits, h_c, first: bool, tilefuse_gemm: boo
 
 def _weight_grad_tile() -> dict:
     """The accumulate GEMM's config for grad_weight (WEIGHT_GRAD_TILE)."""
-    from ._matmul_gluon import ACCUMULATE_TILES     # Gluon: GPU only, imported there
+    from ._matmul_gluon_plan import ACCUMULATE_TILES     # Gluon: GPU only, imported there
 
     return ACCUMULATE_TILES[WEIGHT_GRAD_TILE]
 
@@ -320,7 +320,7 @@ def _finish_weight_grad_op(grad_weight: torch.Tensor, dlogits: torch.Tensor, h_l
     go = grad_output.reshape(-1).to(torch.float32)
     tilefuse_gemm = _tilefuse_gemms(h_last)
     if tilefuse_gemm and _tma_ready(dlogits, h_last, grad_weight):
-        from ._matmul_gluon import launch_gemm_accumulate     # Gluon: GPU only, imported there
+        from ._matmul_gluon_plan import launch_gemm_accumulate     # Gluon: GPU only, imported there
 
         launch_gemm_accumulate(dlogits.t(), h_last, grad_weight, _weight_grad_tile(), scale=go / applied)
     else:
