@@ -286,8 +286,8 @@ def gemm_mma_partition(a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, c
 
 @gluon.jit
 def gemm_pingpong_partition(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, c_ready, c_free, order, bias_ptr,
-                            residual_ptr,
-                            preact_ptr, scale_ptr, M, N, K, stride_rm, stride_rn, stride_pm, WG: gl.constexpr,
+                            residual_ptr, preact_ptr, scale_ptr, M, N, K, stride_rm, stride_rn, stride_pm,
+                            WG: gl.constexpr,
                             HAS_BIAS: gl.constexpr, ACT: gl.constexpr, HAS_RESIDUAL: gl.constexpr,
                             SAVE_PREACT: gl.constexpr, NUM_PROGRAMS: gl.constexpr, GROUP_M: gl.constexpr,
                             BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
