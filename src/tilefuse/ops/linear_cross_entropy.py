@@ -81,8 +81,9 @@ CHUNK_ROWS_ALIGN = 128      # chunk rows rounded down to the GEMMs' 128-row tile
 # Which GEMMs are tilefuse's (``tilefuse_gemm`` in _chunked_pass; TILEFUSE_GEMMS = False: all
 # cuBLAS): on CUDA (fp16 / bf16) the chunk's logits GEMM (M = 512 tokens, N = V, K = H; cuBLAS
 # picks 320-row tiles there, which cover 512 rows as 640) and the first chunk's grad_weight (no
-# accumulator to read); grad_hidden and the accumulating grad_weight stay on cuBLAS (tilefuse's
-# residual epilogue took 1.25-1.30 ms against cuBLAS's 0.95-1.03 per chunk). H200, 2026-11-25,
+# accumulator to read); grad_hidden stays on cuBLAS, and the accumulating grad_weight GEMMs take
+# the Gluon accumulate GEMM below (GLUON_WEIGHT_GRAD; the tl kernel's residual epilogue took
+# 1.25-1.30 ms against cuBLAS's 0.95-1.03 per chunk, so cuBLAS where that is off). H200, 2026-11-25,
 # T = 8192, H = 4096, V = 128256, fwd+bwd steps interleaved in one process
 # (scripts/lce_profile.py --ab 6, -s28-lce-gemm-ab.log): 44.18 ms median against 45.52 with
 # cuBLAS for all. The GEMMs timed alone (scripts/lce_gemm_probe.py) swing run to run: logits
