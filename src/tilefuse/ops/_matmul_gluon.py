@@ -25,8 +25,9 @@ nvjet kernels use) is compute-bound and beats the ``tl`` kernel by ~2 % (``choos
 64-row accumulators) and the groups' K loops take turns, so one group's epilogue runs under the
 other's wgmmas (``gemm_pingpong_partition``). It pays where K is short: linear cross-entropy's
 accumulating grad_weight GEMMs (K = 640 tokens), 2-6 % faster than the cooperative 128x256 tile
-there and 5-10 % than the cuBLAS call it replaced (H200, 2026-12-02, three probes); at K = 4096 the 128x128 tile's extra L2 traffic costs more than the
-epilogue it hides (8192³: 651 against 699 TF/s), so plain GEMMs keep the cooperative tiles.
+there and 5-10 % than the cuBLAS call it replaced (H200, 2026-12-02, three probes); at K = 4096
+the 128x128 tile's extra L2 traffic costs more than the epilogue it hides (8192³: 651 against
+699 TF/s), so plain GEMMs keep the cooperative tiles.
 
 The tiles, the heuristics that choose them and the launchers: ``_matmul_gluon_plan``.
 GPU only (Gluon has no interpreter).
