@@ -23,6 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tilefuse import fp8
+from tilefuse._dispatch import num_sms
 from tilefuse.ops import _fp8_kernels as fk
 from tilefuse.ops import fp8 as fp8_ops
 from tilefuse.registry import get
@@ -303,6 +304,48 @@ def test_choose_gemm_config():
     assert fk.choose_gemm_config(16, 4096, 4096, h100)["BLOCK_M"] == 64
 
 
+def _plan(m, n, k, out_dtype=torch.bfloat16, rowwise=(False, False), has_bias=False, fast=True, config=(),
+          hopper=True):
+    """fk.gemm_plan of contiguous operands on a 132-SM GPU (sm_90 with ``hopper``), 16-byte aligned."""
+    return fk.gemm_plan(m, n, k, (k, 1), (k, 1), out_dtype, *rowwise, has_bias, fast, 132, hopper, True, True,
+                        True, False, config)
+
+
+def _gluon_constexprs(plan):
+    return dict(plan.gluon_plan.prepared.kwargs)
+
+
+def test_fast_accumulation_plans_take_the_gluon_gemm(monkeypatch):
+    """Fast accumulation at M > 256 on sm_90 plans the bf16 GEMM's Gluon kernel with fp8 operands
+    (_fp8_gemm.fast_gluon_plan): 128-deep K steps, the scale forms in SCALE_A / SCALE_B, stream-K
+    where _stream_k.stream_k_pays, 128x128 for per-column scales beside a bias; everything else
+    keeps its kernel (precise accumulation, small M, another GPU, a tl config, FAST_GLUON off)."""
+    from tilefuse.ops import _fp8_gemm, _stream_k
+    big = _plan(8192, 8192, 8192)
+    assert big.gluon_plan is not None and not big.warp_specialized and big.prepared is None
+    assert big.gluon_plan.block_k == 128 and big.gluon_plan.b_k_major and not big.gluon_plan.a_m_major
+    consts = _gluon_constexprs(big)
+    assert (consts["SCALE_A"], consts["SCALE_B"], consts["HAS_BIAS"]) == (1, 1, False)
+    assert big.gluon_plan.block_n1 == 256 and consts["STREAM_K"] == _stream_k.stream_k_pays(
+        8192, 8192, 8192, 128, 256, 128, 132) is True
+    assert _gluon_constexprs(_plan(4096, 4096, 4096))["STREAM_K"] is False        # pays nothing there
+    rows = _plan(4096, 4096, 4096, rowwise=(True, True), has_bias=True)
+    assert _gluon_constexprs(rows)["SCALE_A"] == 2 and _gluon_constexprs(rows)["SCALE_B"] == 2
+    assert rows.gluon_plan.block_n1 == 128                                          # spills at 128x256
+    assert _plan(4096, 4096, 4096, rowwise=(True, False), has_bias=True).gluon_plan.block_n1 == 256
+    assert _plan(4096, 4096, 4096, torch.float32).gluon_plan.block_n1 == 128       # 4-byte output staging
+    for other in (_plan(4096, 4096, 4096, fast=False), _plan(256, 4096, 4096), _plan(4096, 4096, 4096, hopper=False),
+                  _plan(4096, 4096, 4096, config=tuple(fk.GEMM_CONFIGS["tile_128x256"].items())),
+                  _plan(4096, 4096, 4096, config=(("GLUON", False),))):
+        assert other.gluon_plan is None
+    forced = _plan(64, 4096, 4096, config=(("GLUON", True), ("STREAM_K", True)))
+    assert forced.gluon_plan is not None and _gluon_constexprs(forced)["STREAM_K"] is False   # one wave: no region
+    monkeypatch.setattr(_fp8_gemm, "FAST_GLUON", False)
+    fk.gemm_plan.cache_clear()
+    assert _plan(8192, 8192, 8192).gluon_plan is None
+    fk.gemm_plan.cache_clear()
+
+
 # ----------------------------------------------------------------------------------------------
 # fp8.matmul: forward and backward
 # ----------------------------------------------------------------------------------------------
@@ -563,7 +606,7 @@ def test_linear_helpers():
 # registry specs and the training-curve script
 # ----------------------------------------------------------------------------------------------
 
-_SPECS = ("fp8_matmul", "fp8_matmul_rowwise", "fp8_scaled_matmul", "fp8_linear")
+_SPECS = ("fp8_matmul", "fp8_matmul_rowwise", "fp8_scaled_matmul", "fp8_scaled_matmul_fast", "fp8_linear")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -668,6 +711,57 @@ def test_gpu_compile_inductor():
     y = fn(x)
     y.sum().backward()
     assert rel_err(y, F.gelu(lin(x)).double()) <= 1e-2 and torch.isfinite(x.grad).all()
+
+
+# fast accumulation on the bf16 GEMM's Gluon kernel (_fp8_gemm.fast_gluon_plan): whole tiles with a
+# ragged edge and K tail, just past MID_MAX_M, stream-K over 2 waves + 1 tile (637x13560x4000: 265
+# 128x256 tiles, 32 K steps), a 128x128 tile (per-column scales with a bias), a one-wave forced call
+FAST_GLUON_CASES = [(4100, 4104, 4096, {}), (257, 8200, 1008, {}), (637, 13560, 4000, {}),
+                    (637, 13560, 4000, {"GLUON": True, "STREAM_K": False}), (64, 200, 96, {"GLUON": True})]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k,config", FAST_GLUON_CASES)
+def test_gpu_fast_accumulation_gluon_gemm(m, n, k, config):
+    """Every scale form, bias, e4m3 / e5m2 operands, every output dtype: within twice the tl fast
+    kernel's error (+1e-4) against the fp64 product of the dequantized operands, and within
+    FAST_ACC_TOL; NaN-poisoned outputs through launch_gemm_ws (an unwritten element fails);
+    a relaunch bit-identical (stream-K's fixed summation order) and its plan as the case says."""
+    from tilefuse.ops import _matmul_gluon_plan as gp
+    for dta, dtb, row_a, row_b, has_bias, out_dtype in ((E4M3, E4M3, False, False, False, torch.bfloat16),
+                                                        (E4M3, E4M3, True, True, True, torch.bfloat16),
+                                                        (E5M2, E4M3, False, True, True, torch.float16),
+                                                        (E4M3, E5M2, True, False, False, torch.float32)):
+        qa, sa, qb, sb = _operands(m, n, k, dta, dtb, row_a, row_b)
+        sa, sb = sa.reshape(-1), sb.reshape(-1)
+        bias = torch.randn(n, device="cuda", dtype=torch.bfloat16) if has_bias else None
+        ref = fp8_ops.scaled_matmul_reference(qa, sa, qb, sb, bias)
+        tl_fast = fk.launch_fp8_gemm(qa, sa, qb, sb, bias, out_dtype, True, {"GLUON": False})
+        bound = min(FAST_ACC_TOL, 2 * rel_err(tl_fast, ref) + 1e-4)
+        out = fk.launch_fp8_gemm(qa, sa, qb, sb, bias, out_dtype, True, config or None)
+        plan = fk.gemm_plan(m, n, k, qa.stride(), qb.stride(), out_dtype, row_a, row_b, has_bias, True, num_sms(qa),
+                            True, True, True, True, False, tuple(config.items()))
+        assert plan.gluon_plan is not None
+        assert rel_err(out, ref) <= bound, (dta, dtb, row_a, row_b, out_dtype, rel_err(out, ref), bound)
+        assert torch.equal(fk.launch_fp8_gemm(qa, sa, qb, sb, bias, out_dtype, True, config or None), out)
+        tile = dict(plan.gluon_plan.prepared.kwargs)
+        poisoned = torch.full((m, n), float("nan"), device="cuda", dtype=out_dtype)
+        cfg = {"CONSUMERS": tile["CONSUMERS"], "BLOCK_N": plan.gluon_plan.block_n1, "BLOCK_K": 128, "STAGES": 4,
+               "GROUP_M": tile["GROUP_M"], "STREAM_K": tile["STREAM_K"]}
+        gp.launch_gemm_ws(qa, qb.t(), poisoned, bias, config=cfg, scale_a=sa, scale_b=sb)
+        assert torch.equal(poisoned, out), (dta, dtb, row_a, row_b, out_dtype)
+    if m == 637 and not config:
+        assert tile["STREAM_K"]
+    # the kept launch is keyed on the operands' fp8 format: the same bytes read as e5m2
+    qa, sa, qb, sb = _operands(m, n, k)
+    sa, sb = sa.reshape(-1), sb.reshape(-1)
+    for _ in range(3):      # kept from the second sighting on
+        fk.launch_fp8_gemm(qa, sa, qb, sb, None, torch.bfloat16, True, config or None)
+    q5, s5 = fp8.quantize_fp8(torch.randn(m, k, device="cuda"), E5M2)
+    qa.view(torch.uint8).copy_(q5.view(torch.uint8))       # same addresses: only the format differs
+    sa.copy_(s5.reshape(1))
+    as_e5m2 = fk.launch_fp8_gemm(qa.view(E5M2), sa, qb, sb, None, torch.bfloat16, True, config or None)
+    assert rel_err(as_e5m2, fp8_ops.scaled_matmul_reference(q5, s5, qb, sb)) <= FAST_ACC_TOL
 
 
 @pytest.mark.gpu

@@ -225,6 +225,16 @@ GEMM_CASES = {   # name: (tile of _matmul_gluon_plan.WS_TILES, activation, bias 
     "large-128x128-pingpong-bias-gelu": ("large-128x128-pingpong", "gelu", "bias", torch.bfloat16, True),
     "large-128x128-pingpong-a-m-major": ("large-128x128-pingpong", "none", False, torch.bfloat16, False, True),
     "large-128x128-pingpong-epilogue-fp32": ("large-128x128-pingpong", "silu", True, torch.float32, True),
+    # fp8 operands with fast accumulation (_fp8_gemm's Gluon plan): 128-deep K steps, the dequantization
+    # scales (SCALE_A, SCALE_B: 1 per tensor, 2 per row / column) in the epilogue and a stream-K head;
+    # per-column scales beside a bias take 128x128 (at 128x256 the two [256] vectors spill ~300 bytes)
+    "large-128x256-fp8-row-a-scales-bias": ("large-128x256", "none", "bias", torch.bfloat16, True, False, False,
+                                            (2, 1)),
+    "large-128x128-fp8-row-scales-bias": ("large-128x128", "none", "bias", torch.bfloat16, True, False, False, (2, 2)),
+    "large-128x256-fp8-tensor-scales-stream-k": ("large-128x256", "none", "bias", torch.bfloat16, True, False, True,
+                                                 (1, 1)),
+    "large-128x256-fp8-row-scales-stream-k": ("large-128x256", "none", False, torch.bfloat16, True, False, True, (2, 2)),
+    "large-128x128-fp8-fp32-out": ("large-128x128", "none", "bias", torch.float32, True, False, False, (2, 1)),
 }
 
 
@@ -239,11 +249,13 @@ def compile_gemm(case):
     from tilefuse.ops import _matmul_gluon as g
     from tilefuse.ops import _matmul_gluon_plan as gp
     tile, act, epilogue, out_dtype, b_k_major, *rest = GEMM_CASES[case]
-    a_m_major, stream_k = (list(rest) + [False, False])[:2]
-    cfg = (gp.ACCUMULATE_TILES[tile.removeprefix("large-")] if tile.startswith("large-")
-           else gp.WS_TILES.get(tile) or dict(gp.WS_TILES["64x128"], BLOCK_N=96))      # 96 = 64 + 32: two B parts
+    a_m_major, stream_k, scales = list(rest) + [False, False, (0, 0)][len(rest):]
+    cfg = dict(gp.ACCUMULATE_TILES[tile.removeprefix("large-")] if tile.startswith("large-")
+               else gp.WS_TILES.get(tile) or dict(gp.WS_TILES["64x128"], BLOCK_N=96))      # 96 = 64 + 32: two B parts
     m, n, k = 2000, 1000, 3000
     dtype = torch.float16 if out_dtype == torch.float16 else torch.bfloat16
+    if scales != (0, 0):        # fp8: K steps of the same bytes; 16-byte rows for TMA
+        dtype, cfg["BLOCK_K"], k = torch.float8_e4m3fn, 2 * cfg["BLOCK_K"], 3008
     a, w = torch.empty(m, k, dtype=dtype), torch.empty(n, k, dtype=dtype)
     a_desc = gp._descriptor(a.t().contiguous(), (cfg["BLOCK_K"], gp.ROWS_PER_GROUP)) if a_m_major else \
         gp._descriptor(a, (gp.ROWS_PER_GROUP, cfg["BLOCK_K"]))
@@ -257,20 +269,22 @@ def compile_gemm(case):
                           else gp._descriptor(w_t, (cfg["BLOCK_K"], width)))
     args = dict(a_desc=a_desc, b_desc=part(bn1), b2_desc=part(bn2 or bn1),
                 c_desc=gp._descriptor(out, (rows, bn1)), c2_desc=gp._descriptor(out, (rows, bn2 or bn1)),
-                bias_ptr=torch.empty(n, dtype=dtype), residual_ptr=out, preact_ptr=out, scale_ptr=out,
-                ws_ptr=torch.empty(1, dtype=torch.float32), flag_ptr=torch.empty(1, dtype=torch.int32), M=m, N=n, K=k,
+                bias_ptr=torch.empty(n, dtype=torch.bfloat16), residual_ptr=out, preact_ptr=out,
+                scale_ptr=torch.empty(m), scale_b_ptr=torch.empty(n), ws_ptr=torch.empty(1, dtype=torch.float32), flag_ptr=torch.empty(1, dtype=torch.int32), M=m, N=n, K=k,
                 stride_rm=n, stride_rn=1, stride_pm=n, sk_tiles=200 if stream_k else 0)
-    stages = gp.fit_ring(cfg["STAGES"], cfg["CONSUMERS"], cfg["BLOCK_N"], cfg["BLOCK_K"], 2, out.element_size(),
-                        cfg.get("PINGPONG", False))
+    stages = gp.fit_ring(cfg["STAGES"], cfg["CONSUMERS"], cfg["BLOCK_N"], cfg["BLOCK_K"], a.element_size(),
+                         out.element_size(), cfg.get("PINGPONG", False))
     full = epilogue is True     # "bias": the bias alone (no residual / preact)
     constexprs = dict(HAS_BIAS=bool(epilogue), ACT=act, HAS_RESIDUAL=full, SAVE_PREACT=full, NUM_PROGRAMS=132,
                       GROUP_M=cfg["GROUP_M"], STAGES=stages, CONSUMERS=cfg["CONSUMERS"], CONSUMER_REGS=worker_regs,
                       B_K_MAJOR=b_k_major, HAS_B2=bn2 > 0, A_M_MAJOR=a_m_major, ACCUMULATE=False,
-                      HAS_SCALE=False, STREAM_K=stream_k, PINGPONG=cfg.get("PINGPONG", False))
+                      HAS_SCALE=False, SCALE_A=scales[0], SCALE_B=scales[1], STREAM_K=stream_k,
+                      PINGPONG=cfg.get("PINGPONG", False))
     compiled = _compile_sm90(g.gemm_ws_kernel, args, constexprs, launch_regs)
     _check(compiled)
     sass = _ptxas_and_sass(compiled)[1]
-    assert "HGMMA" in sass and "UTMALDG" in sass and "UTMASTG" in sass
+    assert ("QGMMA" if scales != (0, 0) else "HGMMA") in sass       # QGMMA: sm_90's fp8 wgmma
+    assert "UTMALDG" in sass and "UTMASTG" in sass
     # the fixup: the flag raised with a release, taken with an acquiring compare-and-swap, and the
     # producer's L2 prefetch of the partials before the collect (_stream_k.stream_k_prefetch)
     assert ("ATOM" in sass or "ATOMG" in sass) == stream_k
@@ -311,14 +325,15 @@ def compile_gemm_accumulate(case):
     c_desc = gp._descriptor(out, (rows, bn))
     launch_regs, worker_regs = gp.ws_regs(cfg["CONSUMERS"])
     args = dict(a_desc=a_desc, b_desc=b_desc, b2_desc=b_desc, c_desc=c_desc, c2_desc=c_desc, bias_ptr=out,
-                residual_ptr=out, preact_ptr=out, scale_ptr=torch.empty(1), ws_ptr=out, flag_ptr=out, M=m, N=n, K=k,
+                residual_ptr=out, preact_ptr=out, scale_ptr=torch.empty(1), scale_b_ptr=out, ws_ptr=out, flag_ptr=out,
+                M=m, N=n, K=k,
                 stride_rm=n, stride_rn=1, stride_pm=n, sk_tiles=0)
     pingpong = cfg.get("PINGPONG", False)
     stages = gp.fit_ring(cfg["STAGES"], cfg["CONSUMERS"], bn, bk, 2, 2, pingpong)
     constexprs = dict(HAS_BIAS=False, ACT="none", HAS_RESIDUAL=False, SAVE_PREACT=False, NUM_PROGRAMS=132,
                       GROUP_M=cfg["GROUP_M"], STAGES=stages, CONSUMERS=cfg["CONSUMERS"], CONSUMER_REGS=worker_regs,
                       B_K_MAJOR=b_k_major, HAS_B2=False, A_M_MAJOR=a_m_major, ACCUMULATE=bool(accumulate),
-                      HAS_SCALE=accumulate == "scaled", STREAM_K=False, PINGPONG=pingpong)
+                      HAS_SCALE=accumulate == "scaled", SCALE_A=0, SCALE_B=0, STREAM_K=False, PINGPONG=pingpong)
     compiled = _compile_sm90(g.gemm_ws_kernel, args, constexprs, launch_regs)
     _check(compiled)
     report, sass = _ptxas_and_sass(compiled)

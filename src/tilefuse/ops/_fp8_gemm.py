@@ -5,8 +5,9 @@ fp8 (both K-major: what Hopper's fp8 wgmma wants; b is nn.Linear's weight layout
 accumulation, persistent grid in matmul's grouped tile order (``_tile_coords``), operands through
 tensor descriptors (sm_90+, 16-byte aligned rows) or pointer loads (any strides; the interpreter,
 which upcasts the operands to fp32 itself: ``UPCAST``, see ``_fp8_kernels``). Its last waves can be
-cut along K (stream-K, ``_stream_k``). Precise accumulation on sm_90 goes to the warp-specialized
-Gluon kernel instead (``_fp8_gluon``, :func:`use_warp_specialized`). The quantization kernels and
+cut along K (stream-K, ``_stream_k``). On sm_90 the warp-specialized Gluon kernels take the large
+GEMMs instead: precise accumulation ``_fp8_gluon`` (:func:`use_warp_specialized`), fast accumulation
+the bf16 GEMM's ``_matmul_gluon.gemm_ws_kernel`` with fp8 operands (:func:`fast_gluon_plan`). The quantization kernels and
 the fp8 constants: ``_fp8_kernels`` (which re-exports this module's names; nothing is imported
 from there, so either may be imported first).
 """
@@ -21,9 +22,13 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
+from .._address_memo import AddressMemo
 from .._dispatch import cdiv, device_traits, empty, is_hopper, is_hopper_or_newer, next_power_of_2, num_sms
 from .._launch import PreparedArgs, config_key, fast_launch, use_device_descriptors
+from . import _matmul_kernels
 from ._matmul_kernels import _tile_coords, split_k_buffers
+from . import _stream_k
+from ._matmul_configs import MID_MAX_M
 from ._stream_k import stream_k_collect_tl, stream_k_publish_tl, stream_k_run, stream_k_tiles
 
 
@@ -232,6 +237,14 @@ DEFAULT_WARP_SPECIALIZE = True  # precise accumulation on sm_90 through _fp8_glu
 # -s48-stream-k-probe-first.log); with stream-K compiled in, the kernel takes 255 registers and
 # spills (157 registers without: s47's offline sm_90 compile)
 FP8_STREAM_K = False
+# Fast accumulation at large M on sm_90: the bf16 GEMM's warp-specialized Gluon kernel with fp8
+# operands (a producer warp, two consumer warp groups, the dequantization scales in its epilogue;
+# fast_gluon_plan). H200 2026-12-02, CUDA-graph replays after an L2 flush, 7 interleaved rounds,
+# per-tensor scales, bf16 out (scripts/fp8_ws_probe.py, -s51-fp8-ws-probe.log): its 128x256 tile at
+# 4096³ / 8192³ / 8192x4096x4096 / 8192x14336x4096 ran 1.038 / 1.062 / 1.075 / 1.067x _scaled_mm
+# (with stream-K where _stream_k.stream_k_pays takes it, 8192³ and 8192x14336x4096: 1.074 / 1.087x),
+# where this file's tl kernel ran 0.942 / 0.998 / 0.958 / 0.932x. False: the tl kernel (an A/B switch).
+FAST_GLUON = True
 DEFAULT_FLATTEN = False         # off, as matmul (its H100 sweep: flatten 4x slower at M=1); unswept for fp8
 SMALL_M = 64                    # M up to this: the small-M config
 
@@ -288,6 +301,8 @@ class GemmPlan(NamedTuple):
     grid: tuple                     # (persistent programs,)
     prepared: PreparedArgs | None   # fp8_gemm_kernel's sizes, strides and constexprs
     sk_workspace: int = 0           # stream-K: fp32 elements of the partials (0: whole tiles; flags: grid[0])
+    gluon_plan: object = None       # fast accumulation on gemm_ws_kernel (fast_gluon_plan); the others unused
+    memo: object = None             # its launches kept by address (_address_memo.AddressMemo)
 
 
 def _tma_rows_ok(strides: tuple, cols: int) -> bool:
@@ -305,9 +320,15 @@ def gemm_plan(m: int, n: int, k: int, a_strides: tuple, b_strides: tuple, out_dt
     ``config`` (see :func:`launch_fp8_gemm`). ``*_aligned``: 16-byte aligned base pointers."""
     config = dict(config)
     ws = config.pop("WARP_SPECIALIZE", None)
+    gluon = config.pop("GLUON", None)
     tma_ok = (DEFAULT_USE_TMA and hopper_or_newer and ab_aligned
               and _tma_rows_ok(a_strides, k) and _tma_rows_ok(b_strides, k))
     out_tma_ok = out_aligned and (n * out_dtype.itemsize) % 16 == 0
+    if (fast_accum and hopper and tma_ok and out_tma_ok and k > 0 and not ws and gluon is not False
+            and (gluon or (FAST_GLUON and not config))):
+        fast = fast_gluon_plan(m, n, k, out_dtype, rowwise_a, rowwise_b, has_bias, sms, config if gluon else None)
+        if fast is not None:
+            return GemmPlan(False, {}, False, fast.grid, None, 0, fast, AddressMemo())
     if ws or (ws is None and not config
               and _warp_specialized_by_default(m, n, k, fast_accum, hopper, sms, tma_ok, out_tma_ok)):
         if fast_accum:                                  # forced: one partial sum over the whole K
@@ -341,9 +362,61 @@ def gemm_plan(m: int, n: int, k: int, a_strides: tuple, b_strides: tuple, out_dt
                     programs * cfg["BLOCK_M"] * cfg["BLOCK_N"] if sk_tiles else 0)
 
 
+def fast_gluon_plan(m: int, n: int, k: int, out_dtype: torch.dtype, rowwise_a: bool, rowwise_b: bool,
+                    has_bias: bool, sms: int, config: dict | None = None):
+    """The ``_matmul_gluon_plan._ws_plan`` of a fast-accumulation GEMM on the bf16 GEMM's Gluon
+    kernel (see FAST_GLUON), or None where that kernel does not take it: large M only (M >
+    MID_MAX_M, the 16-bit GEMM's rule; unmeasured below), the tile of ``choose_large_ws_tile``
+    with 128-deep K steps (the 16-bit tiles' 128-byte rows and stage bytes), but 128x128 when
+    per-column scales meet a bias (at 128x256 their two [256] vectors spill ~300 bytes, sm_90
+    offline compile), and stream-K over the last waves where ``_stream_k.stream_k_pays``.
+    ``config``: a forced (``GLUON``) call's tile keys that override, and STREAM_K; at any M, on
+    128x128 where the large-M rule picks no tile. None: the default plan."""
+    from ._matmul_gluon_plan import LARGE_WS_TILES, _ws_plan, choose_large_ws_tile   # Gluon: imported on use
+    forced = config is not None
+    config = config or {}
+    epilogue = (has_bias, "none", False, False)
+    tile = choose_large_ws_tile(m, n, epilogue, out_dtype.itemsize, sms) if m > MID_MAX_M or forced else None
+    if tile is None and forced:
+        tile = dict(LARGE_WS_TILES["128x128"])
+    if tile is None:
+        return None
+    if rowwise_b and has_bias and tile["BLOCK_N"] == 256:
+        tile = dict(LARGE_WS_TILES["128x128"])
+    tile["BLOCK_K"] *= 2
+    tile.update({key: config[key] for key in (*tile, "PINGPONG") if key in config})
+    stream_k = config.get("STREAM_K")
+    if stream_k is None:
+        stream_k = _stream_k.STREAM_K and _stream_k.stream_k_pays(
+            m, n, k, 64 * tile["CONSUMERS"], tile["BLOCK_N"], tile["BLOCK_K"], sms)
+    tile["STREAM_K"] = bool(stream_k)
+    return _ws_plan(m, n, k, 1, out_dtype.itemsize, True, sms, epilogue, (n, 1), tuple(tile.items()),
+                    (2 if rowwise_a else 1, 2 if rowwise_b else 1))
+
+
 # ----------------------------------------------------------------------------------------------
 # launcher (inputs validated by the public functions)
 # ----------------------------------------------------------------------------------------------
+
+
+def _launch_fast_gluon(plan: GemmPlan, a, scale_a, b, scale_b, bias, out) -> None:
+    """One launch of a :func:`fast_gluon_plan`; a repeat at the addresses of an earlier one calls
+    the C launcher with that one's arguments (the plan's AddressMemo, as the 16-bit GEMM's: ~20-35
+    µs of host time a launch on the H200 host, s44). The plan fixes every view and the output's
+    dtype, not the operands' fp8 formats or the bias' dtype: those are in the key."""
+    from ._matmul_gluon_plan import launch_ws_plan  # Gluon: imported on first use on an sm_90 GPU
+    ws = plan.gluon_plan
+    sk = split_k_buffers(a.device, ws.sk_slots, ws.sk_workspace) if ws.sk_slots else None
+    memo = plan.memo if _matmul_kernels.MEMO_LAUNCHES else None
+    key = None
+    if memo is not None and not memo.off:
+        key = (a.data_ptr(), a.dtype, b.data_ptr(), b.dtype, out.data_ptr(), scale_a.data_ptr(),
+               scale_b.data_ptr(), None if bias is None else (bias.data_ptr(), bias.dtype),
+               None if sk is None else (sk[0].data_ptr(), sk[1].data_ptr()))
+        if memo.launch(key):
+            return
+    launch_ws_plan(ws, a, b.t(), out, bias, memo=memo if key else None, key=key, sk_buffers=sk,
+                   scale_a=scale_a, scale_b=scale_b)
 
 
 def launch_fp8_gemm(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor,
@@ -368,6 +441,9 @@ def launch_fp8_gemm(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, sca
                      bias is not None, bool(fast_accum), sms, hopper, hopper_or_newer,
                      a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0,
                      KERNELS_INTERPRETED, config_key(config))
+    if plan.gluon_plan is not None:
+        _launch_fast_gluon(plan, a, scale_a, b, scale_b, bias, out if out.dim() == 2 else out.view(m, n))
+        return out
     if plan.warp_specialized:
         from ._fp8_gluon import launch_fp8_gemm_ws      # Gluon: imported on first use on an sm_90 GPU
         launch_fp8_gemm_ws(a, scale_a, b, scale_b, bias, out if out.dim() == 2 else out.view(m, n),

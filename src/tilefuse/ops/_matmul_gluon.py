@@ -48,15 +48,25 @@ from ._matmul_kernels import _tile_coords
 from ._stream_k import stream_k_add, stream_k_publish, stream_k_run, stream_k_wait
 
 
+@gluon.constexpr_function
+def wgmma_layout(block_n, operand_dtype):
+    """The accumulator layout of one consumer warp group's [64, block_n] wgmma tile. An
+    instruction reduces 32 bytes of K: 16 elements of a 16-bit operand, 32 of an fp8 one."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                     instr_shape=[16, block_n, 256 // operand_dtype.primitive_bitwidth])
+
+
 @gluon.jit
-def _gemm_epilogue(acc, c_desc, c_smem, bias_ptr, residual_ptr, preact_ptr, off_m, off_n, M, N,
-                   stride_rm, stride_rn, stride_pm, HAS_BIAS: gl.constexpr, ACT: gl.constexpr,
-                   HAS_RESIDUAL: gl.constexpr, SAVE_PREACT: gl.constexpr):
-    """The output tile at (off_m, off_n), as the tl kernel's: z = acc + bias; [preact = z];
-    out = act(z) + residual, stored through shared memory and a TMA store (rows / columns past
-    the edges are clipped by the descriptor)."""
-    y = _epilogue_value(acc, c_desc, bias_ptr, residual_ptr, preact_ptr, off_m, off_n, M, N, stride_rm,
-                        stride_rn, stride_pm, HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT)
+def _gemm_epilogue(acc, c_desc, c_smem, bias_ptr, residual_ptr, preact_ptr, scale_a_ptr, scale_b_ptr, off_m, off_n,
+                   M, N, stride_rm, stride_rn, stride_pm, HAS_BIAS: gl.constexpr, ACT: gl.constexpr,
+                   HAS_RESIDUAL: gl.constexpr, SAVE_PREACT: gl.constexpr, SCALE_A: gl.constexpr,
+                   SCALE_B: gl.constexpr):
+    """The output tile at (off_m, off_n), as the tl kernel's: z = acc · scale_a · scale_b + bias;
+    [preact = z]; out = act(z) + residual, stored through shared memory and a TMA store (rows /
+    columns past the edges are clipped by the descriptor)."""
+    y = _epilogue_value(acc, c_desc, bias_ptr, residual_ptr, preact_ptr, scale_a_ptr, scale_b_ptr, off_m, off_n,
+                        M, N, stride_rm, stride_rn, stride_pm, HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT, SCALE_A,
+                        SCALE_B)
     tma.store_wait(pendings=0)      # the last tile's store has left c_smem
     c_smem.store(y.to(c_desc.dtype))
     fence_async_shared()
@@ -96,17 +106,37 @@ def _trace(ptr, event: gl.constexpr, WG: gl.constexpr, CONSUMERS: gl.constexpr):
 
 
 @gluon.jit
-def _epilogue_value(acc, c_desc, bias_ptr, residual_ptr, preact_ptr, off_m, off_n, M, N,
+def _scaled(acc, scale_a_ptr, scale_b_ptr, off_m, off_n, M, N, SCALE_A: gl.constexpr, SCALE_B: gl.constexpr):
+    """acc · scale_a · scale_b for the tile at (off_m, off_n): an fp8 product's dequantization.
+    SCALE_A: 0 none, 1 one fp32 value (scale_a_ptr[0]), 2 one per row (scale_a_ptr[row]); SCALE_B
+    likewise, 2 being one per output column."""
+    layout: gl.constexpr = acc.type.layout
+    if SCALE_A == 1:
+        acc = acc * gl.load(scale_a_ptr)
+    elif SCALE_A == 2:
+        rows = off_m + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, layout))
+        acc = acc * gl.load(scale_a_ptr + rows, mask=rows < M, other=0.0)[:, None]
+    if SCALE_B == 1:
+        acc = acc * gl.load(scale_b_ptr)
+    elif SCALE_B == 2:
+        cols = off_n + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, layout))
+        acc = acc * gl.load(scale_b_ptr + cols, mask=cols < N, other=0.0)[None, :]
+    return acc
+
+
+@gluon.jit
+def _epilogue_value(acc, c_desc, bias_ptr, residual_ptr, preact_ptr, scale_a_ptr, scale_b_ptr, off_m, off_n, M, N,
                     stride_rm, stride_rn, stride_pm, HAS_BIAS: gl.constexpr, ACT: gl.constexpr,
-                    HAS_RESIDUAL: gl.constexpr, SAVE_PREACT: gl.constexpr):
-    """act(acc + bias) + residual of the tile at (off_m, off_n) in fp32 (and the pre-activation
-    stored, SAVE_PREACT)."""
+                    HAS_RESIDUAL: gl.constexpr, SAVE_PREACT: gl.constexpr, SCALE_A: gl.constexpr,
+                    SCALE_B: gl.constexpr):
+    """act(acc · scale_a · scale_b + bias) + residual of the tile at (off_m, off_n) in fp32 (and
+    the pre-activation stored, SAVE_PREACT)."""
     layout: gl.constexpr = acc.type.layout
     rows = off_m + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, layout))
     cols = off_n + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, layout))
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     rows64 = rows.to(gl.int64)
-    z = acc
+    z = _scaled(acc, scale_a_ptr, scale_b_ptr, off_m, off_n, M, N, SCALE_A, SCALE_B)
     if HAS_BIAS:
         z += gl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(gl.float32)[None, :]
     if SAVE_PREACT:
@@ -197,22 +227,23 @@ def _mma_k_steps(acc, acc2, a_bufs, b_bufs, b2_bufs, ready, empty, it, steps, c_
 
 @gluon.jit
 def gemm_mma_partition(a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, c_smem, c2_smem, c_ready, c_free,
-                       bias_ptr, residual_ptr, preact_ptr, scale_ptr, ws_ptr, flag_ptr, M, N, K, stride_rm,
-                       stride_rn, stride_pm, sk_tiles, WG: gl.constexpr,
+                       bias_ptr, residual_ptr, preact_ptr, scale_ptr, scale_b_ptr, ws_ptr, flag_ptr, M, N, K,
+                       stride_rm, stride_rn, stride_pm, sk_tiles, WG: gl.constexpr,
                        HAS_BIAS: gl.constexpr, ACT: gl.constexpr, HAS_RESIDUAL: gl.constexpr,
                        SAVE_PREACT: gl.constexpr, NUM_PROGRAMS: gl.constexpr, GROUP_M: gl.constexpr,
                        BLOCK_N1: gl.constexpr, BLOCK_N2: gl.constexpr, BLOCK_K: gl.constexpr,
                        STAGES: gl.constexpr, CONSUMERS: gl.constexpr, B_K_MAJOR: gl.constexpr,
                        A_M_MAJOR: gl.constexpr, ACCUMULATE: gl.constexpr, HAS_SCALE: gl.constexpr,
-                       STREAM_K: gl.constexpr):
+                       SCALE_A: gl.constexpr, SCALE_B: gl.constexpr, STREAM_K: gl.constexpr):
     """One consumer warp group: rows [WG·64, WG·64 + 64) of each tile of this program, columns
     [0, BLOCK_N1) in one accumulator and, when BLOCK_N2 > 0, [BLOCK_N1, BLOCK_N1 + BLOCK_N2) in a
     second (a tile of two power-of-two widths, e.g. 96 = 64 + 32). ACCUMULATE: out += a @ b, the
     old tile from the producer (one B part; no bias, activation or residual), times scale_ptr[0]
-    with HAS_SCALE. STREAM_K: the last ``sk_tiles`` tiles are cut along K (``_stream_k``)."""
+    with HAS_SCALE. Otherwise SCALE_A / SCALE_B (fp8 operands): the product times scale_ptr's and
+    scale_b_ptr's values (:func:`_scaled`). STREAM_K: the last ``sk_tiles`` tiles are cut along K
+    (``_stream_k``)."""
     HAS_B2: gl.constexpr = BLOCK_N2 > 0
-    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, BLOCK_N1, 16])
+    mma_layout: gl.constexpr = wgmma_layout(BLOCK_N1, a_bufs.dtype)
     num_pid_m = gl.cdiv(M, WG_ROWS * CONSUMERS)
     num_pid_n = gl.cdiv(N, BLOCK_N1 + BLOCK_N2)
     k_tiles = gl.cdiv(K, BLOCK_K)
@@ -226,8 +257,7 @@ def gemm_mma_partition(a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, c
         off_n = pid_n * (BLOCK_N1 + BLOCK_N2)
         acc = gl.zeros([WG_ROWS, BLOCK_N1], gl.float32, mma_layout)
         if HAS_B2:
-            mma_layout2: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                                  instr_shape=[16, BLOCK_N2, 16])
+            mma_layout2: gl.constexpr = wgmma_layout(BLOCK_N2, a_bufs.dtype)
             acc2 = gl.zeros([WG_ROWS, BLOCK_N2], gl.float32, mma_layout2)
         else:
             acc2 = acc
@@ -238,11 +268,13 @@ def gemm_mma_partition(a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, c
         if ACCUMULATE:
             _accumulate_epilogue(acc, acc2, c_desc, c_smem, off_m, off_n, scale_ptr, HAS_SCALE)
         else:
-            _gemm_epilogue(acc, c_desc, c_smem, bias_ptr, residual_ptr, preact_ptr, off_m, off_n, M, N,
-                           stride_rm, stride_rn, stride_pm, HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT)
+            _gemm_epilogue(acc, c_desc, c_smem, bias_ptr, residual_ptr, preact_ptr, scale_ptr, scale_b_ptr, off_m,
+                           off_n, M, N, stride_rm, stride_rn, stride_pm, HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT,
+                           SCALE_A, SCALE_B)
             if HAS_B2:
-                _gemm_epilogue(acc2, c2_desc, c2_smem, bias_ptr, residual_ptr, preact_ptr, off_m, off_n + BLOCK_N1,
-                               M, N, stride_rm, stride_rn, stride_pm, HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT)
+                _gemm_epilogue(acc2, c2_desc, c2_smem, bias_ptr, residual_ptr, preact_ptr, scale_ptr, scale_b_ptr,
+                               off_m, off_n + BLOCK_N1, M, N, stride_rm, stride_rn, stride_pm, HAS_BIAS, ACT,
+                               HAS_RESIDUAL, SAVE_PREACT, SCALE_A, SCALE_B)
         tile_count += 1
     _trace(preact_ptr, 1, WG, CONSUMERS)
     if STREAM_K:
@@ -254,17 +286,22 @@ def gemm_mma_partition(a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, c
             acc = _plain_k_steps(a_bufs, b_bufs, ready, empty, it, k_tiles, c_smem, mma_layout, WG, BLOCK_N1,
                                  STAGES, CONSUMERS, B_K_MAJOR, A_M_MAJOR)
             it += k_tiles
-            _stream_k_epilogue(acc, dp_tiles + t, num_pid_m, num_pid_n, c_desc, c_smem, bias_ptr, residual_ptr,
-                               preact_ptr, M, N, stride_rm, stride_rn, stride_pm, WG, HAS_BIAS, ACT, HAS_RESIDUAL,
-                               SAVE_PREACT, GROUP_M, BLOCK_N1, CONSUMERS)
+            off_m, off_n = _group_tile_offsets(dp_tiles + t, num_pid_m, num_pid_n, WG, GROUP_M, BLOCK_N1, CONSUMERS)
+            _gemm_epilogue(acc, c_desc, c_smem, bias_ptr, residual_ptr, preact_ptr, scale_ptr, scale_b_ptr, off_m,
+                           off_n, M, N, stride_rm, stride_rn, stride_pm, HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT,
+                           SCALE_A, SCALE_B)
         _trace(preact_ptr, 2, WG, CONSUMERS)
         # 2. the head of the tile it ends in: a partial for the next program
         if b < k_tiles:
             acc = _plain_k_steps(a_bufs, b_bufs, ready, empty, it, b, c_smem, mma_layout, WG, BLOCK_N1, STAGES,
                                  CONSUMERS, B_K_MAJOR, A_M_MAJOR)
             it += b
-            if HAS_BIAS:        # the head carries the tile's bias, so the tail's epilogue loads none
-                acc += _bias_row(acc, bias_ptr, dp_tiles + last, num_pid_m, num_pid_n, N, GROUP_M, BLOCK_N1)
+            # the head carries the tile's scales and bias, so the tail's epilogue applies neither
+            off_m, off_n = _group_tile_offsets(dp_tiles + last, num_pid_m, num_pid_n, WG, GROUP_M, BLOCK_N1,
+                                               CONSUMERS)
+            acc = _scaled(acc, scale_ptr, scale_b_ptr, off_m, off_n, M, N, SCALE_A, SCALE_B)
+            if HAS_BIAS:
+                acc += _bias_row(acc, bias_ptr, off_n, N)
             stream_k_publish(acc, ws_ptr, flag_ptr, slot)
         _trace(preact_ptr, 3, WG, CONSUMERS)
         # 3. the tail of the tile it starts in, plus the previous program's head of it (which the
@@ -273,13 +310,15 @@ def gemm_mma_partition(a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, c
             acc = _plain_k_steps(a_bufs, b_bufs, ready, empty, it, k_tiles - a, c_smem, mma_layout, WG, BLOCK_N1,
                                  STAGES, CONSUMERS, B_K_MAJOR, A_M_MAJOR)
             it += k_tiles - a
+            off_m, off_n = _group_tile_offsets(dp_tiles + first, num_pid_m, num_pid_n, WG, GROUP_M, BLOCK_N1,
+                                               CONSUMERS)
+            acc = _scaled(acc, scale_ptr, scale_b_ptr, off_m, off_n, M, N, SCALE_A, SCALE_B)    # its own K steps
             _trace(preact_ptr, 4, WG, CONSUMERS)
             stream_k_wait(flag_ptr, slot - CONSUMERS)
             _trace(preact_ptr, 5, WG, CONSUMERS)
             acc = stream_k_add(acc, ws_ptr, slot - CONSUMERS)
-            _stream_k_epilogue(acc, dp_tiles + first, num_pid_m, num_pid_n, c_desc, c_smem, bias_ptr,
-                               residual_ptr, preact_ptr, M, N, stride_rm, stride_rn, stride_pm, WG, False, ACT,
-                               HAS_RESIDUAL, SAVE_PREACT, GROUP_M, BLOCK_N1, CONSUMERS)
+            _gemm_epilogue(acc, c_desc, c_smem, bias_ptr, residual_ptr, preact_ptr, scale_ptr, scale_b_ptr, off_m,
+                           off_n, M, N, stride_rm, stride_rn, stride_pm, False, ACT, HAS_RESIDUAL, SAVE_PREACT, 0, 0)
     _trace(preact_ptr, 7, WG, CONSUMERS)
     tma.store_wait(pendings=0)
     _trace(preact_ptr, 6, WG, CONSUMERS)
@@ -287,13 +326,13 @@ def gemm_mma_partition(a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, c
 
 @gluon.jit
 def gemm_pingpong_partition(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, c_ready, c_free, order, bias_ptr,
-                            residual_ptr, preact_ptr, scale_ptr, M, N, K, stride_rm, stride_rn, stride_pm,
-                            WG: gl.constexpr,
+                            residual_ptr, preact_ptr, scale_ptr, scale_b_ptr, M, N, K, stride_rm, stride_rn,
+                            stride_pm, WG: gl.constexpr,
                             HAS_BIAS: gl.constexpr, ACT: gl.constexpr, HAS_RESIDUAL: gl.constexpr,
                             SAVE_PREACT: gl.constexpr, NUM_PROGRAMS: gl.constexpr, GROUP_M: gl.constexpr,
                             BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
                             B_K_MAJOR: gl.constexpr, A_M_MAJOR: gl.constexpr, ACCUMULATE: gl.constexpr,
-                            HAS_SCALE: gl.constexpr):
+                            HAS_SCALE: gl.constexpr, SCALE_A: gl.constexpr, SCALE_B: gl.constexpr):
     """One consumer warp group of a ping-pong schedule: tiles WG, WG + 2, ... of this program's
     walk, each whole (128 rows as two 64-row accumulators against the stage's one B tile), so
     that one group's epilogue (and, ACCUMULATE, its read of the old tile) runs while the other
@@ -305,8 +344,7 @@ def gemm_pingpong_partition(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, c_read
     it has issued its tile's last wgmmas): a ring slot's ``ready`` phase names its lap only
     modulo 2, so a group that waited on a step whose slot's previous lap (the other group's
     tile) had not yet landed would pass on the wrong lap. Group 0's first tile does not wait."""
-    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, BLOCK_N, 16])
+    mma_layout: gl.constexpr = wgmma_layout(BLOCK_N, a_bufs.dtype)
     num_pid_m = gl.cdiv(M, 2 * WG_ROWS)
     num_pid_n = gl.cdiv(N, BLOCK_N)
     k_tiles = gl.cdiv(K, BLOCK_K)
@@ -330,19 +368,20 @@ def gemm_pingpong_partition(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, c_read
             _accumulate_epilogue(acc2, hi.load(mma_layout), c_desc, hi, off_m + WG_ROWS, off_n, scale_ptr,
                                  HAS_SCALE)
         else:
-            _gemm_epilogue(acc, c_desc, lo, bias_ptr, residual_ptr, preact_ptr, off_m, off_n, M, N,
-                           stride_rm, stride_rn, stride_pm, HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT)
-            _gemm_epilogue(acc2, c_desc, hi, bias_ptr, residual_ptr, preact_ptr, off_m + WG_ROWS, off_n, M, N,
-                           stride_rm, stride_rn, stride_pm, HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT)
+            _gemm_epilogue(acc, c_desc, lo, bias_ptr, residual_ptr, preact_ptr, scale_ptr, scale_b_ptr, off_m, off_n,
+                           M, N, stride_rm, stride_rn, stride_pm, HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT, SCALE_A,
+                           SCALE_B)
+            _gemm_epilogue(acc2, c_desc, hi, bias_ptr, residual_ptr, preact_ptr, scale_ptr, scale_b_ptr,
+                           off_m + WG_ROWS, off_n, M, N, stride_rm, stride_rn, stride_pm, HAS_BIAS, ACT, HAS_RESIDUAL,
+                           SAVE_PREACT, SCALE_A, SCALE_B)
         t += 1
     tma.store_wait(pendings=0)
 
 
 @gluon.jit
-def _bias_row(acc, bias_ptr, tile_id, num_pid_m, num_pid_n, N, GROUP_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """bias[cols] of tile ``tile_id`` as a [1, BLOCK_N] fp32 row in ``acc``'s layout."""
-    _, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
-    cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc.type.layout))
+def _bias_row(acc, bias_ptr, off_n, N):
+    """bias[off_n:] as a [1, acc's columns] fp32 row in ``acc``'s layout."""
+    cols = off_n + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, acc.type.layout))
     return gl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(gl.float32)[None, :]
 
 
@@ -360,15 +399,11 @@ def _plain_k_steps(a_bufs, b_bufs, ready, empty, it, steps, c_smem, layout: gl.c
 
 
 @gluon.jit
-def _stream_k_epilogue(acc, tile_id, num_pid_m, num_pid_n, c_desc, c_smem, bias_ptr, residual_ptr, preact_ptr,
-                       M, N, stride_rm, stride_rn, stride_pm, WG: gl.constexpr, HAS_BIAS: gl.constexpr,
-                       ACT: gl.constexpr, HAS_RESIDUAL: gl.constexpr, SAVE_PREACT: gl.constexpr,
-                       GROUP_M: gl.constexpr, BLOCK_N: gl.constexpr, CONSUMERS: gl.constexpr):
-    """The epilogue of this group's rows of tile ``tile_id`` (grouped order)."""
+def _group_tile_offsets(tile_id, num_pid_m, num_pid_n, WG: gl.constexpr, GROUP_M: gl.constexpr,
+                        BLOCK_N: gl.constexpr, CONSUMERS: gl.constexpr):
+    """(first row, first column) of consumer group WG's part of tile ``tile_id`` (grouped order)."""
     pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
-    _gemm_epilogue(acc, c_desc, c_smem, bias_ptr, residual_ptr, preact_ptr,
-                   pid_m * (WG_ROWS * CONSUMERS) + WG * WG_ROWS, pid_n * BLOCK_N, M, N, stride_rm, stride_rn,
-                   stride_pm, HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT)
+    return pid_m * (WG_ROWS * CONSUMERS) + WG * WG_ROWS, pid_n * BLOCK_N
 
 
 @fast_launch
@@ -382,7 +417,8 @@ def gemm_ws_kernel(
     bias_ptr,           # *bias [N], contiguous (ignored unless HAS_BIAS)
     residual_ptr,       # *residual [M, N], output dtype (ignored unless HAS_RESIDUAL)
     preact_ptr,         # *pre-activation a @ b + bias [M, N], row-major (ignored unless SAVE_PREACT)
-    scale_ptr,          # *fp32 [1]: out = scale · (out + a @ b) (ignored unless HAS_SCALE)
+    scale_ptr,          # *fp32 [1]: out = scale · (out + a @ b) (HAS_SCALE); else scale_a (SCALE_A)
+    scale_b_ptr,        # *fp32 [1] or [N]: scale_b (ignored unless SCALE_B)
     ws_ptr,             # *fp32 [NUM_PROGRAMS · CONSUMERS, 64, BLOCK_N1] stream-K partials (ignored unless STREAM_K)
     flag_ptr,           # *int32 [NUM_PROGRAMS · CONSUMERS] their flags, zero between launches (ditto)
     M,                  # rows of a and out
@@ -406,6 +442,8 @@ def gemm_ws_kernel(
     A_M_MAJOR: gl.constexpr,        # a given as aᵀ [K, M] row-major (a weight gradient's dyᵀ)
     ACCUMULATE: gl.constexpr,       # out += a @ b (the old out TMA-loaded during the K loop)
     HAS_SCALE: gl.constexpr,        # ACCUMULATE only: out = scale · (out + a @ b)
+    SCALE_A: gl.constexpr,          # not ACCUMULATE: a @ b times scale_ptr[0] (1) or scale_ptr[row] (2); 0: none
+    SCALE_B: gl.constexpr,          # likewise scale_b_ptr[0] (1) or scale_b_ptr[column] (2)
     STREAM_K: gl.constexpr,         # sk_tiles > 0: the stream-K region is compiled in
     PINGPONG: gl.constexpr,         # CONSUMERS == 2 take alternate tiles whole (gemm_pingpong_partition)
 ):
@@ -415,6 +453,7 @@ def gemm_ws_kernel(
     gl.static_assert(not (ACCUMULATE and (HAS_B2 or HAS_BIAS or HAS_RESIDUAL or SAVE_PREACT or ACT != "none")),
                      "ACCUMULATE is out += a @ b alone")
     gl.static_assert(ACCUMULATE or not HAS_SCALE, "HAS_SCALE scales an accumulating GEMM only")
+    gl.static_assert(not ACCUMULATE or (SCALE_A == 0 and SCALE_B == 0), "SCALE_A / SCALE_B: a plain GEMM's")
     gl.static_assert(not PINGPONG or (CONSUMERS == 2 and not (HAS_B2 or STREAM_K)),
                      "ping-pong: two consumer groups, tiles of one B part, no stream-K")
     a_bufs, b_bufs, c_bufs, ready, empty = gemm_ring(a_desc, b_desc, c_desc, STAGES, CONSUMERS, PINGPONG)
@@ -433,9 +472,10 @@ def gemm_ws_kernel(
         gl.warp_specialize([
             (gemm_mma_partition, (a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, c_bufs.index(0),
                                   c2_bufs.index(0), c_ready, c_free, bias_ptr, residual_ptr, preact_ptr, scale_ptr,
-                                  ws_ptr, flag_ptr, M, N, K, stride_rm, stride_rn, stride_pm, sk_tiles, 0, HAS_BIAS,
-                                  ACT, HAS_RESIDUAL, SAVE_PREACT, NUM_PROGRAMS, GROUP_M, BLOCK_N1, BLOCK_N2, BLOCK_K,
-                                  STAGES, CONSUMERS, B_K_MAJOR, A_M_MAJOR, ACCUMULATE, HAS_SCALE, STREAM_K)),
+                                  scale_b_ptr, ws_ptr, flag_ptr, M, N, K, stride_rm, stride_rn, stride_pm, sk_tiles,
+                                  0, HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT, NUM_PROGRAMS, GROUP_M, BLOCK_N1,
+                                  BLOCK_N2, BLOCK_K, STAGES, CONSUMERS, B_K_MAJOR, A_M_MAJOR, ACCUMULATE, HAS_SCALE,
+                                  SCALE_A, SCALE_B, STREAM_K)),
             (gemm_load_partition, (a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, M, N, K,
                                    NUM_PROGRAMS, GROUP_M, BLOCK_N1 + BLOCK_N2, BLOCK_K, STAGES, CONSUMERS, B_K_MAJOR,
                                    HAS_B2, c_desc, c_bufs, c_ready, c_free, A_M_MAJOR, ACCUMULATE, sk_tiles,
@@ -447,13 +487,15 @@ def gemm_ws_kernel(
             mbarrier.init(order.index(i), count=1)
         gl.warp_specialize([
             (gemm_pingpong_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, c_ready, c_free, order, bias_ptr,
-                                       residual_ptr, preact_ptr, scale_ptr, M, N, K, stride_rm, stride_rn, stride_pm,
-                                       0, HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT, NUM_PROGRAMS, GROUP_M, BLOCK_N1,
-                                       BLOCK_K, STAGES, B_K_MAJOR, A_M_MAJOR, ACCUMULATE, HAS_SCALE)),
+                                       residual_ptr, preact_ptr, scale_ptr, scale_b_ptr, M, N, K, stride_rm,
+                                       stride_rn, stride_pm, 0, HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT,
+                                       NUM_PROGRAMS, GROUP_M, BLOCK_N1, BLOCK_K, STAGES, B_K_MAJOR, A_M_MAJOR,
+                                       ACCUMULATE, HAS_SCALE, SCALE_A, SCALE_B)),
             (gemm_pingpong_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, c_ready, c_free, order, bias_ptr,
-                                       residual_ptr, preact_ptr, scale_ptr, M, N, K, stride_rm, stride_rn, stride_pm,
-                                       1, HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT, NUM_PROGRAMS, GROUP_M, BLOCK_N1,
-                                       BLOCK_K, STAGES, B_K_MAJOR, A_M_MAJOR, ACCUMULATE, HAS_SCALE)),
+                                       residual_ptr, preact_ptr, scale_ptr, scale_b_ptr, M, N, K, stride_rm,
+                                       stride_rn, stride_pm, 1, HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT,
+                                       NUM_PROGRAMS, GROUP_M, BLOCK_N1, BLOCK_K, STAGES, B_K_MAJOR, A_M_MAJOR,
+                                       ACCUMULATE, HAS_SCALE, SCALE_A, SCALE_B)),
             (gemm_load_partition, (a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, M, N, K,
                                    NUM_PROGRAMS, GROUP_M, BLOCK_N1, BLOCK_K, STAGES, CONSUMERS, B_K_MAJOR, False,
                                    c_desc, c_bufs, c_ready, c_free, A_M_MAJOR, ACCUMULATE, sk_tiles, ws_ptr, False,
@@ -464,14 +506,16 @@ def gemm_ws_kernel(
         gl.warp_specialize([
             (gemm_mma_partition, (a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, c_bufs.index(0),
                                   c2_bufs.index(0), c_ready, c_free, bias_ptr, residual_ptr, preact_ptr, scale_ptr,
-                                  ws_ptr, flag_ptr, M, N, K, stride_rm, stride_rn, stride_pm, sk_tiles, 0, HAS_BIAS,
-                                  ACT, HAS_RESIDUAL, SAVE_PREACT, NUM_PROGRAMS, GROUP_M, BLOCK_N1, BLOCK_N2, BLOCK_K,
-                                  STAGES, CONSUMERS, B_K_MAJOR, A_M_MAJOR, ACCUMULATE, HAS_SCALE, STREAM_K)),
+                                  scale_b_ptr, ws_ptr, flag_ptr, M, N, K, stride_rm, stride_rn, stride_pm, sk_tiles,
+                                  0, HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT, NUM_PROGRAMS, GROUP_M, BLOCK_N1,
+                                  BLOCK_N2, BLOCK_K, STAGES, CONSUMERS, B_K_MAJOR, A_M_MAJOR, ACCUMULATE, HAS_SCALE,
+                                  SCALE_A, SCALE_B, STREAM_K)),
             (gemm_mma_partition, (a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c2_desc, c_bufs.index(1),
                                   c2_bufs.index(1), c_ready, c_free, bias_ptr, residual_ptr, preact_ptr, scale_ptr,
-                                  ws_ptr, flag_ptr, M, N, K, stride_rm, stride_rn, stride_pm, sk_tiles, 1, HAS_BIAS,
-                                  ACT, HAS_RESIDUAL, SAVE_PREACT, NUM_PROGRAMS, GROUP_M, BLOCK_N1, BLOCK_N2, BLOCK_K,
-                                  STAGES, CONSUMERS, B_K_MAJOR, A_M_MAJOR, ACCUMULATE, HAS_SCALE, STREAM_K)),
+                                  scale_b_ptr, ws_ptr, flag_ptr, M, N, K, stride_rm, stride_rn, stride_pm, sk_tiles,
+                                  1, HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT, NUM_PROGRAMS, GROUP_M, BLOCK_N1,
+                                  BLOCK_N2, BLOCK_K, STAGES, CONSUMERS, B_K_MAJOR, A_M_MAJOR, ACCUMULATE, HAS_SCALE,
+                                  SCALE_A, SCALE_B, STREAM_K)),
             (gemm_load_partition, (a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, M, N, K,
                                    NUM_PROGRAMS, GROUP_M, BLOCK_N1 + BLOCK_N2, BLOCK_K, STAGES, CONSUMERS, B_K_MAJOR,
                                    HAS_B2, c_desc, c_bufs, c_ready, c_free, A_M_MAJOR, ACCUMULATE, sk_tiles,

@@ -158,12 +158,13 @@ class _WsPlan(NamedTuple):
 
 @functools.lru_cache(maxsize=1024)
 def _ws_plan(m: int, n: int, k: int, elem: int, out_elem: int, b_k_major: bool, sms: int,
-             epilogue: tuple, res_strides: tuple, config: tuple) -> _WsPlan:
+             epilogue: tuple, res_strides: tuple, config: tuple, scales: tuple = (0, 0)) -> _WsPlan:
     """The launch of one problem, cached (host time: the kernel takes ~10-35 µs at M = 128;
     building this on every call took ~60 µs of the H200 host's time, s42).
     ``b_k_major``: b read as [N, K] (a transposed weight) unless the config says otherwise; a is
     row-major unless the config's A_M_MAJOR says it is given as aᵀ [K, M] row-major.
-    ``epilogue``: (HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT)."""
+    ``epilogue``: (HAS_BIAS, ACT, HAS_RESIDUAL, SAVE_PREACT). ``scales``: the kernel's (SCALE_A,
+    SCALE_B), fp8 operands' dequantization (:func:`scale_modes`)."""
     cfg = dict(config) if config else choose_ws_tile(m, n, sms) or dict(WS_TILES["64x64"])
     block_n, block_k, consumers = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["CONSUMERS"]
     if cfg.get("PINGPONG", False) and (consumers != 2 or block_n & (block_n - 1)):
@@ -190,7 +191,8 @@ def _ws_plan(m: int, n: int, k: int, elem: int, out_elem: int, b_k_major: bool, 
         HAS_BIAS=has_bias, ACT=act, HAS_RESIDUAL=has_res, SAVE_PREACT=save_preact,
         NUM_PROGRAMS=programs, GROUP_M=cfg["GROUP_M"], STAGES=stages, CONSUMERS=consumers,
         CONSUMER_REGS=worker_regs, B_K_MAJOR=b_k_major, HAS_B2=block_n2 > 0, A_M_MAJOR=a_m_major, ACCUMULATE=False,
-        HAS_SCALE=False, STREAM_K=sk_tiles > 0, PINGPONG=pingpong, num_warps=4, maxnreg=launch_regs,
+        HAS_SCALE=False, SCALE_A=scales[0], SCALE_B=scales[1], STREAM_K=sk_tiles > 0, PINGPONG=pingpong,
+        num_warps=4, maxnreg=launch_regs,
     )
     prepared = gemm_ws_kernel.prepare((m, n, k, res_strides[0], res_strides[1], n, sk_tiles), kwargs)
     slots = programs * consumers if sk_tiles else 0
@@ -201,13 +203,15 @@ def _ws_plan(m: int, n: int, k: int, elem: int, out_elem: int, b_k_major: bool, 
 def launch_ws_plan(plan: _WsPlan, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
                    bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
                    preact: torch.Tensor | None = None, memo: AddressMemo | None = None,
-                   key: tuple | None = None, sk_buffers: tuple | None = None) -> torch.Tensor:
+                   key: tuple | None = None, sk_buffers: tuple | None = None,
+                   scale_a: torch.Tensor | None = None, scale_b: torch.Tensor | None = None) -> torch.Tensor:
     """One launch of a :func:`_ws_plan` (``_matmul_kernels`` keeps the plan in its own cached
     GEMM plan, so a call builds only this call's descriptors): see :func:`launch_gemm_ws`.
     ``memo``: the caller's plan's launches by address; this one is kept there under ``key``
     (the caller's plan fixes every view, :class:`AddressMemo`). ``sk_buffers``: (zeroed int32
     flags, fp32 partials) of at least the plan's ``sk_slots`` / ``sk_workspace`` when it has them
-    (``_matmul_kernels.split_k_buffers``)."""
+    (``_matmul_kernels.split_k_buffers``). ``scale_a`` / ``scale_b``: fp32 [1] or [M] / [N], as the
+    plan's ``scales`` say."""
     if plan.sk_slots and sk_buffers is None:
         raise ValueError("a stream-K plan needs its workspace (sk_buffers)")
     flags, partials = sk_buffers if plan.sk_slots else (out, out)
@@ -222,8 +226,8 @@ def launch_ws_plan(plan: _WsPlan, a: torch.Tensor, b: torch.Tensor, out: torch.T
     c2_desc = _descriptor(out, (ROWS_PER_GROUP, block_n2)) if block_n2 else c_desc
     a_desc = _descriptor_t(a, (block_k, ROWS_PER_GROUP)) if plan.a_m_major else _descriptor(a, (ROWS_PER_GROUP, block_k))
     tensors = (a_desc, b_desc, b2_desc, c_desc, c2_desc, bias if bias is not None else out,
-               residual if residual is not None else out, preact if preact is not None else out, out,
-               partials, flags)
+               residual if residual is not None else out, preact if preact is not None else out,
+               scale_a if scale_a is not None else out, scale_b if scale_b is not None else out, partials, flags)
     gemm_ws_kernel.launch_prepared(plan.grid, tensors, plan.prepared)
     if memo is not None:
         memo.keep(key, gemm_ws_kernel, plan.grid, tensors, plan.prepared)
@@ -232,9 +236,11 @@ def launch_ws_plan(plan: _WsPlan, a: torch.Tensor, b: torch.Tensor, out: torch.T
 
 def launch_gemm_ws(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None = None,
                    residual: torch.Tensor | None = None, preact: torch.Tensor | None = None,
-                   activation: str = "none", config: dict | None = None) -> torch.Tensor:
-    """out [M, N] = act(a [M, K] @ b [K, N] + bias) + residual (and preact = a @ b + bias);
-    16-bit a and b, K > 0, a row-major (or, with the config's A_M_MAJOR, the transpose of a
+                   activation: str = "none", config: dict | None = None, scale_a: torch.Tensor | None = None,
+                   scale_b: torch.Tensor | None = None) -> torch.Tensor:
+    """out [M, N] = act(a [M, K] @ b [K, N] · scale_a · scale_b + bias) + residual (and preact =
+    the value before the activation); 16-bit a and b, or fp8 ones (K-major both: wgmma reads 8-bit
+    operands K-major only) with fp32 scales ([1] or [M] / [N]; None: 1), K > 0, a row-major (or, with the config's A_M_MAJOR, the transpose of a
     row-major [K, M]), b a transposed weight (``w.t()``, K-contiguous) or row-major, every base
     and row stride TMA-aligned, ``out`` (and ``preact``) preallocated row-major. ``config``: the
     tile (:func:`choose_ws_tile` when None)."""
@@ -242,9 +248,19 @@ def launch_gemm_ws(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: to
     plan = _ws_plan(m, n, k, a.element_size(), out.element_size(), b.stride(0) == 1, num_sms(a),
                     (bias is not None, activation, residual is not None, preact is not None),
                     residual.stride() if residual is not None else (n, 1),
-                    tuple(config.items()) if config else ())
+                    tuple(config.items()) if config else (), scale_modes(scale_a, scale_b))
     sk = split_k_buffers(a.device, plan.sk_slots, plan.sk_workspace) if plan.sk_slots else None
-    return launch_ws_plan(plan, a, b, out, bias, residual, preact, sk_buffers=sk)
+    return launch_ws_plan(plan, a, b, out, bias, residual, preact, sk_buffers=sk, scale_a=scale_a, scale_b=scale_b)
+
+
+def scale_mode(scale: torch.Tensor | None) -> int:
+    """The kernel's SCALE_A / SCALE_B for a scale tensor: 0 none, 1 one value, 2 one per row / column."""
+    return 0 if scale is None else 1 if scale.numel() == 1 else 2
+
+
+def scale_modes(scale_a: torch.Tensor | None, scale_b: torch.Tensor | None) -> tuple:
+    """(SCALE_A, SCALE_B) of :func:`scale_mode`."""
+    return scale_mode(scale_a), scale_mode(scale_b)
 
 
 # out += a @ b with a short K (linear cross-entropy's grad_weight: M = V, N = H, K = 512 tokens per
@@ -282,11 +298,12 @@ def launch_gemm_accumulate(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, 
     if scale is not None and not accumulate:
         raise ValueError("scale: an accumulating GEMM only")
     gemm_ws_kernel[(programs,)](
-        a_desc, b_desc, b_desc, c_desc, c_desc, out, out, out, scale if scale is not None else out, out, out,
+        a_desc, b_desc, b_desc, c_desc, c_desc, out, out, out, scale if scale is not None else out, out, out, out,
         m, n, k, n, 1, n, 0,
         HAS_BIAS=False, ACT="none", HAS_RESIDUAL=False, SAVE_PREACT=False,
         NUM_PROGRAMS=programs, GROUP_M=cfg["GROUP_M"], STAGES=stages, CONSUMERS=consumers,
         CONSUMER_REGS=worker_regs, B_K_MAJOR=b_k_major, HAS_B2=False, A_M_MAJOR=a_m_major, ACCUMULATE=accumulate,
-        HAS_SCALE=scale is not None, STREAM_K=False, PINGPONG=pingpong, num_warps=4, maxnreg=launch_regs,
+        HAS_SCALE=scale is not None, SCALE_A=0, SCALE_B=0, STREAM_K=False, PINGPONG=pingpong, num_warps=4,
+        maxnreg=launch_regs,
     )
     return out
