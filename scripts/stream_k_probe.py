@@ -66,8 +66,10 @@ def describe(a: torch.Tensor, b: torch.Tensor) -> str:
 
 
 def fp8_rows(shapes, rounds: int, gains: list) -> None:
-    """The fp8 tl kernel with fast accumulation (the bench's fast row): stream-K against whole
-    tiles and ``torch._scaled_mm(use_fast_accum=True)``, per-tensor scales, bf16 out."""
+    """fp8 with fast accumulation as ``launch_fp8_gemm`` plans it (since s51 on sm_90 at large M
+    the bf16 GEMM's Gluon kernel, ``_fp8_gemm.fast_gluon_plan``; the tl kernel elsewhere):
+    stream-K against whole tiles and ``torch._scaled_mm(use_fast_accum=True)``, per-tensor
+    scales, bf16 out."""
     from tilefuse.ops import _fp8_gemm as fp8_gemm
     from tilefuse.ops import _fp8_kernels as fk
     for m, n, k in shapes:

@@ -281,7 +281,8 @@ def use_warp_specialized(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, fa
     """The Gluon kernel (``_fp8_gluon.py``) for precise accumulation on sm_90 when its tiles fill
     every SM and TMA can read the operands and write ``out``: its consumer warp groups add their
     partial sums while another group's wgmma runs (8192³, H200, session 15 sweeps: 1,275-1,414
-    against 901-990 TF/s). Fast accumulation keeps this kernel (level within the spread there)."""
+    against 901-990 TF/s). Fast accumulation does not take this kernel (level within the spread
+    there): on sm_90 at large M it takes the 16-bit GEMM's (:func:`fast_gluon_plan`)."""
     out_tma_ok = out.stride(1) == 1 and out.data_ptr() % 16 == 0 and (out.stride(0) * out.element_size()) % 16 == 0
     return _warp_specialized_by_default(a.shape[0], b.shape[0], a.shape[1], fast_accum, is_hopper(a), num_sms(a),
                                         gemm_tma_ok(a, b), out_tma_ok)

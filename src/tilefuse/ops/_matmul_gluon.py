@@ -1,4 +1,4 @@
-"""Warp-specialized bf16/fp16 GEMM on Hopper (Gluon): a deep TMA ring.
+"""Warp-specialized GEMM on Hopper (Gluon): a deep TMA ring; bf16 / fp16, and fp8 operands.
 
     out[M, N] = a[M, K] @ w[N, K]ᵀ        (x @ w.t(): nn.Linear's weight, K-contiguous)
     out[M, N] = a[M, K] @ b[K, N]         (row-major b: dy @ w, nn.Linear's input gradient)
@@ -28,6 +28,14 @@ accumulating grad_weight GEMMs (K = 640 tokens), 2-6 % faster than the cooperati
 there and 5-10 % than the cuBLAS call it replaced (H200, 2026-12-02, three probes); at K = 4096
 the 128x128 tile's extra L2 traffic costs more than the epilogue it hides (8192³: 651 against
 699 TF/s), so plain GEMMs keep the cooperative tiles.
+
+fp8 (e4m3 / e5m2, K-major both: sm_90's 8-bit wgmma reads no other layout) with fast accumulation
+(the wgmma accumulator over the whole K, as ``_scaled_mm(use_fast_accum=True)``): the same kernel
+with 128-deep K steps (the 16-bit tiles' stage bytes; ``wgmma_layout`` takes 32 K per instruction)
+and the dequantization scales in the epilogue (SCALE_A / SCALE_B, :func:`_scaled`), planned by
+``_fp8_gemm.fast_gluon_plan``: 1.01-1.07x ``_scaled_mm`` fast at 4096³, 8192³ and 8192x4096x4096
+(0.99-1.09x at the other Llama shapes), where the fp8 ``tl`` kernel ran 0.94-1.00x (0.93x) (H200,
+2026-12-02, two probes: scripts/fp8_ws_probe.py, scripts/stream_k_probe.py --layouts fp8).
 
 The tiles, the heuristics that choose them and the launchers: ``_matmul_gluon_plan``.
 GPU only (Gluon has no interpreter).
