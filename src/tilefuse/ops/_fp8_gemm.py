@@ -7,9 +7,9 @@ tensor descriptors (sm_90+, 16-byte aligned rows) or pointer loads (any strides;
 which upcasts the operands to fp32 itself: ``UPCAST``, see ``_fp8_kernels``). Its last waves can be
 cut along K (stream-K, ``_stream_k``). On sm_90 the warp-specialized Gluon kernels take the large
 GEMMs instead: precise accumulation ``_fp8_gluon`` (:func:`use_warp_specialized`), fast accumulation
-the bf16 GEMM's ``_matmul_gluon.gemm_ws_kernel`` with fp8 operands (:func:`fast_gluon_plan`). The quantization kernels and
-the fp8 constants: ``_fp8_kernels`` (which re-exports this module's names; nothing is imported
-from there, so either may be imported first).
+the bf16 GEMM's ``_matmul_gluon.gemm_ws_kernel`` with fp8 operands (:func:`fast_gluon_plan`). The
+quantization kernels and the fp8 constants: ``_fp8_kernels`` (which re-exports this module's
+names; nothing is imported from there, so either may be imported first).
 """
 
 from __future__ import annotations
