@@ -11,8 +11,8 @@ once on every step: 0.67x ``_scaled_mm`` at 8192^3 (sessions 7 and 15). Here:
 - three consumer warp groups each own 64 rows of the 192-row tile and share its B tile; each waits
   for its own wgmma, adds it into its fp32 tile and releases the stage, with no barrier across
   the groups. While one group adds, the tensor core runs the other groups' wgmmas.
-- the epilogue (scales, bias, cast) goes through shared memory and a TMA store that completes
-  while the next tile's main loop runs.
+- the epilogue (scales, bias, cast: ``_matmul_gluon._gemm_epilogue``, the bf16 GEMM's) goes
+  through shared memory and a TMA store that completes while the next tile's main loop runs.
 
     out[M, N] = (a[M, K] @ b[N, K]ᵀ) · scale_a · scale_b + bias,   a, b fp8 (e4m3 / e5m2)
 
@@ -28,13 +28,14 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+    mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 from .._dispatch import cdiv, num_sms
 from .._launch import fast_launch
 from ._gluon_common import matrix_descriptor as _descriptor
 from ._gluon_common import (LOADER_REGS_KERNEL, ROWS_PER_GROUP, SMEM_BYTES, WG_ROWS, consumer_regs,
                              gemm_load_partition, gemm_ring, release_stage)
+from ._matmul_gluon import _gemm_epilogue, wgmma_layout
 from ._matmul_kernels import _tile_coords     # the grouped tile order, shared with the tl GEMMs
 
 
@@ -49,17 +50,10 @@ def fp8_mma_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, scale_a_ptr,
     """One consumer warp group: rows [WG·64, WG·64 + 64) of each tile. Each K step's wgmma
     starts from zero (use_acc=False) or, with PROMOTE_EVERY > 1, continues the partial sum for
     that many steps; the finished partial sum is added into the fp32 tile."""
-    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, BLOCK_N, 32])
-    row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
-    col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
+    mma_layout: gl.constexpr = wgmma_layout(BLOCK_N, a_bufs.dtype)
     num_pid_m = gl.cdiv(M, WG_ROWS * CONSUMERS)
     num_pid_n = gl.cdiv(N, BLOCK_N)
     k_tiles = gl.cdiv(K, BLOCK_K)
-    if not SCALE_A_ROWWISE:
-        scale_a = gl.load(scale_a_ptr)
-    if not SCALE_B_ROWWISE:
-        scale_b = gl.load(scale_b_ptr)
     part = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, mma_layout)
     it = 0
     for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
@@ -82,23 +76,10 @@ def fp8_mma_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, scale_a_ptr,
                 acc += part
             it += 1
 
-        # epilogue: out = acc · scale_a[row] · scale_b[col] + bias[col], stored through TMA
-        rows = off_m + gl.arange(0, WG_ROWS, layout=row_layout)
-        cols = off_n + gl.arange(0, BLOCK_N, layout=col_layout)
-        if SCALE_A_ROWWISE:
-            acc = acc * gl.load(scale_a_ptr + rows, mask=rows < M, other=0.0)[:, None]
-        else:
-            acc = acc * scale_a
-        if SCALE_B_ROWWISE:
-            acc = acc * gl.load(scale_b_ptr + cols, mask=cols < N, other=0.0)[None, :]
-        else:
-            acc = acc * scale_b
-        if HAS_BIAS:
-            acc = acc + gl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(gl.float32)[None, :]
-        tma.store_wait(pendings=0)      # the last tile's store has left c_smem
-        c_smem.store(acc.to(c_desc.dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(c_desc, [off_m, off_n], c_smem)
+        # out = acc · scale_a · scale_b + bias, stored through TMA: the bf16 GEMM's epilogue
+        _gemm_epilogue(acc, c_desc, c_smem, bias_ptr, bias_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, off_m, off_n,
+                       M, N, 0, 0, 0, HAS_BIAS, "none", False, False, 2 if SCALE_A_ROWWISE else 1,
+                       2 if SCALE_B_ROWWISE else 1)
     tma.store_wait(pendings=0)
 
 
