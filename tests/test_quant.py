@@ -35,21 +35,48 @@ def _bound_check(w, qw):
 # ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fmt", [(8, None), (4, 32)], ids=["int8", "int4-g32"])
-def test_fp16_weights_at_the_format_maximum_stay_finite(fmt):
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32] + ([torch.bfloat16] if HAS_CUDA else []),
+                         ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("fmt", [(8, None), (4, 32), (4, 128)], ids=["int8", "int4-g32", "int4-g128"])
+def test_weights_at_the_dtype_maximum_stay_finite(fmt, dtype):
     """The scale is rounded up, so q·s of a weight at fp16's maximum landed past it (65,520 /
-    65,532): dequantize_weight gave inf and quant_linear's backward an inf dx (s37 audit). It
-    saturates to 65,504 now, the weight's own value."""
+    65,532): dequantize_weight gave inf and quant_linear's backward an inf dx (s37 audit), and the
+    tensor-core kernels at M >= 2, which dequantize in the weight's dtype without saturating, an
+    inf output (s41 audit; fp32 weights within ~6 % of fp32's maximum likewise). The quantizer now
+    lowers such a scale by an ulp: every code's value is finite in the dtype, the extreme weight
+    clipped by less than a code step, and every path (M = 1 GEMV, M = 2 and 16 tensor-core
+    kernels on the GPU, the backward) gives finite values close to the reference."""
     from tilefuse import dequantize_weight, quant_linear, quantize_weight
+    from tilefuse.ops.quant import unpack_int4
 
-    w = torch.zeros(2, 64, dtype=torch.float16, device=DEVICE)
-    w[0, 0] = 65504.0
-    w[1] = torch.linspace(-1, 1, 64)
-    qw = quantize_weight(w, *fmt)
-    assert dequantize_weight(qw)[0, 0].item() == 65504.0
-    x = torch.full((1, 64), 1e-3, dtype=torch.float16, device=DEVICE, requires_grad=True)
-    quant_linear(x, qw).sum().backward()
-    assert torch.isfinite(x.grad).all()
+    big = torch.finfo(dtype).max
+    bits, group = fmt
+    w = torch.zeros(4, 128, dtype=dtype, device=DEVICE)
+    w[0, 0] = big
+    w[1, 5] = -big
+    w[2, :64] = big / 3
+    w[2, 64:] = -big / 3                 # int4: a zero point mid-range
+    w[3] = torch.linspace(-1, 1, 128)
+    qw = quantize_weight(w, bits, group)
+    s = qw.scales.double()
+    if bits == 8:
+        extreme = qw.qweight.double().abs() * s[:, None]
+    else:
+        q = unpack_int4(qw.qweight).double().reshape(4, -1, group)
+        extreme = ((q - qw.zeros.double()[..., None]) * s[..., None]).abs()
+    assert bool((extreme <= big).all())  # every code in the weight's own dtype: finite
+    deq = dequantize_weight(qw).double()
+    step = s[:, None] if bits == 8 else s.repeat_interleave(group, dim=1)
+    assert bool(((deq - w.double()).abs() <= step).all())      # within a code step, the clipped ones too
+    small = torch.finfo(dtype).tiny ** 0.5 if dtype != torch.float16 else 1e-3
+    for m in (1, 2, 16):
+        x = torch.full((m, 128), small, dtype=dtype, device=DEVICE, requires_grad=True)
+        y = quant_linear(x, qw)
+        assert torch.isfinite(y).all(), m
+        ref = x.detach().double() @ deq.t()
+        assert rel_err(y, ref) <= 2e-2, m
+        y.backward(torch.full_like(y, 0.25))   # dx's first column: 0.25 · (big + big / 3), finite
+        assert torch.isfinite(x.grad).all(), m
 
 
 def test_format_arguments_are_typed():

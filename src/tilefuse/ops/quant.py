@@ -85,12 +85,36 @@ def _round_up_to(s64: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     s = s64.to(dtype)
     low = s.double() < s64
     if bool(low.any()):
-        try:
-            up = torch.nextafter(s, torch.full_like(s, float("inf")))
-        except RuntimeError:   # nextafter not built for this dtype on this device
-            up = torch.nextafter(s.cpu(), torch.full_like(s.cpu(), float("inf"))).to(s.device)
-        s = torch.where(low, up, s)
+        s = torch.where(low, _next_after(s, float("inf")), s)
     return torch.where(s == 0, torch.ones_like(s), s)
+
+
+def _finite_codes(s: torch.Tensor, lo: Optional[torch.Tensor], qmax: int) -> tuple:
+    """(scales, zero points as fp64 or None) such that every code dequantizes to a finite value in
+    the scales' dtype: the extreme codes' (qmax − z)·s and −z·s (int8: ±qmax·s) stay within the
+    dtype's largest finite value. ``_round_up_to`` can carry a weight at that maximum
+    just past it (fp16's 65,504 -> 65,520 = inf), and the tensor-core kernels dequantize in the
+    weight's dtype without saturating; such a scale is lowered by an ulp at a time (the zero
+    point follows it), which clips the extreme weight by less than one code step. ``lo``: int4's
+    group minima (<= 0), None for int8's symmetric codes."""
+    big = torch.finfo(s.dtype).max
+    for _ in range(8):
+        s64 = s.double()
+        z = None if lo is None else torch.round(-lo / s64).clamp_(0, qmax)
+        reach = torch.full_like(s64, float(qmax)) if z is None else torch.maximum(qmax - z, z)
+        over = reach * s64 > big
+        if not bool(over.any()):
+            break
+        s = torch.where(over, _next_after(s, 0.0), s)
+    return s, z
+
+
+def _next_after(s: torch.Tensor, toward: float) -> torch.Tensor:
+    """The next value of ``s``'s dtype from each element toward ``toward``."""
+    try:
+        return torch.nextafter(s, torch.full_like(s, toward))
+    except RuntimeError:       # nextafter not built for this dtype on this device
+        return torch.nextafter(s.cpu(), torch.full_like(s.cpu(), toward)).to(s.device)
 
 
 def _check_format(bits: int, group_size: Optional[int]) -> Optional[int]:
@@ -125,15 +149,14 @@ def quantize_weight(w: torch.Tensor, bits: int = 8, group_size: Optional[int] = 
     if not bool(torch.isfinite(w64).all()):
         raise ValueError("w has non-finite values (inf or nan)")
     if bits == 8:
-        s = _round_up_to(w64.abs().amax(dim=1) / INT8_QMAX, w.dtype)
+        s, _ = _finite_codes(_round_up_to(w64.abs().amax(dim=1) / INT8_QMAX, w.dtype), None, INT8_QMAX)
         q = torch.round(w64 / s.double()[:, None]).clamp_(-INT8_QMAX, INT8_QMAX).to(torch.int8)
         return QuantizedWeight(q, s, None, 8, None, (n, k))
     wg = w64.reshape(n, k // group_size, group_size)
     lo = wg.amin(dim=2).clamp(max=0.0)
     hi = wg.amax(dim=2).clamp(min=0.0)
-    s = _round_up_to((hi - lo) / INT4_QMAX, w.dtype)
+    s, z = _finite_codes(_round_up_to((hi - lo) / INT4_QMAX, w.dtype), lo, INT4_QMAX)
     s64 = s.double()
-    z = torch.round(-lo / s64).clamp_(0, INT4_QMAX)
     q = (torch.round(wg / s64[..., None]) + z[..., None]).clamp_(0, INT4_QMAX).to(torch.uint8).reshape(n, k)
     packed = q[:, 0::2] | (q[:, 1::2] << 4)
     return QuantizedWeight(packed.contiguous(), s, z.to(torch.uint8), 4, group_size, (n, k))
