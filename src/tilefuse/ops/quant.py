@@ -20,7 +20,11 @@ Formats (``W`` is a linear layer's weight ``[N, K]``: N output features, K input
 
 Scales are stored in the weight's dtype, rounded *up* to it (so ``range / s <= 15`` and
 ``absmax / s <= 127`` still hold after rounding), and the quantization itself is done in fp64
-against the stored scale: every element then obeys ``|W - dequant(q)| <= s / 2`` exactly.
+against the stored scale: every element then obeys ``|W - dequant(q)| <= s / 2`` exactly. The
+one exception is a group whose extreme code would dequantize past the dtype's largest finite
+value (a weight at fp16's 65,504): its scale is lowered by an ulp (``_finite_codes``), so that
+the kernels, which dequantize in the weight's dtype, stay finite; that weight is clipped by less
+than a step.
 
 ``quant_linear(x, qw, bias)`` computes ``x @ dequant(qw).T + bias`` with the kernels of
 ``_quant_kernels`` on CUDA or under the interpreter (M = 1: the FMA GEMV; more rows: the
@@ -171,8 +175,9 @@ def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
 def dequantize_weight(q: QuantizedWeight, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """The float weight ``[N, K]`` that ``q`` stands for, in ``dtype`` (default: the scales'
     dtype); computed in fp32 (fp64 when ``dtype`` is fp64), rounded once, saturating at the
-    dtype's largest finite value: the scale is rounded up when quantizing, so q·s of a weight at
-    fp16's maximum can land just past it (65,520 for 65,504: inf in fp16)."""
+    dtype's largest finite value: a scale rounded up can carry q·s of a weight at fp16's maximum
+    just past it (65,520 for 65,504: inf in fp16). quantize_weight no longer stores such scales
+    (``_finite_codes``); a QuantizedWeight built elsewhere may still hold one."""
     dtype = q.scales.dtype if dtype is None else dtype
     wide = torch.float64 if dtype == torch.float64 else torch.float32
     s = q.scales.to(wide)
