@@ -21,11 +21,14 @@ import triton
 from triton.testing import do_bench
 
 sys.path.insert(0, "src")
-from tilefuse.ops import _matmul_multicast as mc                  # noqa: E402
+sys.path.insert(0, "scripts")
+import multicast_gemm as mc                                          # noqa: E402
 from tilefuse.ops._gluon_common import matrix_descriptor            # noqa: E402
 
-TILES = {   # name: (CONSUMERS, BLOCK_N, BLOCK_K, STAGES)
+TILES = {   # name: (CONSUMERS, BLOCK_N, BLOCK_K, STAGES[, DIRECT_STORE])
     "128x256": (2, 256, 64, 3),
+    "128x256s4": (2, 256, 64, 4, True),
+    "128x256k32": (2, 256, 32, 6),
     "128x128": (2, 128, 64, 6),
     "64x128": (1, 128, 64, 8),
     "64x64": (1, 64, 128, 6),
@@ -33,9 +36,14 @@ TILES = {   # name: (CONSUMERS, BLOCK_N, BLOCK_K, STAGES)
 _compiled: dict = {}
 
 
-def launcher(m, n, k, tile, programs, dtype=torch.bfloat16):
-    """A callable (a, w, out) -> None for the multicast kernel at this shape and tile."""
-    cons, bn, bk, stages = TILES[tile]
+VARIANTS = {"mc": (True, 2), "nomc": (False, 2)}   # (MULTICAST, CTAs per cluster)
+
+
+def launcher(m, n, k, tile, programs, variant="mc", dtype=torch.bfloat16):
+    """A callable (a, w, out) -> None for the kernel at this shape and tile: ``mc`` multicasts B in
+    2-CTA clusters; ``nomc`` each CTA loads all of B (same clusters)."""
+    multicast, ctas = VARIANTS[variant]
+    cons, bn, bk, stages, *direct = TILES[tile]
     a = torch.empty(m, k, dtype=dtype, device="cuda")
     w = torch.empty(n, k, dtype=dtype, device="cuda")
     c = torch.empty(m, n, dtype=dtype, device="cuda")
@@ -43,22 +51,28 @@ def launcher(m, n, k, tile, programs, dtype=torch.bfloat16):
     def descs(a, w, c):
         return (matrix_descriptor(a, (64, bk)), matrix_descriptor(w, (bn, bk)),
                 matrix_descriptor(w, (bn // 2, bk)), matrix_descriptor(c, (64, bn)))
-    key = (tile, programs, dtype)
+    key = (tile, programs, variant, dtype)
     if key not in _compiled:
         d = descs(a, w, c)
-        args = dict(a_desc=d[0], b_desc=d[1], bh_desc=d[2], c_desc=d[3], M=m, N=n, K=k)
-        cx = dict(NUM_PROGRAMS=programs, GROUP_M=8, STAGES=stages, CONSUMERS=cons, CONSUMER_REGS=232)
+        args = dict(a_desc=d[0], b_desc=d[1], bh_desc=d[2], c_desc=d[3], c_ptr=c, stride_cm=n, M=m, N=n, K=k)
+        cx = dict(NUM_PROGRAMS=programs, GROUP_M=8, STAGES=stages, CONSUMERS=cons, CONSUMER_REGS=232,
+                  MULTICAST=multicast, DIRECT_STORE=bool(direct and direct[0]))
         comp, offs, final = mc.compile_multicast(args, cx, triton.runtime.driver.active.get_current_target())
         comp._init_handles()
         md = comp.packed_metadata
-        comp.packed_metadata = (md[0], 2, md[2])      # launch as clusters of 2 CTAs
-        print(f"  compiled {tile} x{programs}: offsets {offs}, {final['BH_PARAM']}, {comp.metadata.shared} B smem",
+        comp.packed_metadata = (md[0], ctas, md[2])   # launch as clusters of 2 CTAs (or none)
+        comp.tf_constexprs = final
+        print(f"  compiled {tile} x{programs} {variant}: offsets {offs}, {final['BH_PARAM']}, {comp.metadata.shared} B smem",
               flush=True)
         _compiled[key] = comp
     comp = _compiled[key]
 
     def run(a, w, c):
-        comp[(programs // 2, 1, 1)](*descs(a, w, c), a.shape[0], w.shape[0], a.shape[1])
+        # the launcher takes every parameter in order, constexprs included (it skips those)
+        values = dict(zip(("a_desc", "b_desc", "bh_desc", "c_desc"), descs(a, w, c)),
+                      c_ptr=c, stride_cm=c.stride(0), M=a.shape[0], N=w.shape[0], K=a.shape[1],
+                      **comp.tf_constexprs)
+        comp[(programs // ctas, 1, 1)](*[values[p.name] for p in mc.mc_gemm_kernel.params])
     return run
 
 
@@ -111,6 +125,8 @@ def time_shapes(args):
               (128, 4096, 4096, "64x64"), (128, 4096, 14336, "64x128")]
     if args.shapes:
         shapes = [s for i, s in enumerate(shapes) if str(i) in args.shapes.split(",")]
+    if args.cases:      # "M,N,K,tile" each
+        shapes = [tuple(int(x) for x in c.split(",")[:3]) + (c.split(",")[3],) for c in args.cases]
     rows = []
     for m, n, k, tile in shapes:
         a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -119,12 +135,13 @@ def time_shapes(args):
         ref = a.float() @ w.float().t()
         impls = {}
         for programs in args.programs:
-            run = launcher(m, n, k, tile, programs)
-            out.fill_(float("nan"))
-            run(a, w, out)
-            err = ((out.float() - ref).norm() / ref.norm()).item()
-            assert err < 1e-2, (m, n, k, tile, programs, err)
-            impls[f"mc-{tile}-x{programs}"] = lambda run=run: run(a, w, out)
+            for variant in args.variants:
+                run = launcher(m, n, k, tile, programs, variant)
+                out.fill_(float("nan"))
+                run(a, w, out)
+                err = ((out.float() - ref).norm() / ref.norm()).item()
+                assert err < 1e-2, (m, n, k, tile, programs, err)
+                impls[f"{variant}-{tile}-x{programs}"] = lambda run=run: run(a, w, out)
         impls["tilefuse"] = lambda: tilefuse.matmul(a, w.t())
         impls["cublas"] = lambda: torch.matmul(a, w.t())
         for name, fn in impls.items():
@@ -158,6 +175,8 @@ if __name__ == "__main__":
     p.add_argument("--seconds", type=float, default=0.5)
     p.add_argument("--programs", type=int, nargs="+", default=[132])
     p.add_argument("--shapes", default="")
+    p.add_argument("--variants", nargs="+", default=["mc"])
+    p.add_argument("--cases", nargs="+", default=[])
     a = p.parse_args()
     torch.cuda.init()
     if a.mode in ("check", "both"):

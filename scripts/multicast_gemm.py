@@ -28,7 +28,12 @@ Protocol (a ring of STAGES stages per CTA, as ``_gluon_common``'s, plus the clus
 - a cluster barrier in every partition after the mbarriers are initialized, and again before
   exit (no CTA leaves while its partner may still write into it). The loader is a whole warp
   group so that no padding warp misses the cluster barrier.
-GPU only (sm_90).
+GPU only (sm_90). Measured slower than the same kernel without multicast (H200, 2026-12-02,
+``scripts/multicast_probe.py``; benchmarks/NOTES.md, session 53), so it is kept here, as an
+experiment, and not in the library.
+
+DIRECT_STORE: the epilogue stores the accumulator from registers (no shared staging tile, no TMA
+store), which frees the 64 KB of the 128x256 tile's staging for a fourth ring stage.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
-from ._matmul_kernels import _tile_coords
+from tilefuse.ops._matmul_kernels import _tile_coords
 
 WG_ROWS = gl.constexpr(64)
 
@@ -66,7 +71,7 @@ _REMOTE_ARRIVE_ASM = gl.constexpr(
     "mov.u32 ra_t, %tid.x;\nand.b32 ra_t, ra_t, 127;\nsetp.eq.u32 ra_p, ra_t, 0;\n"
     "mov.u32 ra_a, global_smem;\nadd.u32 ra_a, ra_a, $1;\n"
     "mapa.shared::cluster.u32 ra_r, ra_a, $2;\n"
-    "@ra_p mbarrier.arrive.release.cluster.shared::cluster.b64 _, [ra_r];\n"
+    "@ra_p mbarrier.arrive.shared::cluster.b64 _, [ra_r];\n"
     "mov.u32 $0, 0;\n}")
 
 _CLUSTER_SYNC_ASM = gl.constexpr(
@@ -80,19 +85,20 @@ def _cluster_sync():
 
 
 @gluon.jit
-def _release(empty, s, EMPTY_OFF: gl.constexpr, peer):
+def _release(empty, s, EMPTY_OFF: gl.constexpr, peer, MULTICAST: gl.constexpr):
     """Stage ``s`` free here and at the partner (its producer multicasts into our copy)."""
     gl.thread_barrier()
     mbarrier.arrive(empty.index(s), count=1)
-    gl.inline_asm_elementwise(_REMOTE_ARRIVE_ASM, "=r,r,r", [EMPTY_OFF + 8 * s, peer], dtype=gl.int32,
-                              is_pure=False, pack=1)
+    if MULTICAST:
+        gl.inline_asm_elementwise(_REMOTE_ARRIVE_ASM, "=r,r,r", [EMPTY_OFF + 8 * s, peer], dtype=gl.int32,
+                                  is_pure=False, pack=1)
 
 
 @gluon.jit
-def mc_load_partition(a_desc, bh_desc, a_bufs, ready, empty, M, N, K, NUM_PROGRAMS: gl.constexpr,
+def mc_load_partition(a_desc, b_desc, bh_desc, a_bufs, b_bufs, ready, empty, M, N, K, NUM_PROGRAMS: gl.constexpr,
                       GROUP_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
                       CONSUMERS: gl.constexpr, B_OFF: gl.constexpr, READY_OFF: gl.constexpr,
-                      BH_PARAM: gl.constexpr):
+                      BH_PARAM: gl.constexpr, MULTICAST: gl.constexpr):
     _cluster_sync()
     rank = gl.program_id(0) % 2
     num_pid_m = gl.cdiv(M, WG_ROWS * CONSUMERS)
@@ -116,21 +122,24 @@ def mc_load_partition(a_desc, bh_desc, a_bufs, ready, empty, M, N, K, NUM_PROGRA
             for g in gl.static_range(CONSUMERS):
                 tma.async_copy_global_to_shared(a_desc, [off_m + g * WG_ROWS, ki * BLOCK_K], bar,
                                                 a_bufs.index(CONSUMERS * s + g))
-            dst = B_OFF + s * STAGE_B + rank * (STAGE_B // 2)
-            gl.inline_asm_elementwise(_multicast_asm(BH_PARAM), "=r,r,r,r,r,h",
-                                      [dst + mask.to(gl.int32) * 0, READY_OFF + 8 * s + mask.to(gl.int32) * 0,
-                                       ki * BLOCK_K + mask.to(gl.int32) * 0,
-                                       off_n + rank * HALF + mask.to(gl.int32) * 0, mask],
-                                      dtype=gl.int32, is_pure=False, pack=1)
+            if MULTICAST:
+                dst = B_OFF + s * STAGE_B + rank * (STAGE_B // 2)
+                gl.inline_asm_elementwise(_multicast_asm(BH_PARAM), "=r,r,r,r,r,h",
+                                          [dst + mask.to(gl.int32) * 0, READY_OFF + 8 * s + mask.to(gl.int32) * 0,
+                                           ki * BLOCK_K + mask.to(gl.int32) * 0,
+                                           off_n + rank * HALF + mask.to(gl.int32) * 0, mask],
+                                          dtype=gl.int32, is_pure=False, pack=1)
+            else:
+                tma.async_copy_global_to_shared(b_desc, [off_n, ki * BLOCK_K], bar, b_bufs.index(s))
             it += 1
     _cluster_sync()
 
 
 @gluon.jit
-def mc_mma_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, WG: gl.constexpr,
+def mc_mma_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, c_ptr, stride_cm, M, N, K, WG: gl.constexpr,
                      NUM_PROGRAMS: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      BLOCK_K: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
-                     EMPTY_OFF: gl.constexpr):
+                     EMPTY_OFF: gl.constexpr, MULTICAST: gl.constexpr, DIRECT_STORE: gl.constexpr):
     _cluster_sync()
     rank = gl.program_id(0) % 2
     peer = 1 - rank
@@ -153,14 +162,20 @@ def mc_mma_partition(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, WG: 
                                 is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
             if ki > 0:
-                _release(empty, (it + STAGES - 1) % STAGES, EMPTY_OFF, peer)
+                _release(empty, (it + STAGES - 1) % STAGES, EMPTY_OFF, peer, MULTICAST)
             it += 1
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        _release(empty, (it + STAGES - 1) % STAGES, EMPTY_OFF, peer)
-        tma.store_wait(pendings=0)
-        c_smem.store(acc.to(c_desc.dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(c_desc, [off_m, off_n], c_smem)
+        _release(empty, (it + STAGES - 1) % STAGES, EMPTY_OFF, peer, MULTICAST)
+        if DIRECT_STORE:
+            rows = off_m + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, layout))
+            cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+            gl.store(c_ptr + rows.to(gl.int64)[:, None] * stride_cm + cols[None, :], acc.to(c_ptr.dtype.element_ty),
+                     mask=(rows < M)[:, None] & (cols < N)[None, :])
+        else:
+            tma.store_wait(pendings=0)
+            c_smem.store(acc.to(c_desc.dtype))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(c_desc, [off_m, off_n], c_smem)
     tma.store_wait(pendings=0)
     _cluster_sync()
 
@@ -171,6 +186,8 @@ def mc_gemm_kernel(
     b_desc,             # TMA descriptor of w [N, K], block [BLOCK_N, BLOCK_K] (its layout: the B ring's)
     bh_desc,            # the same with block [BLOCK_N / 2, BLOCK_K]: the half each CTA multicasts
     c_desc,             # TMA descriptor of out [M, N], block [64, BLOCK_N]
+    c_ptr,              # *out (DIRECT_STORE)
+    stride_cm,          # elements between rows of out
     M, N, K,            # sizes
     NUM_PROGRAMS: gl.constexpr,     # CTAs (an even number: clusters of 2)
     GROUP_M: gl.constexpr,          # tile pairs per group of the tile order
@@ -181,32 +198,42 @@ def mc_gemm_kernel(
     READY_OFF: gl.constexpr,        # ... of the ready mbarriers
     EMPTY_OFF: gl.constexpr,        # ... of the empty mbarriers
     BH_PARAM: gl.constexpr,         # PTX name of bh_desc's CUtensorMap parameter
+    MULTICAST: gl.constexpr,        # False: each CTA loads all of B itself (the same kernel otherwise: an A/B)
+    DIRECT_STORE: gl.constexpr,     # the epilogue stores from registers (no staging tile)
 ):
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = b_desc.block_type.shape[1]
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [CONSUMERS * STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-    c_bufs = gl.allocate_shared_memory(c_desc.dtype, [CONSUMERS] + c_desc.block_type.shape, c_desc.layout)
+    if DIRECT_STORE:
+        c_bufs = gl.allocate_shared_memory(c_desc.dtype, [CONSUMERS, 8, 8], c_desc.layout)     # unused
+    else:
+        c_bufs = gl.allocate_shared_memory(c_desc.dtype, [CONSUMERS] + c_desc.block_type.shape, c_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2 * CONSUMERS)
+        mbarrier.init(empty.index(i), count=2 * CONSUMERS if MULTICAST else CONSUMERS)
     if CONSUMERS == 1:
         gl.warp_specialize([
-            (mc_mma_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs.index(0), M, N, K, 0, NUM_PROGRAMS,
-                                GROUP_M, BLOCK_N, BLOCK_K, STAGES, CONSUMERS, EMPTY_OFF)),
-            (mc_load_partition, (a_desc, bh_desc, a_bufs, ready, empty, M, N, K, NUM_PROGRAMS, GROUP_M, BLOCK_N,
-                                 BLOCK_K, STAGES, CONSUMERS, B_OFF, READY_OFF, BH_PARAM)),
+            (mc_mma_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs.index(0), c_ptr, stride_cm, M, N, K, 0, NUM_PROGRAMS,
+                                GROUP_M, BLOCK_N, BLOCK_K, STAGES, CONSUMERS, EMPTY_OFF, MULTICAST,
+                                DIRECT_STORE)),
+            (mc_load_partition, (a_desc, b_desc, bh_desc, a_bufs, b_bufs, ready, empty, M, N, K, NUM_PROGRAMS,
+                                 GROUP_M, BLOCK_N, BLOCK_K, STAGES, CONSUMERS, B_OFF, READY_OFF, BH_PARAM,
+                                 MULTICAST)),
         ], [4], [40])
     else:
         gl.warp_specialize([
-            (mc_mma_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs.index(0), M, N, K, 0, NUM_PROGRAMS,
-                                GROUP_M, BLOCK_N, BLOCK_K, STAGES, CONSUMERS, EMPTY_OFF)),
-            (mc_mma_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs.index(1), M, N, K, 1, NUM_PROGRAMS,
-                                GROUP_M, BLOCK_N, BLOCK_K, STAGES, CONSUMERS, EMPTY_OFF)),
-            (mc_load_partition, (a_desc, bh_desc, a_bufs, ready, empty, M, N, K, NUM_PROGRAMS, GROUP_M, BLOCK_N,
-                                 BLOCK_K, STAGES, CONSUMERS, B_OFF, READY_OFF, BH_PARAM)),
+            (mc_mma_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs.index(0), c_ptr, stride_cm, M, N, K, 0, NUM_PROGRAMS,
+                                GROUP_M, BLOCK_N, BLOCK_K, STAGES, CONSUMERS, EMPTY_OFF, MULTICAST,
+                                DIRECT_STORE)),
+            (mc_mma_partition, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs.index(1), c_ptr, stride_cm, M, N, K, 1, NUM_PROGRAMS,
+                                GROUP_M, BLOCK_N, BLOCK_K, STAGES, CONSUMERS, EMPTY_OFF, MULTICAST,
+                                DIRECT_STORE)),
+            (mc_load_partition, (a_desc, b_desc, bh_desc, a_bufs, b_bufs, ready, empty, M, N, K, NUM_PROGRAMS,
+                                 GROUP_M, BLOCK_N, BLOCK_K, STAGES, CONSUMERS, B_OFF, READY_OFF, BH_PARAM,
+                                 MULTICAST)),
         ], [4, 4], [CONSUMER_REGS, 40])
 
 
