@@ -238,6 +238,20 @@ def test_registry_spec(name, monkeypatch):
     check_against_reference(spec, spec.test_shapes[1], torch.float32, "cpu")
 
 
+@pytest.mark.parametrize("name", ["int4_gemm", "int8_gemm"])
+def test_dense_cublas_peer(name):
+    """The bench's dense-GEMM peer (the denominator of #5's int4 M = 16 target) computes the
+    reference's product, and its cached dense weight follows the weight it is given."""
+    from tilefuse import registry
+    spec = registry.get(name)
+    peer = spec.peers["cublas-dense"]()
+    for _ in range(2):      # a second weight must not reuse the first one's dense copy
+        inputs = spec.make_inputs((3, 40, 128), torch.float32, DEVICE)
+        x, qw = inputs.args
+        ref = spec.reference(x.double(), qw)
+        assert rel_err(peer(x, qw), ref) < 1e-5
+
+
 @settings(max_examples=12, deadline=None)
 @given(m=st.integers(1, 40), n=st.integers(1, 70), groups=st.integers(1, 3), fmt=st.sampled_from(FORMATS),
        bias=st.booleans())

@@ -374,6 +374,21 @@ def _torch_dequant_linear(x, qw, bias=None):
     return F.linear(x, dequantize_weight(qw, x.dtype), bias)
 
 
+def _dense_cublas_peer():
+    """The dense GEMM a quantized weight replaces: ``F.linear`` (cuBLAS on CUDA) on the weight
+    dequantized once to x's dtype (cached per weight), so its time is the GEMM alone: the
+    denominator of #5's "int4 at M = 16 >= 2.5x the bf16 cuBLAS GEMM"."""
+    cache: dict = {}
+
+    def run(x, qw, bias=None):
+        key = (qw.qweight.data_ptr(), qw.scales.data_ptr(), qw.shape, x.dtype, x.device)
+        if key not in cache:
+            cache.clear()
+            cache[key] = dequantize_weight(qw, x.dtype)
+        return F.linear(x, cache[key], bias)
+    return run
+
+
 def _tinygemm_peer():
     """``torch._weight_int4pack_mm`` (tinygemm, CUDA, bf16 x) on our int4 format, or None.
 
@@ -421,7 +436,7 @@ for _bits in SUPPORTED_BITS:
         test_shapes=_TEST_SHAPES,
         gpu_test_shapes=_GPU_TEST_SHAPES,
         bench_shapes=_BENCH_SHAPES,
-        peers={"torch": lambda: _torch_dequant_linear,
+        peers={"torch": lambda: _torch_dequant_linear, "cublas-dense": _dense_cublas_peer,
                **({"tinygemm": _tinygemm_peer} if _bits == 4 else {})},
         has_backward=False,
         description=f"x @ dequant(W).T, int{_bits} weight-only "
