@@ -356,6 +356,99 @@ def test_quantize_leaves_linears_the_model_does_not_call_as_linear():
         quantize(torch.nn.Linear(64, 8))
 
 
+def test_quantize_skip_patterns_from_a_one_shot_iterable():
+    """A generator or filter of skip patterns was consumed by the first layer's test, so every
+    later layer was swapped (the 2026-12-07 audit: skip=(n for n in ["0", "1", "2"]) swapped "1"
+    and "2"); a pattern that is not a string raises."""
+    for skip in ((n for n in ["0", "2"]), filter(lambda n: n != "1", ["0", "1", "2"]), iter(["0", "2"])):
+        model = torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(3))).to(DEVICE)
+        report = quantize(model, bits=8, skip=skip)
+        assert report.swapped == ["1"] and sorted(report.skipped) == ["0", "2"]
+        assert type(model[0]) is torch.nn.Linear and type(model[2]) is torch.nn.Linear
+    with pytest.raises(TypeError, match="skip patterns"):
+        quantize(torch.nn.Sequential(torch.nn.Linear(64, 8)), bits=8, skip=[0])
+
+
+def _hooked_models():
+    """(what, model, its hooked layer's name): Sequentials of two Linears whose first one carries
+    what a swap to a new module would drop."""
+    def pre(module, args):
+        return (args[0] * 0.5,)
+
+    def post(module, args, out):
+        return out + 100.0
+
+    def grad_hook(module, grad_in, grad_out):
+        return (grad_in[0] * 3.0,)
+
+    made = {}
+    for what in ("forward_pre_hook", "forward_hook", "full_backward_hook", "instance_forward"):
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)).to(DEVICE)
+        first = model[0]
+        if what == "forward_pre_hook":
+            first.register_forward_pre_hook(pre)
+        elif what == "forward_hook":
+            first.register_forward_hook(post)
+        elif what == "full_backward_hook":
+            first.register_full_backward_hook(grad_hook)
+        else:                        # accelerate's add_hook_to_module wraps forward on the instance
+            plain = first.forward
+            first.forward = lambda x: plain(x) * 2.0
+        made[what] = model
+    return made
+
+
+def test_swaps_leave_layers_with_hooks_or_an_instance_forward():
+    """quantize and fp8.swap_linears replaced a Linear that carried forward / backward hooks or a
+    forward set on the instance, and the new module had none of them: a pre-hook + hook changed
+    the output by 100 and an instance wrapper by 2x (2026-12-07 audit). Such a layer is now left
+    in place with its reason; the unhooked layer beside it is swapped, and the model's output
+    and input gradient are the unswapped model's within int8's error."""
+    from tilefuse import fp8
+
+    for what, model in _hooked_models().items():
+        x = torch.randn(3, 64, device=DEVICE, requires_grad=True)
+        ref = model(x)
+        (ref_dx,) = torch.autograd.grad(ref.sum(), x)
+        report = quantize(model, bits=8)
+        assert report.swapped == ["1"], what
+        assert "swap would drop" in report.skipped["0"] and type(model[0]) is torch.nn.Linear, what
+        out = model(x)
+        (dx,) = torch.autograd.grad(out.sum(), x)
+        assert rel_err(out, ref) <= 0.03 and rel_err(dx, ref_dx) <= 0.03, what
+    for what, model in _hooked_models().items():
+        fp8.swap_linears(model)
+        assert type(model[0]) is torch.nn.Linear and type(model[1]) is fp8.Linear, what
+
+
+def test_fp8_swap_linears_every_name_and_bare_linear():
+    """fp8.swap_linears walked named_children, which lists a module once: a Linear registered
+    under a second name stayed a plain Linear there; and a bare Linear came back unconverted
+    without a word. Now both names hold the same fp8.Linear, and a bare Linear raises, as
+    quantize does."""
+    from tilefuse import fp8
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.down = torch.nn.Linear(64, 32)
+            self.again = self.down
+
+    model = fp8.swap_linears(Model().to(DEVICE))
+    assert type(model.down) is fp8.Linear and model.again is model.down
+    with pytest.raises(TypeError, match="from_linear"):
+        fp8.swap_linears(torch.nn.Linear(64, 8))
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.uint8, torch.bool, torch.complex64, torch.float8_e4m3fn])
+def test_dequantize_weight_refuses_a_dtype_that_is_not_a_float(dtype):
+    """An integer dtype truncated the weight, bool gave all True, complex and fp8 were taken
+    without a word (2026-12-07 audit)."""
+    q = quantize_weight(torch.randn(8, 64, device=DEVICE), 4, 32)
+    with pytest.raises(TypeError, match="dtype"):
+        dequantize_weight(q, dtype)
+
+
 def test_int4_with_no_output_rows():
     """N = 0: dequantize_weight and the reference path raised a reshape error."""
     q = quantize_weight(torch.randn(0, 64, device=DEVICE), 4, 32)

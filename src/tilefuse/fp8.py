@@ -74,16 +74,15 @@ class Linear(torch.nn.Linear):
 
 
 def swap_linears(module: torch.nn.Module, **kwargs) -> torch.nn.Module:
-    """Replace every ``torch.nn.Linear`` inside ``module`` (in place, recursively) by an fp8
-    :class:`Linear` sharing its parameters; returns ``module``. Linears the model does not use as
-    ``x @ W.T + b`` stay (a subclass with its own forward, ``nn.MultiheadAttention``'s
-    ``out_proj``: :func:`tilefuse.quantization.linear_swap_reason`)."""
-    from .quantization import linear_swap_reason
+    """Replace every ``torch.nn.Linear`` inside ``module`` (in place, recursively; at every name
+    a layer is registered under) by an fp8 :class:`Linear` sharing its parameters; returns
+    ``module``. Linears the model does not use as ``x @ W.T + b`` stay (a subclass with its own
+    forward, a forward replaced on the instance, module hooks, ``nn.MultiheadAttention``'s
+    ``out_proj``: :func:`tilefuse.quantization.linear_swap_reason`). A bare Linear raises a
+    TypeError (it cannot replace itself: use :meth:`Linear.from_linear`)."""
+    from .quantization import linear_paths, linear_swap_reason, replace_at
 
-    for name, child in module.named_children():
-        if (isinstance(child, torch.nn.Linear) and not isinstance(child, Linear)
-                and linear_swap_reason(module, [name], child) is None):
-            setattr(module, name, Linear.from_linear(child, **kwargs))
-        else:
-            swap_linears(child, **kwargs)
+    for layer, names in linear_paths(module, "swap_linears", "fp8.Linear.from_linear(layer)").values():
+        if not isinstance(layer, Linear) and linear_swap_reason(module, names, layer) is None:
+            replace_at(module, names, Linear.from_linear(layer, **kwargs))
     return module

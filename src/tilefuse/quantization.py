@@ -96,13 +96,25 @@ def _model_bytes(model: nn.Module) -> int:
     return total
 
 
+def _skip_patterns(skip: SkipRule) -> SkipRule:
+    """``skip`` as quantize's loop reads it for every layer: patterns as a list, taken once (a
+    generator or ``filter`` object was consumed by the first layer, and every later one was
+    swapped), a callable or None as given."""
+    if skip is None or callable(skip):
+        return skip
+    patterns = [skip] if isinstance(skip, str) else list(skip)
+    bad = [p for p in patterns if not isinstance(p, str)]
+    if bad:
+        raise TypeError(f"skip patterns must be strings (module names or fnmatch patterns); got {bad[0]!r}")
+    return patterns
+
+
 def _skip_reason(name: str, layer: nn.Linear, skip: SkipRule, group_size: Optional[int]) -> Optional[str]:
     if callable(skip):
         if skip(name, layer):
             return "skipped by the skip callable"
     elif skip is not None:
-        patterns = [skip] if isinstance(skip, str) else list(skip)
-        for p in patterns:
+        for p in skip:
             if fnmatch.fnmatchcase(name, p) or name.split(".")[-1] == p:
                 return f"matches skip pattern {p!r}"
     if layer.in_features == 0 or layer.out_features == 0:
@@ -120,23 +132,59 @@ def _skip_reason(name: str, layer: nn.Linear, skip: SkipRule, group_size: Option
 _READ_WEIGHTS = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
 
 
+# per-module hooks a swap would leave behind on the old module (the new one starts with none)
+_MODULE_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
 def linear_swap_reason(model: nn.Module, names: list, layer: nn.Linear) -> Optional[str]:
     """Why swapping ``layer`` (registered in ``model`` under ``names``) for another Linear module
-    would change the model, or None. A subclass with its own ``forward`` computes something else
-    than ``x @ W.T + b`` (a mask, a scale), which the swap would drop; ``nn.MultiheadAttention``
-    never calls its ``out_proj`` and the Transformer layers read ``linear1.weight`` themselves (a
+    would change the model, or None. A subclass with its own ``forward``, or a ``forward``
+    replaced on the instance (accelerate's ``add_hook_to_module`` does that), computes something
+    else than ``x @ W.T + b`` (a mask, a scale, a device move), which the swap would drop; so
+    would it drop the layer's forward / backward hooks (a hook that edited the input or the
+    output changed the result by 100 in an audit, 2026-12-07); ``nn.MultiheadAttention`` never
+    calls its ``out_proj`` and the Transformer layers read ``linear1.weight`` themselves (a
     swapped module has none: the next forward raised)."""
     from . import fp8
     from .nn import Linear as TfLinear
 
     if type(layer).forward not in (nn.Linear.forward, TfLinear.forward, fp8.Linear.forward):
         return f"{type(layer).__name__} has its own forward (not x @ W.T + b)"
+    if "forward" in vars(layer):
+        return "its forward is replaced on the instance (a wrapper the swap would drop)"
+    hooks = [h for h in _MODULE_HOOKS if getattr(layer, h, None)]
+    if hooks:
+        return f"it has module hooks ({', '.join(h.strip('_') for h in hooks)}) that the swap would drop"
     for name in names:
         parent_name = name.rpartition(".")[0]
         parent = model.get_submodule(parent_name) if parent_name else model
         if isinstance(parent, _READ_WEIGHTS):
             return f"its weight is read directly by {type(parent).__name__}"
     return None
+
+
+def linear_paths(model: nn.Module, op: str, instead: str) -> dict:
+    """``id -> (layer, names)``: every ``nn.Linear`` inside ``model`` (subclasses too:
+    tilefuse.nn.Linear, fp8.Linear) with every name it is registered under, so that a module
+    registered twice is swapped at both. ``op`` and ``instead`` word the TypeError for a model
+    that is not a Module, or is a bare Linear (which cannot replace itself in place)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(model, nn.Linear):
+        raise TypeError(f"{op} replaces the Linear layers inside a model in place, and a bare Linear cannot "
+                        f"replace itself: use {instead}")
+    paths: dict = {}
+    for name, mod in model.named_modules(remove_duplicate=False):
+        if isinstance(mod, nn.Linear):
+            paths.setdefault(id(mod), (mod, []))[1].append(name)
+    return paths
+
+
+def replace_at(model: nn.Module, names: list, new: nn.Module) -> None:
+    """Register ``new`` at each qualified name of ``names`` inside ``model``."""
+    for path in names:
+        parent_name, _, child = path.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
 
 
 def quantize(model: nn.Module, bits: int = 4, group_size: Optional[int] = 128,
@@ -151,19 +199,10 @@ def quantize(model: nn.Module, bits: int = 4, group_size: Optional[int] = 128,
     ``(name, layer) -> bool``. Linears whose K is not a multiple of the group size are skipped
     and listed in the report with the reason, as are Linears the model does not use as
     ``x @ W.T + b`` (:func:`linear_swap_reason`). Returns a :class:`QuantizeReport`."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if isinstance(model, nn.Linear):
-        raise TypeError("quantize replaces the Linear layers inside a model in place, and a bare Linear cannot "
-                        "replace itself: use QuantLinear.from_linear(layer, bits, group_size)")
+    paths = linear_paths(model, "quantize", "QuantLinear.from_linear(layer, bits, group_size)")
     group_size = _check_format(bits, None if bits == 8 else group_size)
+    skip = _skip_patterns(skip)
     report = QuantizeReport(bits, group_size, model_bytes_before=_model_bytes(model))
-    # every path to each Linear (subclasses too: tilefuse.nn.Linear, fp8.Linear); one module
-    # registered under two names is swapped at both
-    paths: dict = {}
-    for name, mod in model.named_modules(remove_duplicate=False):
-        if isinstance(mod, nn.Linear):
-            paths.setdefault(id(mod), (mod, []))[1].append(name)
     owners: dict = {}        # parameter storage -> the modules' names holding it
     for name, mod in model.named_modules():
         for p in mod.parameters(recurse=False):
@@ -178,9 +217,7 @@ def quantize(model: nn.Module, bits: int = 4, group_size: Optional[int] = 128,
             report.skipped[name] = reason
             continue
         new = QuantLinear.from_linear(layer, bits, group_size)
-        for path in names:
-            parent_name, _, child = path.rpartition(".")
-            setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+        replace_at(model, names, new)
         report.swapped.append(name)
         report.weight_bytes_before += layer.weight.numel() * layer.weight.element_size()
         report.weight_bytes_after += new.quantized_weight().nbytes()

@@ -179,6 +179,9 @@ def dequantize_weight(q: QuantizedWeight, dtype: Optional[torch.dtype] = None) -
     just past it (65,520 for 65,504: inf in fp16). quantize_weight no longer stores such scales
     (``_finite_codes``); a QuantizedWeight built elsewhere may still hold one."""
     dtype = q.scales.dtype if dtype is None else dtype
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype.itemsize < 2:
+        # an integer, bool or complex dtype truncated or reinterpreted the weight without a word
+        raise TypeError(f"dtype must be a floating-point torch.dtype of 16 bits or more, got {dtype}")
     wide = torch.float64 if dtype == torch.float64 else torch.float32
     s = q.scales.to(wide)
     if q.bits == 8:
@@ -187,7 +190,7 @@ def dequantize_weight(q: QuantizedWeight, dtype: Optional[torch.dtype] = None) -
         n, k = q.shape
         ints = unpack_int4(q.qweight).to(wide).reshape(n, k // q.group_size, q.group_size)
         w = ((ints - q.zeros.to(wide)[..., None]) * s[..., None]).reshape(n, k)
-    if dtype.is_floating_point and torch.finfo(dtype).max < torch.finfo(wide).max:
+    if torch.finfo(dtype).max < torch.finfo(wide).max:
         big = torch.finfo(dtype).max
         w = w.clamp(-big, big)
     return w.to(dtype)
