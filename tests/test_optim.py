@@ -623,3 +623,30 @@ def _pickled(opt):
     torch.save(opt, buf)
     buf.seek(0)
     return torch.load(buf, weights_only=False)
+
+
+def test_negative_views_step_the_right_way():
+    """A grad or a tensor lr with the negative bit set (values stored negated: torch._neg_view,
+    z.conj().imag) was read raw by the optimizer's kernel, so the param moved the wrong way (3.6e-2
+    relative after 3 steps; the 2026-12-07 audit): both are resolved now and the trajectory is
+    torch's. A param that is a negative view is refused (the step writes it in place), as the
+    functional adamw_step refuses it."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(50, device=DEVICE))
+    q = torch.nn.Parameter(p.detach().clone())
+    lr = torch._neg_view(torch.tensor(-1e-2, device=DEVICE))
+    ours = AdamW([p], lr=lr)
+    ref = torch.optim.AdamW([q], lr=1e-2, foreach=False)
+    for _ in range(3):
+        g = torch.randn(50, device=DEVICE)
+        p.grad, q.grad = torch._neg_view(-g), g.clone()
+        assert p.grad.is_neg()
+        ours.step()
+        ref.step()
+    assert rel_err(p.detach(), q.detach()) <= 1e-6
+    assert rel_err(ours.state[p]["exp_avg"], ref.state[q]["exp_avg"]) <= 1e-6
+    bad = torch.nn.Parameter(torch._neg_view(torch.randn(8, device=DEVICE)))
+    assert bad.is_neg()
+    bad.grad = torch.randn(8, device=DEVICE)
+    with pytest.raises(TypeError, match="negative view"):
+        AdamW([bad]).step()

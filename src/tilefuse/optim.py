@@ -31,7 +31,7 @@ import itertools
 import torch
 
 from ._checks import FLOAT_DTYPES
-from .ops.adamw import _dense, run_step
+from .ops.adamw import _check_not_negative_view, _dense, run_step
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 # torch >= 2.7 keeps decoupled_weight_decay in Adam's param groups (AdamW is Adam with it True);
@@ -66,7 +66,7 @@ class _StepGroup:
             st = state.get(p) if p is mine else None
             if st is None or any(st.get(k) is not col[i] for k, col in zip(self.state_keys, columns)):
                 return False
-            if p.stride() != layout[1] or p.shape != layout[0]:
+            if p.stride() != layout[1] or p.shape != layout[0] or p.is_neg():
                 return False
         return True
 
@@ -192,8 +192,10 @@ class Adam(torch.optim.Adam):
         tensors = step_group.tensors
         beta1, beta2 = (float(b) for b in group["betas"])
         lr = group["lr"]
-        if isinstance(lr, torch.Tensor) and lr.device != key[1]:
-            lr = lr.to(key[1])   # the kernel reads lr from the params' device
+        if isinstance(lr, torch.Tensor) and (lr.device != key[1] or lr.is_neg()):
+            # the kernel reads lr from the params' device, and reads storage raw: a negative
+            # view (values stored negated) is resolved first (it stepped the wrong way)
+            lr = lr.resolve_neg().to(key[1])
         run_step(
             params, [_grad_like_param(p) for p in params], tensors["exp_avg"], tensors["exp_avg_sq"],
             tensors.get("max_exp_avg_sq"), tensors.get("master_param"), step_group.steps, lr,
@@ -207,6 +209,7 @@ class Adam(torch.optim.Adam):
         if p.layout != torch.strided or not _dense(p):    # a param put in param_groups by hand, or its .data swapped
             raise ValueError(f"a param of shape {tuple(p.shape)} has strides {p.stride()}, not one dense block: "
                              f"the fused step walks each param as one flat block; use a contiguous parameter")
+        _check_not_negative_view(f"a param of shape {tuple(p.shape)}", p)   # the step writes it in place
         state = self.state[p]
         if "step" not in state:
             state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
@@ -223,7 +226,7 @@ class Adam(torch.optim.Adam):
                                  f"{tuple(p.shape)} (a checkpoint of another model?)")
             if t is None:
                 t = torch.zeros_like(p, dtype=dtype) if init is None else init
-            if t.dtype != dtype or t.device != p.device or t.stride() != p.stride() or t is p:
+            if t.dtype != dtype or t.device != p.device or t.stride() != p.stride() or t is p or t.is_neg():
                 t = torch.empty_like(p, dtype=dtype).copy_(t)   # the param's layout: one flat walk
             state[k] = t
         return state
@@ -293,6 +296,8 @@ def _grad_like_param(p: torch.Tensor) -> torch.Tensor:
     """The kernel walks param and grad as one flat block each: a grad laid out differently
     (possible for non-contiguous params) is copied into the param's layout first."""
     g = p.grad
+    if g.is_neg():          # values stored negated (torch._neg_view, z.conj().imag): the kernel reads storage raw
+        g = g.resolve_neg()
     if g.stride() == p.stride() or p.numel() <= 1:
         return g
     return torch.empty_like(p).copy_(g)
