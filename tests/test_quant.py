@@ -449,6 +449,28 @@ def test_dequantize_weight_refuses_a_dtype_that_is_not_a_float(dtype):
         dequantize_weight(q, dtype)
 
 
+def test_quantize_gpt2_conv1d():
+    """GPT-2's projections are transformers Conv1D (``x @ W + b``, W stored [in, out]), not
+    nn.Linear: quantize swapped none of them and reported 0 bytes saved with no reason given
+    (2026-12-07 audit). They are swapped now, with the weight transposed; the tied LM head is
+    skipped with its reason, and the logits stay within int8's error of the float model's."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.pytorch_utils import Conv1D
+
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=96, n_positions=32, n_embd=64, n_layer=2, n_head=4)
+    model = transformers.GPT2LMHeadModel(cfg).to(DEVICE).eval()
+    ids = torch.randint(0, 96, (2, 12), device=DEVICE)
+    with torch.no_grad():
+        ref = model(ids).logits
+        report = quantize(model, bits=8)
+        out = model(ids).logits
+    assert len(report.swapped) == 8 and not any(isinstance(m, Conv1D) for m in model.modules())
+    assert "tied" in report.skipped["lm_head"] and report.bytes_saved > 0
+    assert report.model_bytes_before - report.model_bytes_after == report.bytes_saved
+    assert rel_err(out, ref) <= 0.03
+
+
 def test_int4_with_no_output_rows():
     """N = 0: dequantize_weight and the reference path raised a reshape error."""
     q = quantize_weight(torch.randn(0, 64, device=DEVICE), 4, 32)

@@ -1,4 +1,5 @@
-"""``quantize(model, bits=4, group_size=128)``: swap a model's ``nn.Linear`` layers, in place, for
+"""``quantize(model, bits=4, group_size=128)``: swap a model's ``nn.Linear`` layers (and
+transformers' ``Conv1D``, GPT-2's transposed linear), in place, for
 weight-only quantized :class:`QuantLinear` layers, and report the bytes saved.
 
 A layer is swapped when its input features K are divisible by the group size (int4) and its
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import sys
 from typing import Callable, Iterable, Optional, Union
 
 import torch
@@ -39,9 +41,12 @@ class QuantLinear(nn.Module):
         self.bias = bias if bias is None or isinstance(bias, nn.Parameter) else nn.Parameter(bias)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, bits: int = 4, group_size: Optional[int] = 128) -> "QuantLinear":
-        """``group_size`` applies to int4; int8 is per output channel (the default 128 is dropped)."""
-        qw = quantize_weight(linear.weight.detach(), bits, None if bits == 8 else group_size)
+    def from_linear(cls, linear: nn.Module, bits: int = 4, group_size: Optional[int] = 128) -> "QuantLinear":
+        """``linear``: an ``nn.Linear`` or a transformers ``Conv1D`` (GPT-2's projections: the same
+        map with the weight stored ``[in, out]``). ``group_size`` applies to int4; int8 is per
+        output channel (the default 128 is dropped)."""
+        w = linear.weight.detach()
+        qw = quantize_weight(w.t() if _is_conv1d(linear) else w, bits, None if bits == 8 else group_size)
         return cls(qw, linear.bias)
 
     def quantized_weight(self) -> QuantizedWeight:
@@ -109,7 +114,23 @@ def _skip_patterns(skip: SkipRule) -> SkipRule:
     return patterns
 
 
-def _skip_reason(name: str, layer: nn.Linear, skip: SkipRule, group_size: Optional[int]) -> Optional[str]:
+def _conv1d_type() -> Optional[type]:
+    """transformers' ``Conv1D`` (``y = x @ W + b``, W ``[in, out]``: GPT-2, GPT-J's ancestors) if
+    transformers is loaded; a model holding one has imported it."""
+    return getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)
+
+
+def _is_conv1d(layer: nn.Module) -> bool:
+    conv1d = _conv1d_type()
+    return conv1d is not None and isinstance(layer, conv1d)
+
+
+def _features(layer: nn.Module) -> tuple:
+    """(in, out) features of an nn.Linear or a Conv1D."""
+    return (layer.nx, layer.nf) if _is_conv1d(layer) else (layer.in_features, layer.out_features)
+
+
+def _skip_reason(name: str, layer: nn.Module, skip: SkipRule, group_size: Optional[int]) -> Optional[str]:
     if callable(skip):
         if skip(name, layer):
             return "skipped by the skip callable"
@@ -117,11 +138,11 @@ def _skip_reason(name: str, layer: nn.Linear, skip: SkipRule, group_size: Option
         for p in skip:
             if fnmatch.fnmatchcase(name, p) or name.split(".")[-1] == p:
                 return f"matches skip pattern {p!r}"
-    if layer.in_features == 0 or layer.out_features == 0:
-        return f"empty weight ({layer.out_features} x {layer.in_features})"
+    k, n = _features(layer)
+    if k == 0 or n == 0:
+        return f"empty weight ({n} x {k})"
     if layer.weight.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return f"weight dtype {layer.weight.dtype} is not fp32/fp16/bf16"
-    k = layer.in_features
     if group_size is not None and k % group_size:
         return f"in_features {k} is not a multiple of group_size {group_size}"
     return None
@@ -148,7 +169,9 @@ def linear_swap_reason(model: nn.Module, names: list, layer: nn.Linear) -> Optio
     from . import fp8
     from .nn import Linear as TfLinear
 
-    if type(layer).forward not in (nn.Linear.forward, TfLinear.forward, fp8.Linear.forward):
+    conv1d = _conv1d_type()
+    if type(layer).forward not in (nn.Linear.forward, TfLinear.forward, fp8.Linear.forward,
+                                   conv1d.forward if conv1d is not None else None):
         return f"{type(layer).__name__} has its own forward (not x @ W.T + b)"
     if "forward" in vars(layer):
         return "its forward is replaced on the instance (a wrapper the swap would drop)"
@@ -163,19 +186,21 @@ def linear_swap_reason(model: nn.Module, names: list, layer: nn.Linear) -> Optio
     return None
 
 
-def linear_paths(model: nn.Module, op: str, instead: str) -> dict:
+def linear_paths(model: nn.Module, op: str, instead: str, conv1d: bool = False) -> dict:
     """``id -> (layer, names)``: every ``nn.Linear`` inside ``model`` (subclasses too:
-    tilefuse.nn.Linear, fp8.Linear) with every name it is registered under, so that a module
-    registered twice is swapped at both. ``op`` and ``instead`` word the TypeError for a model
-    that is not a Module, or is a bare Linear (which cannot replace itself in place)."""
+    tilefuse.nn.Linear, fp8.Linear; with ``conv1d`` transformers' Conv1D too) with every name it
+    is registered under, so that a module registered twice is swapped at both. ``op`` and
+    ``instead`` word the TypeError for a model that is not a Module, or is a bare Linear (which
+    cannot replace itself in place)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if isinstance(model, nn.Linear):
+    if isinstance(model, nn.Linear) or (conv1d and _is_conv1d(model)):
         raise TypeError(f"{op} replaces the Linear layers inside a model in place, and a bare Linear cannot "
                         f"replace itself: use {instead}")
+    kinds = (nn.Linear,) + ((_conv1d_type(),) if conv1d and _conv1d_type() is not None else ())
     paths: dict = {}
     for name, mod in model.named_modules(remove_duplicate=False):
-        if isinstance(mod, nn.Linear):
+        if isinstance(mod, kinds):
             paths.setdefault(id(mod), (mod, []))[1].append(name)
     return paths
 
@@ -189,8 +214,8 @@ def replace_at(model: nn.Module, names: list, new: nn.Module) -> None:
 
 def quantize(model: nn.Module, bits: int = 4, group_size: Optional[int] = 128,
              skip: SkipRule = None) -> QuantizeReport:
-    """Replace every eligible ``nn.Linear`` (or subclass computing ``x @ W.T + b``) of ``model`` (in place) by a
-    :class:`QuantLinear`; a layer whose weight is tied to another module's parameter (an LM head
+    """Replace every eligible ``nn.Linear`` (or subclass computing ``x @ W.T + b``; or transformers'
+    ``Conv1D``, GPT-2's ``x @ W + b``) of ``model`` (in place) by a :class:`QuantLinear`; a layer whose weight is tied to another module's parameter (an LM head
     tied to the embedding) is skipped: the float copy would stay, so nothing would be saved.
 
     ``bits`` 4 (group-wise, ``group_size`` 32/64/128) or 8 (per channel; ``group_size`` is
@@ -199,7 +224,7 @@ def quantize(model: nn.Module, bits: int = 4, group_size: Optional[int] = 128,
     ``(name, layer) -> bool``. Linears whose K is not a multiple of the group size are skipped
     and listed in the report with the reason, as are Linears the model does not use as
     ``x @ W.T + b`` (:func:`linear_swap_reason`). Returns a :class:`QuantizeReport`."""
-    paths = linear_paths(model, "quantize", "QuantLinear.from_linear(layer, bits, group_size)")
+    paths = linear_paths(model, "quantize", "QuantLinear.from_linear(layer, bits, group_size)", conv1d=True)
     group_size = _check_format(bits, None if bits == 8 else group_size)
     skip = _skip_patterns(skip)
     report = QuantizeReport(bits, group_size, model_bytes_before=_model_bytes(model))
