@@ -215,8 +215,9 @@ def replace_at(model: nn.Module, names: list, new: nn.Module) -> None:
 def quantize(model: nn.Module, bits: int = 4, group_size: Optional[int] = 128,
              skip: SkipRule = None) -> QuantizeReport:
     """Replace every eligible ``nn.Linear`` (or subclass computing ``x @ W.T + b``; or transformers'
-    ``Conv1D``, GPT-2's ``x @ W + b``) of ``model`` (in place) by a :class:`QuantLinear`; a layer whose weight is tied to another module's parameter (an LM head
-    tied to the embedding) is skipped: the float copy would stay, so nothing would be saved.
+    ``Conv1D``, GPT-2's ``x @ W + b``) of ``model`` (in place) by a :class:`QuantLinear`; a layer
+    whose weight is tied to another module's parameter (an LM head tied to the embedding) is
+    skipped: the float copy would stay, so nothing would be saved.
 
     ``bits`` 4 (group-wise, ``group_size`` 32/64/128) or 8 (per channel; ``group_size`` is
     ignored and taken as None). ``skip``: a name, an fnmatch pattern or a list of them (matched
