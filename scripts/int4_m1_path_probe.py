@@ -1,6 +1,6 @@
 """M = 1 int4: the GEMV kernel against the Gluon mma kernel, per group size and x dtype (GPU).
 
-    PYTHONPATH=src:scripts python scripts/int4_m1_path_probe.py
+    PYTHONPATH=src:scripts python scripts/int4_m1_path_probe.py [--groups 128] [--shapes 14336x4096 ...] [--reps 2]
 
 Graph time of 20 calls cycling 20 weight copies (reads DRAM, as scripts/quant_sweep.py), each
 path checked against the fp32 product with the dequantized weight first. The data behind the
@@ -9,6 +9,8 @@ session 33), and the check of the GEMV's chunk on K that 1024 columns do not div
 """
 
 from __future__ import annotations
+
+import argparse
 
 import torch
 import torch.nn.functional as F
@@ -24,10 +26,23 @@ PATHS = {"gemv": dict(PATH="gemv"), "mma": dict(PATH="mma")}
 
 
 def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--groups", type=int, nargs="+", default=[32, 64, 128])
+    p.add_argument("--shapes", nargs="+", default=[f"{n}x{k}" for n, k in SHAPES], help="NxK pairs")
+    p.add_argument("--reps", type=int, default=1, help="rounds of the whole table (the spread between rounds)")
+    args = p.parse_args()
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes]
     print(torch.cuda.get_device_name(0))
-    for dtype in (torch.bfloat16, torch.float16):
-        for g in (32, 64, 128):
-            for n, k in SHAPES:
+    for rep in range(args.reps):
+        dtypes = (torch.bfloat16, torch.float16)[::1 if rep % 2 == 0 else -1]   # order alternates: clocks drift
+        print(f"round {rep + 1}")
+        table(shapes, args.groups, dtypes)
+
+
+def table(shapes, groups, dtypes):
+    for dtype in dtypes:
+        for g in groups:
+            for n, k in shapes:
                 w = (torch.randn(n, k, device="cuda") / k ** 0.5).to(dtype)
                 qw = quant.quantize_weight(w, 4, g)
                 copies = [qw] + [quant.QuantizedWeight(qw.qweight.clone(), qw.scales.clone(), qw.zeros.clone(), 4, g,
