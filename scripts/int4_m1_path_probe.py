@@ -22,7 +22,9 @@ from tilefuse.testing import rel_err
 import quant_sweep as qs   # scripts/ on PYTHONPATH
 
 SHAPES = [(4096, 4096), (6144, 4096), (11008, 4096), (14336, 4096), (4096, 11008), (4096, 14336), (5120, 13824)]
-PATHS = {"gemv": dict(PATH="gemv"), "mma": dict(PATH="mma")}
+# mma-r72: the mma kernel capped at 72 registers, 7 programs per SM instead of 6 (80 registers), so
+# N = 14336's 896 row blocks fit one wave (ptxas spills 36 bytes; `_quant_plan._maxnreg`)
+PATHS = {"gemv": dict(PATH="gemv"), "mma": dict(PATH="mma"), "mma-r72": dict(PATH="mma", MAXNREG=72)}
 
 
 def main():
@@ -56,7 +58,8 @@ def table(shapes, groups, dtypes):
                     assert err < 1e-2, (name, err)
                     row.append(qs.bench_graph([lambda c=c, call=call: call(c) for c in copies]))
                 plan = quant_plan.launch_plan(4, g, 1, n, k, dtype, quant_plan.num_sms(x), (), True, True)
-                print(f"{str(dtype)[6:]:8s} g{g:<3d} {n:5d}x{k:<5d} gemv {row[0]:6.1f} us  mma {row[1]:6.1f} us  "
+                times = "  ".join(f"{name} {t:6.1f} us" for name, t in zip(PATHS, row))
+                print(f"{str(dtype)[6:]:8s} g{g:<3d} {n:5d}x{k:<5d} {times}  "
                       f"gemv/mma {row[0] / row[1]:4.2f}   default: {'mma' if 'MMA_N' in plan.meta else 'gemv'} "
                       f"(gemv BLOCK_K {quant_plan.launch_plan(4, g, 1, n, k, dtype, 132, (('PATH', 'gemv'),)).meta['BLOCK_K']})")
 

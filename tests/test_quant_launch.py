@@ -225,6 +225,22 @@ def test_wgmma_plans():
         assert quant_plan.launch_plan(bits, g, m, 4096, 4096, dtype, 132, (), ok, ok).kernel is quant_plan.quant_dot_kernel, args
 
 
+
+def test_maxnreg_override():
+    """``MAXNREG`` (a sweep knob) becomes the launch option ``maxnreg`` on every path, only when
+    asked; the interpreted launch takes it and gives the same y as without it."""
+    for path, ok in [("gemv", False), ("dot", False), ("mma", True), ("wgmma", True)]:
+        m = 1 if path == "gemv" else 16
+        base = quant_plan.launch_plan(4, 128, m, 4096, 4096, torch.bfloat16, 132, (("PATH", path),), ok, ok)
+        capped = quant_plan.launch_plan(4, 128, m, 4096, 4096, torch.bfloat16, 132,
+                                        (("MAXNREG", 72), ("PATH", path)), ok, ok)
+        assert "maxnreg" not in base.meta and capped.meta["maxnreg"] == 72, path
+        assert {k: v for k, v in capped.meta.items() if k != "maxnreg"} == base.meta
+    w, x = _weight(40, 256, torch.float32), torch.randn(3, 256, device=DEVICE)
+    qw = quantize_weight(w, 4, 128)
+    y = quant_plan.launch(x, qw.qweight, qw.scales, qw.zeros, None, 4, 128, {"MAXNREG": 64})
+    assert torch.equal(y, quant_plan.launch(x, qw.qweight, qw.scales, qw.zeros, None, 4, 128))
+
 # ------------------------------------------------------------------------------------------------
 # the eager fast path: a repeated call skips the checks and the plan (not their outcome)
 # ------------------------------------------------------------------------------------------------

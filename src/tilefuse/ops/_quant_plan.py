@@ -29,7 +29,7 @@ WGMMA_DEFAULT_MAX_ROWS = 16  # ... and is the default up to here (at 32 rows it 
 WGMMA_GROUPS_PER_PROGRAM = 8   # groups of K per program (split-K beyond): more programs hide more latency
 WGMMA_SMEM = 200 * 1024    # its shared memory: x for the program's groups + the weight ring (sm_90: 227 KB)
 CONFIG_KEYS = ("PATH", "SWAP_AB", "BLOCK_M", "BLOCK_N", "BLOCK_K", "NUM_STAGES", "num_warps", "SPLITS", "PACKED",
-               "X_PAIRS", "WARPS_K", "WARPS_N", "REPS", "GROUPS_PER_STEP", "PRELOAD", "CHUNK", "STAGES")
+               "X_PAIRS", "WARPS_K", "WARPS_N", "REPS", "GROUPS_PER_STEP", "PRELOAD", "CHUNK", "STAGES", "MAXNREG")
 
 
 class LaunchPlan(NamedTuple):
@@ -256,7 +256,8 @@ def launch_plan(bits: int, group_size: int, m: int, n: int, k: int, dtype: torch
     splits = min(cfg.get("SPLITS") or _splits(tiles, n_chunks, sms, bits, m, k, swap_ab), n_chunks)
     chunks_per_split = cdiv(n_chunks, splits)
     splits = cdiv(n_chunks, chunks_per_split)            # no split without work
-    meta.update(BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=cfg["NUM_STAGES"], num_warps=cfg["num_warps"])
+    meta.update(BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=cfg["NUM_STAGES"], num_warps=cfg["num_warps"],
+                **_maxnreg(cfg))
     return LaunchPlan(kernel, (tiles, splits), splits, n_chunks, chunks_per_split, meta)
 
 
@@ -280,8 +281,16 @@ def _mma_plan(cfg: dict, group_size: int, m: int, n: int, k: int, sms: int) -> L
     meta = dict(GROUP=group_size, MMA_N=mma_n, WORDS_LAYOUT=words, MMA_LAYOUT=mma, X_LAYOUT=xl, ROW_LAYOUT=rows,
                 PRELOAD=bool(cfg.get("PRELOAD", False)),
                 SLOTS=slots, STEPS=steps, EVEN_GROUPS=n_groups % (slots * steps) == 0, BLOCK_N=block_n,
-                num_warps=warps_k * warps_n)
+                num_warps=warps_k * warps_n, **_maxnreg(cfg))
     return LaunchPlan(int4_mma_kernel, (blocks, splits), splits, n_groups, slots * steps, meta)
+
+
+def _maxnreg(cfg: dict) -> dict:
+    """``MAXNREG`` (any path; sweeps only): a register cap per thread, the launch option ``maxnreg``. Why a knob: the mma kernel's 80 registers at group 128 allow 6 programs of 4 warps
+    per SM (25 warps' worth), so 896 row blocks (N = 14336) take 1.13 waves of 792, where 72
+    registers would give 7 (924 programs in one wave; ptxas then spills 36 bytes, offline sm_90
+    compile, session 55). Unmeasured: no default uses it."""
+    return {"maxnreg": int(cfg["MAXNREG"])} if cfg.get("MAXNREG") else {}
 
 
 def _x_unroll(x_steps: int, mma_n: int, threads: int) -> int:
@@ -315,7 +324,7 @@ def _wgmma_plan(cfg: dict, m: int, n: int, k: int) -> LaunchPlan:
     words, rows, acc, xl = wgmma_layouts(num_warps, reps, mma_n, chunk)
     meta = dict(MMA_N=mma_n, WORDS_LAYOUT=words, ROW_LAYOUT=rows, ACC_LAYOUT=acc, X_LAYOUT=xl, X_STEPS=per_split,
                 X_UNROLL=_x_unroll(per_split, mma_n, 32 * num_warps),
-                CHUNK=chunk, STAGES=stages, BLOCK_N=block_n, num_warps=num_warps)
+                CHUNK=chunk, STAGES=stages, BLOCK_N=block_n, num_warps=num_warps, **_maxnreg(cfg))
     return LaunchPlan(int4_wgmma_kernel, (blocks, splits), splits, n_groups, per_split, meta)
 
 
