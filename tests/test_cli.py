@@ -206,6 +206,41 @@ def test_unrepeatable_backward_is_timed_only_in_fwd_bwd(fake_op):
     assert by[("torch", "bwd")]["status"] == "ok"
 
 
+def test_unsplit_passes_compare_fwd_bwd_only(fake_op, tmp_path):
+    """An op whose forward computes the gradients (``split_passes=False``: the cross-entropies):
+    its fwd / bwd rows keep their times but no throughput, %, speed-up or graph %; the markdown's
+    speed-up table, the graph-best table and the roofline leave them out; fwd+bwd is compared."""
+    spec = fake_op(dataclasses.replace(_fake_spec(flops=10**6), split_passes=False))
+    rows = bench_case(spec, (4, 8), torch.float32, Settings(device="cpu", timer=_const_timer, compile=False),
+                      {"copy_gbps": 1.0, "matmul_tflops": 1.0})
+    by = {(r["impl"], r["pass"]): r for r in rows}
+    for impl in ("tilefuse", "torch"):
+        for p in ("fwd", "bwd"):
+            r = by[(impl, p)]
+            assert r["ms"] == 1.0 and r["unsplit"] and "fwd+bwd" in r["note"]
+            assert r["achieved"] is None and r["pct_of_ceiling"] is None and not r.get("speedup_vs")
+            assert r.get("speedup_vs_best_peer") is None and r.get("best_peer") is None
+    t = by[("tilefuse", "fwd+bwd")]
+    assert t["speedup_vs_best_peer"] == pytest.approx(1.0) and t["achieved"] is not None and not t.get("unsplit")
+    for r in rows:                        # as if both had been replayed from CUDA graphs
+        r["graph_ms"] = 0.5 if r["impl"] == "tilefuse" else 1.0
+    result = {"rows": report.sanitize(rows), "ceilings": {"copy_gbps": 1.0, "matmul_tflops": 1.0}}
+    assert [key[3] for key in report._graph_best_peers(rows)] == ["fwd+bwd"]
+    plotted = []
+    real_scatter = __import__("matplotlib.axes", fromlist=["Axes"]).Axes.scatter
+
+    def scatter(ax, xs, ys, **kw):
+        plotted.extend(xs)
+        return real_scatter(ax, xs, ys, **kw)
+
+    import matplotlib.axes
+    orig, matplotlib.axes.Axes.scatter = matplotlib.axes.Axes.scatter, scatter
+    try:
+        assert report.plot_roofline(result, tmp_path / "roof.png") is not None
+    finally:
+        matplotlib.axes.Axes.scatter = orig
+    assert len(plotted) == 2               # fwd+bwd of tilefuse and of torch, not the six rows
+
 def test_compute_bound_metric_and_run_bench(fake_op):
     spec = fake_op(_fake_spec(name="fake_gemm", flops=2 * 10**9, bench_shapes=[(4, 8), (2, 3)]))
     assert pass_cost(spec, (4, 8), torch.float32, "fwd+bwd")[1] == 4 * 10**9

@@ -15,7 +15,9 @@ rel_err_bwd, rel_err, tolerance, ms, bytes, flops, bound ("memory" | "compute": 
 of the measured roofline's ridge point), arith_intensity (flops / bytes), metric ("GB/s" for
 memory-bound, "TFLOP/s" for compute-bound), achieved (in metric), achieved_gbps, achieved_tflops,
 pct_of_ceiling (of copy or of the bf16 matmul, per metric), peak_mem_bytes (fwd+bwd rows), speedup_vs_best_peer, best_peer, speedup_vs
-{peer: peer_ms / tilefuse_ms} (the last three on tilefuse rows), case_seconds``. An interpreter row:
+{peer: peer_ms / tilefuse_ms} (the last three on tilefuse rows), case_seconds, unsplit (fwd / bwd
+rows of an op whose forward computes the gradients: no throughput, % or speed-up; compare its
+fwd+bwd row)``. An interpreter row:
 ``op, shape, dtype, pass, impl, status, ok, rel_err, tolerance, error, seconds``. Infinite errors are
 written as the string ``"inf"`` (the file is strict JSON).
 """
@@ -448,7 +450,8 @@ def _graph_best_peers(rows: list[dict]) -> dict:
     out = {}
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        groups.setdefault(_case_key(r), []).append(r)
+        if not r.get("unsplit"):     # fwd / bwd of an op whose forward computes the gradients
+            groups.setdefault(_case_key(r), []).append(r)
     for key, grp in groups.items():
         ours = [r["graph_ms"] for r in grp if r["impl"] == "tilefuse" and r.get("graph_ms")]
         peers = {r["impl"]: r["graph_ms"] for r in grp if r["impl"] != "tilefuse" and r.get("graph_ms")}
@@ -533,14 +536,14 @@ def plot(result: dict, path: str | Path) -> Path | None:
 def plot_roofline(result: dict, path: str | Path, ops: Sequence[str] | None = None,
                   prefer_graph: bool = True) -> Path | None:
     """Roofline chart: arithmetic intensity (FLOPs / ideal bytes) on x, achieved TFLOP/s on y (both
-    log), one marker per (implementation, op), every timed row with a FLOP count (restricted to
-    ``ops`` when given); the measured ceilings as the roof min(matmul TFLOP/s, AI x copy GB/s).
+    log), one marker per (implementation, op), every timed row with a FLOP count but the ``unsplit``
+    fwd / bwd rows (restricted to ``ops`` when given); the measured ceilings as the roof min(matmul TFLOP/s, AI x copy GB/s).
     With ``prefer_graph`` a row's CUDA-graph replay time is used where it was measured (the
     kernels without host gaps: small shapes are otherwise host-bound), else its end-to-end time.
     Returns None when no row qualifies."""
     rows = [r for r in ordered_rows(result.get("rows", []))
             if _num(r.get("ms")) and _num(r.get("flops")) and _num(r.get("bytes")) and r["status"] == "ok"
-            and (ops is None or r["op"] in ops)]
+            and not r.get("unsplit") and (ops is None or r["op"] in ops)]
     if not rows:
         return None
     import matplotlib

@@ -391,14 +391,18 @@ def bench_case(
 
 def unsplit_pass_rows(spec: OpSpec, rows: list[dict[str, Any]]) -> None:
     """For ops whose forward already computes the gradients (``spec.split_passes`` False), drop
-    the per-pass throughput of fwd and bwd rows: it would divide one implementation's work split
-    by another's byte/FLOP model. Times and fwd+bwd rows stay."""
+    every per-pass comparison of fwd and bwd rows: the throughput would divide one
+    implementation's work split by another's byte/FLOP model, and a speed-up would set our
+    forward (loss and gradients) beside a peer's (loss alone). Times stay; ``unsplit`` marks the
+    rows for the report and the roofline; fwd+bwd rows are the comparison."""
     if spec.split_passes:
         return
     for r in rows:
-        if r.get("pass") in ("fwd", "bwd") and r.get("achieved") is not None:
-            r.update(achieved=None, pct_of_ceiling=None,
-                     note="gradients are computed in the forward: compare fwd+bwd only")
+        if r.get("pass") in ("fwd", "bwd"):
+            r.update(achieved=None, pct_of_ceiling=None, graph_pct_of_ceiling=None, speedup_vs=None,
+                     unsplit=True, note="gradients are computed in the forward: compare fwd+bwd only")
+            for key in ("best_peer", "speedup_vs_best_peer"):
+                r.pop(key, None)
 
 
 def _time_bwd(bench: _Passes, timer, tw) -> float:
