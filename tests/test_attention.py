@@ -694,3 +694,23 @@ def test_chunked_reference_matches_plain(case):
     g1, g2 = torch.autograd.grad(o1, (q, k, v), g), torch.autograd.grad(o2, (q, k, v), g)
     assert rel_err(o2, o1) < 1e-13 and rel_err(l2, l1) < 1e-13
     assert all(rel_err(a, b_) < 1e-13 for a, b_ in zip(g2, g1))
+
+
+@settings(max_examples=60, deadline=None)
+@given(s_q=st.integers(0, 70), s_k=st.integers(0, 70), heads=st.integers(1, 4), d=st.sampled_from([16, 64, 128]))
+def test_flops_count_the_visible_pairs(s_q, s_k, heads, d):
+    """The registry's FLOPs (4·D per (query, key) pair the mask keeps) on the pairs the kernels'
+    own mask rule keeps: causal S_q ≠ S_k was counted as the full S_q·S_k (1.5-4.3× at the
+    audit's shapes); decode counts through the same helper."""
+    from tilefuse.ops import attention_decode as decode_module
+    from tilefuse.ops._attention_fwd_kernels import attention_flops
+
+    pairs = int(visible_mask(s_q, s_k, -1, 0).sum())
+    assert attention_flops(2, s_q, s_k, heads, d, causal=True) == 4 * 2 * heads * d * pairs
+    assert attention_flops(2, s_q, s_k, heads, d, causal=False) == 4 * 2 * heads * d * s_q * s_k
+    if s_q <= s_k:
+        assert decode_module._flops((3, s_q, heads, 1, s_k, d), "fwd") == 4 * 3 * heads * d * pairs
+    from tilefuse import registry
+
+    spec = registry.get("attention_causal")
+    assert spec.flops_fn((2, s_q, s_k, heads, heads, d), "fwd") == 4 * 2 * heads * d * pairs

@@ -617,3 +617,26 @@ def test_per_row_losses_can_be_edited_in_place():
     ref = F.cross_entropy(logits.double(), target, reduction="none").masked_fill(target < 10, 0.0)
     (r,) = torch.autograd.grad(ref.sum(), logits)
     assert rel_err(loss, ref) <= 1e-6 and rel_err(g, r) <= 1e-5
+
+
+def test_bench_cost_is_the_functions_not_the_modes():
+    """Both registrations (gradient in the forward, deferred) compute the same loss and gradient
+    with a random grad_output, so the bench counts the same must-move cost for their fwd+bwd:
+    three passes over [T, V] (the forward's read; the backward's read and write) plus per-row
+    targets and lse, and linear_cross_entropy likewise 3 (h + w). The in-forward mode was counted
+    4 passes (its own traffic), which put its % of copy above the deferred mode's for the same work."""
+    from tilefuse import registry
+    from tilefuse.bench.runner import pass_cost
+    from tilefuse.registry import tensor_bytes
+    import tilefuse.ops.linear_cross_entropy  # noqa: F401  (registers it)
+
+    shape, bf16 = (8192, 128256), torch.bfloat16
+    costs = {name: pass_cost(registry.get(name), shape, bf16, "fwd+bwd")
+             for name in ("cross_entropy", "cross_entropy_deferred")}
+    assert costs["cross_entropy"] == costs["cross_entropy_deferred"]
+    logits = tensor_bytes(shape, bf16)
+    assert 3 * logits < costs["cross_entropy"][0] < 3 * logits + 8192 * 32
+    t, h, v = 8192, 4096, 128256
+    hw = tensor_bytes((t, h), bf16) + tensor_bytes((v, h), bf16)
+    lce_bytes, lce_flops = pass_cost(registry.get("linear_cross_entropy"), (t, h, v), bf16, "fwd+bwd")
+    assert 3 * hw < lce_bytes < 3 * hw + t * 32 and lce_flops == 6 * t * h * v

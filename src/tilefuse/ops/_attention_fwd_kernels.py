@@ -622,9 +622,18 @@ def attention_forward(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_
     return out, lse
 
 
+def causal_pairs(seqlen_q: int, seqlen_k: int) -> int:
+    """(query, key) pairs a bottom-right causal mask keeps: query i sees keys j <= i + S_k - S_q,
+    so max(0, i + S_k - S_q + 1) of them (the last query sees all S_k); S(S + 1) / 2 when square."""
+    first = max(1, seqlen_k - seqlen_q + 1)          # the smallest positive count (of a query that sees any)
+    return (first + seqlen_k) * (seqlen_k - first + 1) // 2 if seqlen_k >= first else 0
+
+
 def attention_flops(batch: int, seqlen_q: int, seqlen_k: int, n_heads_q: int, head_dim: int,
                     causal: bool) -> int:
-    """FlashAttention's convention: 4·B·S_q·S_k·H·D (two matmuls), halved for causal with S_q == S_k."""
-    flops = 4 * batch * seqlen_q * seqlen_k * n_heads_q * head_dim
-    return flops // 2 if causal and seqlen_q == seqlen_k else flops
+    """FlashAttention's convention, 4·D per (query, key) pair (q·k and p·v), over B·H pairs of
+    S_q × S_k, or the pairs the bottom-right causal mask keeps (:func:`causal_pairs`: S(S + 1) / 2
+    when square, within 1 / S of the usual halving; S_q ≠ S_k used to be counted unmasked)."""
+    pairs = causal_pairs(seqlen_q, seqlen_k) if causal else seqlen_q * seqlen_k
+    return 4 * batch * n_heads_q * head_dim * pairs
 

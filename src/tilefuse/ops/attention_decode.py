@@ -57,6 +57,7 @@ from ._attention_common import (
     attention_reference, normalize_scale, normalize_softcap, normalize_window, visible_mask,
 )
 from ._attention_decode_kernels import decode_combine_kernel, decode_split_kernel, kv_append_kernel
+from ._attention_fwd_kernels import attention_flops
 
 MAX_QUERIES = 16          # S_q limit: the new tokens of one decode step (speculative decoding)
 MAX_HEAD_DIM = 256
@@ -567,8 +568,7 @@ def _flops(shape, pass_):
     # FlashAttention's convention (4·D per visible (query, key) pair: q·k and p·v) on the exact
     # pair count: causal bottom-right (the default), query i of S_q sees L - S_q + 1 + i keys
     batch, s_q, h_q, h_kv, length, d = shape
-    pairs = s_q * length - s_q * (s_q - 1) // 2
-    return 4 * batch * h_q * d * pairs
+    return attention_flops(batch, s_q, length, h_q, d, causal=True)
 
 
 def _sdpa_on_slices(backend):
