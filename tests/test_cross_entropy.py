@@ -250,6 +250,21 @@ def test_int32_targets_and_custom_ignore_index():
     _check(logits, target, ignore_index=7, label_smoothing=0.1)
 
 
+
+@pytest.mark.parametrize("ignore_index", [2**32, -(2**31) - 5])
+@pytest.mark.parametrize("defer_grad", [False, True])
+def test_int32_targets_with_an_ignore_index_past_int32(ignore_index, defer_grad):
+    """An ignore_index no int32 target can equal: nothing is ignored. The target scan's padding
+    lanes were filled with ignore_index truncated to int32 and counted valid, so the mean divided
+    by 2048 instead of 3 (loss 0.005 against 3.42; defer_grad's gradient alone was right)."""
+    logits = torch.randn(3, 11, device=DEVICE)
+    target = torch.tensor([3, 5, 2], device=DEVICE, dtype=torch.int32)
+    _check(logits, target, ignore_index=ignore_index, defer_grad=defer_grad)
+    from tilefuse.ops.linear_cross_entropy import linear_cross_entropy
+    h, w = torch.randn(3, 8, device=DEVICE), torch.randn(11, 8, device=DEVICE)
+    expect = F.cross_entropy(F.linear(h.double(), w.double()), target.long())
+    assert rel_err(linear_cross_entropy(h, w, target, ignore_index=ignore_index), expect) <= TOL[torch.float32]
+
 def test_inplace_overwrites_logits_and_buffered_keeps_them():
     logits = torch.randn(4, 30, device=DEVICE)
     target = _targets(4, 30, ignore_frac=0.0)

@@ -422,8 +422,11 @@ def target_scan_kernel(
     n_bad = tl.zeros([BLOCK], dtype=tl.int32)
     for start in range(0, n, BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        t = tl.load(target_ptr + offs, mask=offs < n, other=ignore_index).to(tl.int64)
-        valid = t != ignore_index
+        inside = offs < n
+        # not other=ignore_index: the fill takes the targets' dtype, and an int32 target tensor
+        # truncates an ignore_index past int32 (2**32 became 0: the block's padding counted valid)
+        t = tl.load(target_ptr + offs, mask=inside, other=0).to(tl.int64)
+        valid = inside & (t != ignore_index)
         n_valid += valid.to(tl.int32)
         n_bad += (valid & ((t < 0) | (t >= n_classes))).to(tl.int32)
     tl.store(bad_ptr, tl.sum(n_bad, axis=0) > 0)
