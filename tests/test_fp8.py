@@ -23,7 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tilefuse import fp8
-from tilefuse._dispatch import num_sms
+from tilefuse._dispatch import interpreting, num_sms
 from tilefuse.ops import _fp8_kernels as fk
 from tilefuse.ops import fp8 as fp8_ops
 from tilefuse.registry import get
@@ -506,6 +506,25 @@ def test_non_finite_inputs_give_non_finite_outputs(scaling, bad):
     gx, gw = torch.autograd.grad(y, (x, w), dy)
     assert not torch.isfinite(gx).all() and not torch.isfinite(gw).all()
 
+
+
+@pytest.mark.parametrize("scaling", ["tensor", "row"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_quantize_matches_the_reference(scaling, bad):
+    """The kernel's q and product are NaN exactly where the reference's are: under the interpreter
+    the fp8 grid rounding turned NaN into a finite ±384, so an inf input gave an inf product row
+    where the reference (and the GPU's cvt) gives NaN (s55 audit)."""
+    x = torch.randn(3, 16, device=DEVICE)
+    x[1, 4] = bad
+    q, scale = fp8.quantize_fp8(x, E4M3, scaling)
+    q_ref, scale_ref = fp8_ops.quantize_reference(x, E4M3, scaling == "row")
+    assert torch.equal(torch.isnan(q.float()), torch.isnan(q_ref.float()))
+    assert torch.isnan(q.float()[1, 4])
+    assert torch.equal(torch.isfinite(scale), torch.isfinite(scale_ref.reshape(scale.shape)))
+    out = fp8.matmul(x, torch.randn(4, 16, device=DEVICE), scaling, torch.float32)
+    assert not torch.isfinite(out[1]).any()
+    if not interpreting():   # the 3.6 interpreter loads an fp8 NaN as a finite 480 (e4m3) / 114688 (e5m2)
+        assert torch.isnan(out[1]).all()
 
 _A, _B = (lambda: torch.randn(3, 8, device=DEVICE)), (lambda: torch.randn(6, 8, device=DEVICE))
 _Q = (lambda: torch.randn(3, 8, device=DEVICE).to(E4M3))

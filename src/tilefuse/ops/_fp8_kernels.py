@@ -89,7 +89,12 @@ def _to_fp8(x, inv_scale, FP8_MAX: tl.constexpr, SOFT_ROUND: tl.constexpr,
     """clamp(x · inv_scale, ±FP8_MAX) in fp32 (NaN kept), rounded onto the fp8 grid under the interpreter."""
     y = tl.clamp(x * inv_scale, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
     if SOFT_ROUND:
-        y = _round_to_fp8_grid(y, MANT_BITS, MIN_NORMAL_EXP)
+        # NaN as the fp32 pattern whose top MANT_BITS mantissa bits are set: the 3.6 interpreter's
+        # fp32 -> fp8 store truncates the payload, and its default NaN (0x7FC00000) landed on
+        # e4m3's finite 384 (an inf input gave an inf product where the GPU's cvt gives NaN)
+        nan_bits: tl.constexpr = 0x7F800000 | (((1 << MANT_BITS) - 1) << (23 - MANT_BITS))
+        fp8_nan = tl.full(y.shape, nan_bits, tl.int32).to(tl.float32, bitcast=True)
+        y = tl.where(y != y, fp8_nan, _round_to_fp8_grid(y, MANT_BITS, MIN_NORMAL_EXP))
     return y
 
 

@@ -288,8 +288,10 @@ def quantize_fp8(x: torch.Tensor, dtype: torch.dtype = E4M3, scaling: str = "ten
     x ``[..., C]`` fp32 / fp16 / bf16; dtype ``torch.float8_e4m3fn`` (max 448) or
     ``torch.float8_e5m2`` (max 57344). ``scaling="tensor"``: one fp32 scale, shape ``()``;
     ``"row"``: one per row (last-dim vector), shape ``[..., 1]`` (for a weight ``[N, K]``: one per
-    output channel). ``scale = max(amax, 1e-12) / fp8_max``; ``q = fp8(clamp(x / scale, ±fp8_max))``,
-    round to nearest even. ``transpose=True`` (2-D x, per-tensor only) returns ``q`` as ``xᵀ``
+    output channel). ``scale = max(amax, 1e-12) / fp8_max``; ``q = fp8(clamp(x · (fp8_max /
+    max(amax, 1e-12)), ±fp8_max))`` in fp32, round to nearest even (a multiply by the reciprocal,
+    computed once: it can land a rounding tie one fp8 step from ``x / scale``). NaN or inf in x
+    makes the scale non-finite and q NaN where x is. ``transpose=True`` (2-D x, per-tensor only) returns ``q`` as ``xᵀ``
     ``[C, R]`` contiguous, written by the quantize kernel itself."""
     check_tensor("x", x, min_dim=1)
     _check_fp8_dtype("dtype", dtype)
