@@ -463,7 +463,7 @@ def test_module_matches_torch(shape, reduction):
     go = torch.randn_like(want)
     (g,), (r,) = torch.autograd.grad(got, [logits], go.to(got.dtype)), torch.autograd.grad(want, [ref_logits], go)
     assert rel_err(g, r) <= 1e-5
-    assert "label_smoothing=0.1" in repr(ours)
+    assert "label_smoothing=0.1" in repr(ours) and "defer_grad=False" in repr(ours)
 
 
 def test_bad_inputs():

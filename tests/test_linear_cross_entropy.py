@@ -332,7 +332,7 @@ def test_module():
     ref = linear_cross_entropy_reference(hidden.double(), weight.double(), target, bias.double(),
                                          label_smoothing=0.1, reduction="sum")
     assert rel_err(loss_fn(hidden, weight, target, bias), ref) <= 1e-5
-    assert "reduction='sum'" in repr(loss_fn)
+    assert "reduction='sum'" in repr(loss_fn) and "chunk_tokens=None" in repr(loss_fn)
 
 
 def test_bad_inputs():

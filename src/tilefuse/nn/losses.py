@@ -10,6 +10,12 @@ from ..ops.cross_entropy import check_ce_options, cross_entropy
 from ..ops.linear_cross_entropy import linear_cross_entropy
 
 
+def _options_repr(module: torch.nn.Module, *extra: str) -> str:
+    """The loss options every cross-entropy module has, then its own (``extra``), as ``name=value``."""
+    names = ("ignore_index", "reduction", "label_smoothing", "z_loss", "softcap") + extra
+    return ", ".join(f"{n}={getattr(module, n)!r}" for n in names)
+
+
 class CrossEntropyLoss(torch.nn.Module):
     """``torch.nn.CrossEntropyLoss(ignore_index, reduction, label_smoothing)``, plus ``z_loss`` and
     ``softcap``; see :func:`tilefuse.cross_entropy`. As torch's, the input is ``[C]``, ``[N, C]`` or
@@ -52,8 +58,7 @@ class CrossEntropyLoss(torch.nn.Module):
                              defer_grad=self.defer_grad)
 
     def extra_repr(self) -> str:
-        return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
-                f"label_smoothing={self.label_smoothing}, z_loss={self.z_loss}, softcap={self.softcap}")
+        return _options_repr(self, "logits_inplace_grad", "defer_grad")
 
 
 class LinearCrossEntropyLoss(torch.nn.Module):
@@ -85,5 +90,4 @@ class LinearCrossEntropyLoss(torch.nn.Module):
                                     self.z_loss, self.softcap, self.reduction, chunk_tokens=self.chunk_tokens)
 
     def extra_repr(self) -> str:
-        return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
-                f"label_smoothing={self.label_smoothing}, z_loss={self.z_loss}, softcap={self.softcap}")
+        return _options_repr(self, "chunk_tokens")
