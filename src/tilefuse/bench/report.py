@@ -536,8 +536,9 @@ def plot(result: dict, path: str | Path) -> Path | None:
 def plot_roofline(result: dict, path: str | Path, ops: Sequence[str] | None = None,
                   prefer_graph: bool = True) -> Path | None:
     """Roofline chart: arithmetic intensity (FLOPs / ideal bytes) on x, achieved TFLOP/s on y (both
-    log), one marker per (implementation, op), every timed row with a FLOP count but the ``unsplit``
-    fwd / bwd rows (restricted to ``ops`` when given); the measured ceilings as the roof min(matmul TFLOP/s, AI x copy GB/s).
+    log), one marker per (implementation, op), every timed row with a FLOP count but the
+    ``unsplit`` fwd / bwd rows (restricted to ``ops`` when given); the measured ceilings as the
+    roof min(matmul TFLOP/s, AI x copy GB/s).
     With ``prefer_graph`` a row's CUDA-graph replay time is used where it was measured (the
     kernels without host gaps: small shapes are otherwise host-bound), else its end-to-end time.
     Returns None when no row qualifies."""

@@ -286,10 +286,11 @@ def _mma_plan(cfg: dict, group_size: int, m: int, n: int, k: int, sms: int) -> L
 
 
 def _maxnreg(cfg: dict) -> dict:
-    """``MAXNREG`` (any path; sweeps only): a register cap per thread, the launch option ``maxnreg``. Why a knob: the mma kernel's 80 registers at group 128 allow 6 programs of 4 warps
-    per SM (25 warps' worth), so 896 row blocks (N = 14336) take 1.13 waves of 792, where 72
-    registers would give 7 (924 programs in one wave; ptxas then spills 36 bytes, offline sm_90
-    compile, session 55). Unmeasured: no default uses it."""
+    """``MAXNREG`` (any path; sweeps only): a register cap per thread, the launch option
+    ``maxnreg``. Why a knob: the mma kernel's 80 registers at group 128 allow 6 programs of 4
+    warps per SM (25 warps' worth), so 896 row blocks (N = 14336) take 1.13 waves of 792, where
+    72 registers would give 7 (924 programs in one wave; ptxas then spills 36 bytes, offline
+    sm_90 compile, session 55). Unmeasured: no default uses it."""
     return {"maxnreg": int(cfg["MAXNREG"])} if cfg.get("MAXNREG") else {}
 
 
