@@ -292,8 +292,7 @@ def quantize_fp8(x: torch.Tensor, dtype: torch.dtype = E4M3, scaling: str = "ten
     max(amax, 1e-12)), ±fp8_max))`` in fp32, round to nearest even (a multiply by the reciprocal,
     computed once: it can land a rounding tie one fp8 step from ``x / scale``). NaN or inf in x
     makes the scale non-finite and q NaN where x is. ``transpose=True`` (2-D x, per-tensor only)
-    returns ``q`` as ``xᵀ``
-    ``[C, R]`` contiguous, written by the quantize kernel itself."""
+    returns ``q`` as ``xᵀ`` ``[C, R]`` contiguous, written by the quantize kernel itself."""
     check_tensor("x", x, min_dim=1)
     _check_fp8_dtype("dtype", dtype)
     if scaling not in SCALINGS:
